@@ -1,0 +1,172 @@
+"""Cross-field rules, each written once as CEL (for the API server) and once in Python.
+
+The CRD generator places every rule's CEL at its `at` path as `x-kubernetes-validations`;
+`rljob validate` runs the Python twin on the defaulted spec. Both give the same message,
+and the control-plane tests check that the API server and Python agree rule by rule.
+Python twins take plain camelCase dicts (the same view CEL has), so they still run when
+an unrelated field failed type validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Obj = dict[str, Any]
+
+# SGLang server arguments that rljob sets itself; a user value would break the wiring.
+RESERVED_SGLANG_ARGS = (
+    "host",
+    "port",
+    "model-path",
+    "tokenizer-path",
+    "tp-size",
+    "tensor-parallel-size",
+    "dp-size",
+    "data-parallel-size",
+    "nccl-port",
+    "base-gpu-id",
+    "dist-init-addr",
+    "nnodes",
+    "node-rank",
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A rule on the object at `at` (path below `spec`); `check` returns True when it holds."""
+
+    at: tuple[str, ...]
+    cel: str
+    message: str
+    check: Callable[[Obj], bool]
+    field_path: str | None = None
+
+
+@dataclass(frozen=True)
+class TransitionRule:
+    """A rule comparing the object at `at` before (`oldSelf`) and after (`self`) an update."""
+
+    at: tuple[str, ...]
+    cel: str
+    message: str
+    check: Callable[[Obj, Obj], bool]
+
+
+def _quoted(names: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{n}'" for n in names) + "]"
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        at=("algorithm",),
+        cel="self.rolloutBatchSize * self.nSamplesPerPrompt == "
+        "self.globalBatchSize * self.stepsPerRollout",
+        message="spec.algorithm: rolloutBatchSize × nSamplesPerPrompt must equal "
+        "globalBatchSize × stepsPerRollout (every generated sample is trained on exactly "
+        "once); change globalBatchSize or stepsPerRollout to match",
+        check=lambda a: a["rolloutBatchSize"] * a["nSamplesPerPrompt"]
+        == a["globalBatchSize"] * a["stepsPerRollout"],
+        field_path=".globalBatchSize",
+    ),
+    Rule(
+        at=("algorithm",),
+        cel="self.globalBatchSize % self.microBatchSize == 0",
+        message="spec.algorithm.globalBatchSize must be a multiple of microBatchSize; "
+        "lower microBatchSize to a divisor of globalBatchSize",
+        check=lambda a: a["globalBatchSize"] % a["microBatchSize"] == 0,
+        field_path=".microBatchSize",
+    ),
+    Rule(
+        at=("algorithm",),
+        cel="!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps",
+        message="spec.algorithm.clipEpsHigh must be >= clipEps; raise it or leave it unset",
+        check=lambda a: a.get("clipEpsHigh") is None or a["clipEpsHigh"] >= a["clipEps"],
+        field_path=".clipEpsHigh",
+    ),
+    Rule(
+        at=("rollout",),
+        cel="self.gpus % self.gpusPerEngine == 0",
+        message="spec.rollout.gpus must be a multiple of spec.rollout.gpusPerEngine; "
+        "set gpus to engines × gpusPerEngine",
+        check=lambda r: r["gpus"] % r["gpusPerEngine"] == 0,
+        field_path=".gpus",
+    ),
+    Rule(
+        at=("rollout",),
+        cel=f"!has(self.sglangArgs) || self.sglangArgs.all(k, !(k in "
+        f"{_quoted(RESERVED_SGLANG_ARGS)}))",
+        message="spec.rollout.sglangArgs must not set "
+        + ", ".join(RESERVED_SGLANG_ARGS)
+        + ": rljob sets them (tensor parallel size comes from gpusPerEngine); remove them",
+        check=lambda r: not any(k in RESERVED_SGLANG_ARGS for k in r.get("sglangArgs") or {}),
+        field_path=".sglangArgs",
+    ),
+    Rule(
+        at=("trainer",),
+        cel="self.backend != 'megatron' || self.gpusPerReplica >= 1",
+        message="spec.trainer.backend megatron needs gpusPerReplica >= 1; "
+        "use backend torch to train on CPU",
+        check=lambda t: t["backend"] != "megatron" or t["gpusPerReplica"] >= 1,
+        field_path=".gpusPerReplica",
+    ),
+    Rule(
+        at=("trainer",),
+        cel="(self.replicas * self.gpusPerReplica) % (self.parallelism.tensor * "
+        "self.parallelism.pipeline * self.parallelism.context) == 0",
+        message="spec.trainer: replicas × gpusPerReplica must be a multiple of "
+        "parallelism.tensor × pipeline × context; change the GPU count or the parallel sizes",
+        check=lambda t: (t["replicas"] * t["gpusPerReplica"])
+        % (t["parallelism"]["tensor"] * t["parallelism"]["pipeline"] * t["parallelism"]["context"])
+        == 0,
+        field_path=".parallelism",
+    ),
+    Rule(
+        at=(),
+        cel="self.placement != 'colocated' || "
+        "self.rollout.gpus == self.trainer.replicas * self.trainer.gpusPerReplica",
+        message="spec.placement colocated: spec.rollout.gpus must equal spec.trainer.replicas × "
+        "spec.trainer.gpusPerReplica (trainer and rollout share the same GPUs); "
+        "match them or use placement disaggregated",
+        check=lambda s: s["placement"] != "colocated"
+        or s["rollout"]["gpus"] == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"],
+        field_path=".rollout.gpus",
+    ),
+    Rule(
+        at=("recovery",),
+        cel="self.maxBackoffSeconds >= self.backoffSeconds",
+        message="spec.recovery.maxBackoffSeconds must be >= backoffSeconds; raise it",
+        check=lambda r: r["maxBackoffSeconds"] >= r["backoffSeconds"],
+        field_path=".maxBackoffSeconds",
+    ),
+)
+
+TRANSITION_RULES: tuple[TransitionRule, ...] = (
+    TransitionRule(
+        at=("model",),
+        cel="self == oldSelf",
+        message="spec.model is immutable on an existing job; create a new RLJob to train "
+        "another model",
+        check=lambda old, new: old == new,
+    ),
+    TransitionRule(
+        at=("trainer",),
+        cel="self.backend == oldSelf.backend",
+        message="spec.trainer.backend is immutable on an existing job; create a new RLJob "
+        "(checkpoints are backend-specific)",
+        check=lambda old, new: old["backend"] == new["backend"],
+    ),
+    TransitionRule(
+        at=("rollout",),
+        cel="self.backend == oldSelf.backend",
+        message="spec.rollout.backend is immutable on an existing job; create a new RLJob",
+        check=lambda old, new: old["backend"] == new["backend"],
+    ),
+    TransitionRule(
+        at=(),
+        cel="self.placement == oldSelf.placement",
+        message="spec.placement is immutable on an existing job; create a new RLJob",
+        check=lambda old, new: old["placement"] == new["placement"],
+    ),
+)

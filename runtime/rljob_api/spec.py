@@ -1,0 +1,394 @@
+"""The RLJob spec: what a user writes.
+
+Every field has a type, a bound where one makes sense, a default and a description; the
+CRD schema, the docs table and the Python validator are all generated from these classes,
+so this file is the only place a field is declared.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic.alias_generators import to_camel
+
+# Bounded strings keep CEL's cost estimator happy and reject runaway input early.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
+ShortText = Annotated[str, StringConstraints(max_length=253)]
+Path = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+Image = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+Quantity = int | Annotated[str, StringConstraints(max_length=64, pattern=r"^[0-9.]+[a-zA-Z]*$")]
+ImportPath = Annotated[
+    str,
+    StringConstraints(
+        max_length=512,
+        pattern=r"^(builtin:[a-z0-9-]+|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$",
+    ),
+]
+
+
+class ApiModel(BaseModel):
+    """Base of every API class: camelCase on the wire, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+
+class TrainerBackend(str, Enum):
+    megatron = "megatron"
+    torch = "torch"
+
+
+class RolloutBackend(str, Enum):
+    sglang = "sglang"
+    hf = "hf"
+
+
+class Placement(str, Enum):
+    colocated = "colocated"
+    disaggregated = "disaggregated"
+
+
+class Estimator(str, Enum):
+    grpo = "grpo"
+    ppo = "ppo"
+    reinforce_pp = "reinforce++"
+
+
+class KLMode(str, Enum):
+    loss = "loss"
+    reward = "reward"
+    none = "none"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class WeightSyncMode(str, Enum):
+    nccl_broadcast = "nccl-broadcast"
+    disk = "disk"
+
+
+class FailureKind(str, Enum):
+    pod_failed = "PodFailed"
+    pod_deleted = "PodDeleted"
+    pod_evicted = "PodEvicted"
+    node_lost = "NodeLost"
+    driver_failed = "DriverFailed"
+
+
+class ResourceRequirements(ApiModel):
+    """Kubernetes container resources; GPUs are added by the operator from the GPU counts."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, max_length=16, description="Minimum resources, e.g. cpu: 8."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, max_length=16, description="Maximum resources, e.g. memory: 64Gi."
+    )
+
+
+class TinyModel(ApiModel):
+    """Shape of the built-in tiny model (random init, character tokenizer)."""
+
+    architecture: Literal["qwen2", "llama"] = Field(
+        "qwen2", description="transformers architecture the tiny model is built from."
+    )
+    hidden_size: int = Field(64, ge=8, le=8192, description="Hidden size.")
+    num_layers: int = Field(2, ge=1, le=128, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, le=128, description="Attention heads.")
+    intermediate_size: int = Field(128, ge=8, le=65536, description="MLP width.")
+
+
+class ModelSpec(ApiModel):
+    """The policy to train; immutable once the job exists."""
+
+    source: Path = Field(
+        "builtin:tiny",
+        description=(
+            "HF-format checkpoint directory (inside the pods, e.g. on `pvc`), or `builtin:tiny` "
+            "for the built-in tiny model."
+        ),
+    )
+    pvc: ShortText | None = Field(
+        None, description="PersistentVolumeClaim holding `source`, mounted read-only at /model."
+    )
+    dtype: DType = Field(DType.bfloat16, description="Training and serving dtype.")
+    tokenizer: Path | None = Field(None, description="Tokenizer path; defaults to `source`.")
+    tiny: TinyModel = Field(
+        default_factory=TinyModel, description="Shape of `builtin:tiny`; ignored otherwise."
+    )
+
+
+class Parallelism(ApiModel):
+    """Megatron model parallelism; the data-parallel size is what remains."""
+
+    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel size.")
+    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel size.")
+    context: int = Field(1, ge=1, le=64, description="Context-parallel size.")
+
+
+class TrainerSpec(ApiModel):
+    """Where and how the policy is trained."""
+
+    backend: TrainerBackend = Field(
+        TrainerBackend.megatron,
+        description="`megatron` (megatron-core, GPUs) or `torch` (plain PyTorch, CPU or GPU).",
+    )
+    replicas: int = Field(1, ge=1, le=4096, description="Trainer pods.")
+    gpus_per_replica: int = Field(
+        1, ge=0, le=16, description="GPUs per trainer pod (CPU slots when running locally)."
+    )
+    image: Image = Field(
+        "ghcr.io/rljob/trainer:0.1.0", description="Trainer container image."
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Trainer pod resources besides GPUs."
+    )
+    megatron_args: list[Annotated[str, StringConstraints(max_length=256)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Extra Megatron command-line arguments, passed through verbatim.",
+    )
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, description="Tensor/pipeline/context parallel sizes."
+    )
+
+
+class Sampling(ApiModel):
+    """Generation settings of the rollout engines."""
+
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (> 0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, in (0, 1].")
+    top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
+    max_new_tokens: int = Field(
+        512, ge=1, le=1048576, description="Longest response, in tokens."
+    )
+    stop: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
+        default_factory=list, max_length=16, description="Stop strings besides end-of-sequence."
+    )
+
+
+class RolloutSpec(ApiModel):
+    """The generation engines."""
+
+    backend: RolloutBackend = Field(
+        RolloutBackend.sglang,
+        description="`sglang` (SGLang server) or `hf` (built-in transformers server, CPU).",
+    )
+    gpus: int = Field(
+        1, ge=1, le=65536, description="Total GPUs of all engines (CPU slots when local)."
+    )
+    gpus_per_engine: int = Field(1, ge=1, le=64, description="GPUs per engine (its TP size).")
+    image: Image = Field("ghcr.io/rljob/rollout:0.1.0", description="Rollout container image.")
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements, description="Rollout pod resources besides GPUs."
+    )
+    sglang_args: dict[str, Annotated[str, StringConstraints(max_length=256)]] = Field(
+        default_factory=dict,
+        max_length=128,
+        description=(
+            "SGLang server arguments without leading dashes, e.g. `mem-fraction-static: "
+            "\"0.8\"`; `\"true\"` for flags. Passed through to the server."
+        ),
+    )
+    sampling: Sampling = Field(default_factory=Sampling, description="Generation settings.")
+
+
+class AlgorithmSpec(ApiModel):
+    """The RL objective and the batch arithmetic."""
+
+    estimator: Estimator = Field(
+        Estimator.grpo, description="Advantage estimator: `grpo`, `ppo` or `reinforce++`."
+    )
+    rollout_batch_size: int = Field(
+        32, ge=1, le=1048576, description="Prompts per rollout step."
+    )
+    n_samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt.")
+    global_batch_size: int = Field(
+        256, ge=1, le=1048576, description="Samples per optimizer step."
+    )
+    steps_per_rollout: int = Field(
+        1, ge=1, le=1024, description="Optimizer steps per rollout step."
+    )
+    micro_batch_size: int = Field(
+        8, ge=1, le=65536, description="Samples per forward/backward pass."
+    )
+    total_steps: int = Field(100, ge=1, le=10_000_000, description="Rollout steps to run.")
+    lr: float = Field(1e-6, gt=0, le=1, description="Actor learning rate (> 0).")
+    critic_lr: float = Field(1e-5, gt=0, le=1, description="Critic learning rate (ppo only).")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range, in (0, 1).")
+    clip_eps_high: float | None = Field(
+        None, gt=0, lt=1, description="Upper clip range (clip-higher); defaults to clipEps."
+    )
+    kl_mode: KLMode = Field(
+        KLMode.loss,
+        description="`loss` (KL term in the loss), `reward` (KL penalty in the reward), `none`.",
+    )
+    kl_coef: float = Field(0.0, ge=0, le=100, description="KL coefficient against the reference.")
+    entropy_coef: float = Field(0.0, ge=0, le=100, description="Entropy bonus coefficient.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (ppo, reinforce++).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        le=1048576,
+        description="Tokens per chunk when computing log-probs (bounds logits memory).",
+    )
+    max_consecutive_nonfinite: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Skipped steps (non-finite loss or gradients) in a row before the run stops.",
+    )
+    seed: int = Field(1234, ge=0, le=2**31 - 1, description="Seed of data order and sampling.")
+
+
+class DataSpec(ApiModel):
+    """Prompts and evaluation."""
+
+    dataset: Path = Field(
+        "builtin:arithmetic",
+        description="JSONL prompts file, or `builtin:arithmetic` / `builtin:reverse`.",
+    )
+    pvc: ShortText | None = Field(
+        None, description="PersistentVolumeClaim holding the data, mounted at /data."
+    )
+    prompt_key: ShortText = Field("prompt", description="JSONL key of the prompt text.")
+    label_key: ShortText = Field("label", description="JSONL key of the reference answer.")
+    eval_dataset: Path | None = Field(None, description="Evaluation set, same format.")
+    eval_interval: int = Field(
+        0, ge=0, le=1_000_000, description="Rollout steps between evaluations; 0 disables."
+    )
+    shuffle: bool = Field(True, description="Shuffle prompts every epoch.")
+
+
+class FunctionSpec(ApiModel):
+    """A user hook given by import path; it runs in the job's pods, never in the operator."""
+
+    function: ImportPath = Field(
+        "builtin:default",
+        description="`module.path:function`, or `builtin:<name>` for a built-in.",
+    )
+
+
+class CheckpointSpec(ApiModel):
+    """Where and how often the job saves resumable state."""
+
+    pvc: ShortText | None = Field(
+        None, description="PersistentVolumeClaim for checkpoints, mounted at `path`."
+    )
+    path: Path = Field("/checkpoints", description="Checkpoint directory.")
+    interval: int = Field(10, ge=1, le=1_000_000, description="Rollout steps between saves.")
+    keep_last: int = Field(3, ge=1, le=1000, description="Verified checkpoints to keep.")
+    format: Literal["native", "hf"] = Field(
+        "native",
+        description="`native` (resume-exact) or `hf` (native plus an HF safetensors export).",
+    )
+
+
+class WeightSyncSpec(ApiModel):
+    """How new weights reach the rollout engines."""
+
+    mode: WeightSyncMode = Field(
+        WeightSyncMode.nccl_broadcast,
+        description="`nccl-broadcast` (gloo on CPU) or `disk` (safetensors directories).",
+    )
+    bucket_size_mb: int = Field(
+        512, ge=1, le=65536, description="Bytes per broadcast bucket, in MiB."
+    )
+    verify_digest: bool = Field(True, description="Check a per-version digest on every engine.")
+    scan_nonfinite: bool = Field(
+        True, description="Refuse weights with NaN/Inf before sending and after receiving."
+    )
+    ack_timeout_seconds: int = Field(
+        300, ge=1, le=86400, description="Deadline for every engine to acknowledge a version."
+    )
+
+
+class RecoverySpec(ApiModel):
+    """What the operator does when pods, nodes or the driver fail."""
+
+    max_restarts: int = Field(3, ge=0, le=1000, description="Restarts before the job fails.")
+    backoff_seconds: int = Field(
+        10, ge=0, le=86400, description="First restart delay; doubles every restart."
+    )
+    max_backoff_seconds: int = Field(600, ge=0, le=86400, description="Longest restart delay.")
+    retry_on: list[FailureKind] = Field(
+        default_factory=lambda: list(FailureKind),
+        max_length=8,
+        description="Failures that trigger a restart; any other failure fails the job.",
+    )
+
+
+class Toleration(ApiModel):
+    """A Kubernetes toleration."""
+
+    key: ShortText | None = Field(None, description="Taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
+    value: ShortText | None = Field(None, description="Taint value.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect."
+    )
+    toleration_seconds: int | None = Field(None, description="How long a NoExecute is tolerated.")
+
+
+class SchedulingSpec(ApiModel):
+    """Placement of the job's pods on nodes."""
+
+    node_selector: dict[str, ShortText] = Field(
+        default_factory=dict, max_length=32, description="Node labels every pod requires."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Tolerations of every pod."
+    )
+    priority_class_name: ShortText | None = Field(None, description="PriorityClass of the pods.")
+    queue: ShortText | None = Field(None, description="Kueue LocalQueue name.")
+    suspend: bool = Field(
+        False, description="Tear compute down, keep checkpoints; false resumes."
+    )
+
+
+class RLJobSpec(ApiModel):
+    """An RL post-training job."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The policy (immutable).")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Training workers.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Generation engines.")
+    placement: Placement = Field(
+        Placement.disaggregated,
+        description="`colocated` (trainer and rollout share GPUs) or `disaggregated` (immutable).",
+    )
+    algorithm: AlgorithmSpec = Field(
+        default_factory=AlgorithmSpec, description="Objective and batch sizes."
+    )
+    data: DataSpec = Field(default_factory=DataSpec, description="Prompts and evaluation.")
+    reward: FunctionSpec = Field(
+        default_factory=FunctionSpec,
+        description="Reward function: `async def reward(args, sample) -> float`.",
+    )
+    generate: FunctionSpec = Field(
+        default_factory=FunctionSpec,
+        description="Generate function: `async def generate(args, sample, sampling) -> Sample`.",
+    )
+    checkpoint: CheckpointSpec = Field(
+        default_factory=CheckpointSpec, description="Resumable state."
+    )
+    weight_sync: WeightSyncSpec = Field(
+        default_factory=WeightSyncSpec, description="Trainer to engine weight transfer."
+    )
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec, description="Failure handling.")
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec, description="Node placement and suspension."
+    )

@@ -1,0 +1,130 @@
+"""The RLJob status: what the operator and the runtime report.
+
+Ownership is split by field manager: the operator writes `phase`, `conditions`,
+`observedGeneration` and `recovery`; the runtime writes `progress` and `checkpoint`
+(server-side apply). Neither overwrites the other's fields.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from rljob_api.spec import ApiModel, ShortText
+
+Message = Annotated[str, StringConstraints(max_length=32768)]
+Timestamp = Annotated[str, StringConstraints(max_length=64)]
+
+
+class Phase(str, Enum):
+    pending = "Pending"
+    initializing = "Initializing"
+    running = "Running"
+    recovering = "Recovering"
+    suspended = "Suspended"
+    succeeded = "Succeeded"
+    failed = "Failed"
+
+
+TERMINAL_PHASES = frozenset({Phase.succeeded.value, Phase.failed.value})
+
+
+class Condition(ApiModel):
+    """metav1.Condition."""
+
+    type: ShortText = Field(description="Condition type, e.g. Ready, Scheduled, Progressing.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: ShortText = Field(description="CamelCase machine-readable reason.")
+    message: Message = Field("", description="Human-readable detail.")
+    last_transition_time: Timestamp = Field(description="RFC 3339 time of the last change.")
+    observed_generation: int | None = Field(None, description="Spec generation it describes.")
+
+
+class Progress(ApiModel):
+    """Training progress, written by the runtime."""
+
+    rollout_step: int = Field(0, description="Rollout steps completed.")
+    train_step: int = Field(0, description="Optimizer steps completed.")
+    total_steps: int = Field(0, description="Rollout steps the job will run.")
+    samples: int = Field(0, description="Samples trained on.")
+    mean_reward: float | None = Field(None, description="Mean reward of the last rollout step.")
+    tokens_per_second: float | None = Field(None, description="Generated tokens per second.")
+    weight_version: int = Field(0, description="Weight version the rollout engines serve.")
+    skipped_steps: int = Field(0, description="Steps skipped for non-finite loss or gradients.")
+    non_finite: ShortText | None = Field(
+        None, description="Set when a reported figure was NaN/Inf: which one."
+    )
+    updated_at: Timestamp | None = Field(None, description="When the runtime last reported.")
+
+
+class CheckpointRecord(ApiModel):
+    """One verified checkpoint."""
+
+    step: int = Field(description="Rollout step the checkpoint holds.")
+    path: ShortText = Field(description="Directory of the checkpoint.")
+    saved_at: Timestamp = Field(description="When it was published.")
+
+
+class CheckpointStatus(ApiModel):
+    """The latest verified checkpoint, written by the runtime."""
+
+    step: int | None = Field(None, description="Rollout step of the latest verified checkpoint.")
+    path: ShortText | None = Field(None, description="Its directory.")
+    saved_at: Timestamp | None = Field(None, description="When it was published.")
+    size_bytes: int | None = Field(None, description="Bytes on disk.")
+    checksum: ShortText | None = Field(None, description="SHA-256 of its manifest.")
+    verified: bool = Field(False, description="Every file matched the manifest after writing.")
+    history: list[CheckpointRecord] = Field(
+        default_factory=list, max_length=16, description="Recent verified checkpoints."
+    )
+
+
+class Failure(ApiModel):
+    """The last failure the operator saw."""
+
+    reason: ShortText = Field(description="PodFailed, PodDeleted, PodEvicted, NodeLost, ...")
+    message: Message = Field("", description="Detail, e.g. the container's exit reason.")
+    pod: ShortText | None = Field(None, description="Pod that failed.")
+    time: Timestamp = Field(description="When it was seen.")
+
+
+class RecoveryStatus(ApiModel):
+    """Restarts and what the recovery is doing, written by the operator."""
+
+    restarts: int = Field(0, description="Restarts so far.")
+    max_restarts: int = Field(0, description="spec.recovery.maxRestarts at the time.")
+    last_failure: Failure | None = Field(None, description="The last failure seen.")
+    resumed_from_step: int | None = Field(None, description="Checkpoint step of the last resume.")
+    lost_steps: int = Field(0, description="Steps redone because they were not checkpointed.")
+    action: ShortText | None = Field(None, description="What the recovery is doing now.")
+    next_attempt_at: Timestamp | None = Field(None, description="When the next restart starts.")
+
+
+class RuntimeFailure(ApiModel):
+    """A failure the runtime itself diagnosed (e.g. non-finite weights); written by the runtime."""
+
+    reason: ShortText = Field(description="NonFiniteWeights, NonFiniteLoss, InvalidSpec, ...")
+    message: Message = Field("", description="Detail, including where the evidence was saved.")
+    retryable: bool = Field(False, description="Whether a restart can help.")
+    step: int | None = Field(None, description="Rollout step it happened at.")
+    time: Timestamp = Field(description="When it happened.")
+
+
+class RLJobStatus(ApiModel):
+    """Observed state of an RLJob."""
+
+    phase: Phase | None = Field(None, description="Lifecycle phase.")
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=32, description="Detailed conditions."
+    )
+    observed_generation: int | None = Field(None, description="Spec generation last acted on.")
+    progress: Progress | None = Field(None, description="Training progress (runtime).")
+    checkpoint: CheckpointStatus | None = Field(None, description="Latest checkpoint (runtime).")
+    recovery: RecoveryStatus | None = Field(None, description="Restarts (operator).")
+    runtime_failure: RuntimeFailure | None = Field(
+        None, description="A failure diagnosed by the runtime (runtime)."
+    )
+    started_at: Timestamp | None = Field(None, description="When the job first ran.")
+    finished_at: Timestamp | None = Field(None, description="When it succeeded or failed.")

@@ -1,0 +1,143 @@
+"""Validate RLJob manifests in Python with the API server's rules, reporting every problem.
+
+`rljob validate` and `rljob run` use this so a bad job fails before any work, with the same
+messages `kubectl apply` would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rljob_api import API_VERSION, KIND
+from rljob_api.rules import RULES, TRANSITION_RULES
+from rljob_api.spec import RLJobSpec
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a manifest: where, and what to do about it."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        # Rule messages already start with the field they are about.
+        return self.message if self.message.startswith("spec") else f"{self.field}: {self.message}"
+
+
+class InvalidJob(Exception):
+    """A manifest that breaks at least one rule; carries every problem found."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s):\n{lines}")
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = "spec"
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _defaulted(raw: Any, defaults: Any) -> Any:
+    """User values laid over the model's defaults: the object CEL sees after defaulting."""
+    if isinstance(raw, dict) and isinstance(defaults, dict):
+        merged = dict(defaults)
+        for key, value in raw.items():
+            merged[key] = _defaulted(value, defaults.get(key))
+        return merged
+    return raw
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        obj = obj[part]
+    return obj
+
+
+_DEFAULT_SPEC: Obj = RLJobSpec().model_dump(by_alias=True, mode="json")
+
+
+def spec_problems(spec: Any) -> list[Problem]:
+    """Every schema and cross-field problem of one `spec` object."""
+    if not isinstance(spec, dict):
+        return [Problem("spec", "must be a mapping of RLJob fields (see docs/reference.md)")]
+    problems: list[Problem] = []
+    try:
+        RLJobSpec.model_validate(spec)
+    except ValidationError as err:
+        for e in err.errors(include_url=False):
+            msg = e["msg"]
+            if e["type"] == "extra_forbidden":
+                msg = "unknown field; remove it or check its spelling (see docs/reference.md)"
+            elif "input" in e and not isinstance(e["input"], dict | list):
+                msg = f"{msg} (got {e['input']!r})"
+            problems.append(Problem(_loc(e["loc"]), msg))
+    view = _defaulted(spec, _DEFAULT_SPEC)
+    for rule in RULES:
+        try:
+            holds = rule.check(_dig(view, rule.at))
+        except (KeyError, TypeError, ZeroDivisionError, AttributeError):
+            continue  # a type problem in an input, reported above
+        if not holds:
+            problems.append(Problem(_loc(rule.at) + (rule.field_path or ""), rule.message))
+    return problems
+
+
+def update_problems(old_spec: Obj, new_spec: Obj) -> list[Problem]:
+    """Problems of changing a running job's spec from `old_spec` to `new_spec`."""
+    old = _defaulted(old_spec, _DEFAULT_SPEC)
+    new = _defaulted(new_spec, _DEFAULT_SPEC)
+    return [
+        Problem(_loc(t.at), t.message)
+        for t in TRANSITION_RULES
+        if not t.check(_dig(old, t.at), _dig(new, t.at))
+    ]
+
+
+def manifest_problems(doc: Any) -> list[Problem]:
+    """Every problem of one RLJob manifest (apiVersion, kind, metadata.name and spec)."""
+    if not isinstance(doc, dict):
+        return [Problem("(document)", "must be a mapping with apiVersion, kind, metadata, spec")]
+    problems: list[Problem] = []
+    if doc.get("apiVersion") != API_VERSION:
+        problems.append(Problem("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})"))
+    if doc.get("kind") != KIND:
+        problems.append(Problem("kind", f"must be {KIND} (got {doc.get('kind')!r})"))
+    meta = doc.get("metadata")
+    if not isinstance(meta, dict) or not meta.get("name"):
+        problems.append(Problem("metadata.name", "is required: give the job a name"))
+    unknown = sorted(set(doc) - {"apiVersion", "kind", "metadata", "spec", "status"})
+    problems += [Problem(k, "unknown top-level field; remove it") for k in unknown]
+    if "spec" not in doc:
+        problems.append(Problem("spec", "is required"))
+    else:
+        problems += spec_problems(doc["spec"])
+    return problems
+
+
+def load_job(path: str | Path) -> tuple[Obj, RLJobSpec]:
+    """Read and validate one RLJob file; raise InvalidJob listing every problem."""
+    source = str(path)
+    try:
+        docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d is not None]
+    except OSError as err:
+        raise InvalidJob(source, [Problem("(file)", f"cannot read: {err.strerror}")]) from None
+    except yaml.YAMLError as err:
+        raise InvalidJob(source, [Problem("(file)", f"not valid YAML: {err}")]) from None
+    if len(docs) != 1:
+        raise InvalidJob(source, [Problem("(file)", f"must hold exactly one RLJob, found {len(docs)} documents")])
+    problems = manifest_problems(docs[0])
+    if problems:
+        raise InvalidJob(source, problems)
+    return docs[0], RLJobSpec.model_validate(docs[0]["spec"])
