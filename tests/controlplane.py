@@ -172,7 +172,7 @@ class ControlPlane:
             f"--service-account-signing-key-file={p / 'sa.key'}",
             "--service-cluster-ip-range=10.0.0.0/24", "--allow-privileged=true",
             f"--cert-dir={self.root / 'apiserver-certs'}", "--profiling=false",
-            "--enable-priority-and-fairness=false",
+            "--enable-priority-and-fairness=false", "--endpoint-reconciler-type=none",
         ])
         self._write_kubeconfig()
 

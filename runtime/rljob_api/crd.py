@@ -3,7 +3,7 @@
 pydantic's JSON Schema is close to, but not, a Kubernetes structural schema: references are
 inlined, `Optional` unions collapse to their type, `int | str` becomes int-or-string,
 exclusive bounds switch to the OpenAPI v3.0 boolean form, and nested spec objects get
-`default: {}` so the API server fills their defaults too. Cross-field rules come from
+their full default value so the API server fills them too. Cross-field rules come from
 `rljob_api.rules`.
 """
 
@@ -83,14 +83,16 @@ def _structural(node: Schema) -> Schema:
     return node
 
 
-def _default_nested_objects(node: Schema) -> None:
-    """Give optional nested objects `default: {}` so the API server defaults their fields."""
+def _default_nested_objects(node: Schema, defaults: Schema) -> None:
+    """Give optional nested objects their full default value, so an omitted section is
+    defaulted by the API server and its validation rules see every field."""
     required = set(node.get("required", []))
     for name, prop in node.get("properties", {}).items():
         if prop.get("type") == "object" and "properties" in prop:
+            sub = defaults.get(name) or {}
             if name not in required and "default" not in prop:
-                prop["default"] = {}
-            _default_nested_objects(prop)
+                prop["default"] = sub
+            _default_nested_objects(prop, sub)
 
 
 def _strip_defaults(node: Any) -> None:
@@ -117,7 +119,9 @@ def _at(schema: Schema, path: tuple[str, ...]) -> Schema:
 def spec_schema() -> Schema:
     """The structural schema of `spec`, with defaults and every validation rule."""
     schema = _schema_of(RLJobSpec)
-    _default_nested_objects(schema)
+    _default_nested_objects(
+        schema, RLJobSpec().model_dump(by_alias=True, mode="json", exclude_none=True)
+    )
     for rule in RULES:
         entry: Schema = {"rule": rule.cel, "message": rule.message}
         if rule.field_path:

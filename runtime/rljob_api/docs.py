@@ -1,0 +1,199 @@
+"""Render the RLJob field reference (Markdown) from the API model.
+
+Structure, types and bounds come from the same structural schema the CRD carries
+(`rljob_api.crd`), defaults from a default-constructed `RLJobSpec`, so the table can only
+say what the API server and `rljob validate` enforce. `docs/reference.md` is this output;
+a unit test fails when the committed file is stale.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rljob_api import API_VERSION, KIND, SHORT_NAME
+from rljob_api.crd import PRINTER_COLUMNS, spec_schema, status_schema
+from rljob_api.rules import RULES, TRANSITION_RULES
+from rljob_api.spec import RLJobSpec
+
+Schema = dict[str, Any]
+
+DOCS_FILE = "docs/reference.md"
+HEADER = "<!-- Generated from the API model by `rljob docs --write`; do not edit by hand. -->\n"
+NO_VALUE = "—"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One documented field."""
+
+    path: str
+    type: str
+    default: str
+    bounds: str
+    description: str
+
+
+def _cell(text: str) -> str:
+    """Make text safe inside a Markdown table cell (pipes split cells, newlines end rows)."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(value: str) -> str:
+    return f"`{value}`"
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, str):
+        return _code(value)
+    return _code(json.dumps(value, ensure_ascii=False))
+
+
+def type_name(node: Schema) -> str:
+    """A reader's name for a schema node's type: `integer`, `list of string`, `map of ...`."""
+    if node.get("x-kubernetes-int-or-string"):
+        return "integer or string"
+    kind = node.get("type", "any")
+    if kind == "array":
+        return f"list of {type_name(node.get('items', {}))}"
+    if kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        return f"map of {type_name(node['additionalProperties'])}"
+    if "enum" in node:
+        return f"{kind} (enum)"
+    return str(kind)
+
+
+def bounds(node: Schema) -> str:
+    """Every constraint on one node: enum values, numeric bounds, lengths, sizes, pattern."""
+    parts: list[str] = []
+    if "enum" in node:
+        parts.append("one of " + ", ".join(_literal(v) for v in node["enum"]))
+    for key, strict, weak in (("minimum", ">", "≥"), ("maximum", "<", "≤")):
+        if key in node:
+            exclusive = node.get("exclusiveM" + key[1:], False)
+            parts.append(f"{strict if exclusive else weak} {node[key]}")
+    lengths = [(node.get("minLength"), node.get("maxLength"), "chars"),
+               (node.get("minItems"), node.get("maxItems"), "items"),
+               (node.get("minProperties"), node.get("maxProperties"), "entries")]
+    for low, high, unit in lengths:
+        if low is not None and high is not None:
+            parts.append(f"{low} to {high} {unit}")
+        elif high is not None:
+            parts.append(f"≤ {high} {unit}")
+        elif low is not None:
+            parts.append(f"≥ {low} {unit}")
+    if "pattern" in node:
+        parts.append("pattern " + _code(node["pattern"]))
+    item = node.get("items") or node.get("additionalProperties")
+    if isinstance(item, dict) and not item.get("properties"):
+        inner = bounds(item)
+        if inner:
+            parts.append(f"each: {inner}")
+    return "; ".join(parts)
+
+
+def _default_at(defaults: Any, path: tuple[str, ...]) -> str:
+    value = defaults
+    for part in path:
+        if not isinstance(value, dict) or part not in value:
+            return NO_VALUE
+        value = value[part]
+    if value is None or (isinstance(value, dict) and value):
+        return NO_VALUE
+    return _literal(value)
+
+
+def walk(node: Schema, prefix: str, path: tuple[str, ...], defaults: Any) -> Iterator[Row]:
+    """Rows for every property below `node`, depth first, in declaration order.
+
+    `path` locates defaults in `defaults`; fields inside list items have none of their own.
+    """
+    for name, child in node.get("properties", {}).items():
+        field_path = f"{prefix}.{name}"
+        child_path = (*path, name)
+        yield Row(
+            path=field_path,
+            type=type_name(child),
+            default=_default_at(defaults, child_path) if "properties" not in child else NO_VALUE,
+            bounds=bounds(child),
+            description=child.get("description", ""),
+        )
+        if "properties" in child:
+            yield from walk(child, field_path, child_path, defaults)
+        items = child.get("items", {})
+        if "properties" in items:
+            yield from walk(items, f"{field_path}[]", ("[]",), None)
+
+
+def _table(rows: Iterator[Row], with_default: bool) -> list[str]:
+    if with_default:
+        lines = ["| Field | Type | Default | Bounds / values | Description |",
+                 "| --- | --- | --- | --- | --- |"]
+    else:
+        lines = ["| Field | Type | Values | Description |", "| --- | --- | --- | --- |"]
+    for row in rows:
+        cells = [_code(row.path), row.type]
+        if with_default:
+            cells.append(row.default)
+        cells += [row.bounds or NO_VALUE, row.description]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines
+
+
+def _where(at: tuple[str, ...]) -> str:
+    return _code(".".join(("spec", *at)))
+
+
+def render_reference() -> str:
+    """The whole reference page, as committed at `docs/reference.md`."""
+    defaults = RLJobSpec.model_validate({}).model_dump(by_alias=True, mode="json")
+    lines = [
+        HEADER.rstrip("\n"),
+        "",
+        f"# {KIND} reference (`{API_VERSION}`)",
+        "",
+        f"`kind: {KIND}`, short name `{SHORT_NAME}`. Every field is optional; a missing field "
+        "takes its default, which the API server fills in at `kubectl apply` and `rljob run` "
+        "fills in locally. Unknown fields are rejected by `kubectl apply` (strict field "
+        "validation) and by `rljob validate`.",
+        "",
+        "## spec",
+        "",
+        *_table(walk(spec_schema(), "spec", (), defaults), with_default=True),
+        "",
+        "## Cross-field rules",
+        "",
+        "Checked by the API server (CEL) at `kubectl apply` and by `rljob validate` / "
+        "`rljob run` before any work; the message is what you see.",
+        "",
+        "| Applies to | Rule | Message |",
+        "| --- | --- | --- |",
+    ]
+    for rule in RULES:
+        lines.append("| " + " | ".join(
+            _cell(c) for c in (_where(rule.at), _code(rule.cel), rule.message)) + " |")
+    for trule in TRANSITION_RULES:
+        lines.append("| " + " | ".join(
+            _cell(c) for c in (_where(trule.at), _code(trule.cel), trule.message)) + " |")
+    lines += [
+        "",
+        "## status",
+        "",
+        "Written by the operator (`phase`, `conditions`, `observedGeneration`, `recovery`, "
+        "`startedAt`, `finishedAt`) and by the job's runtime (`progress`, `checkpoint`, "
+        "`runtimeFailure`). Read it with `kubectl get rljob NAME -o yaml`.",
+        "",
+        *_table(walk(status_schema(), "status", (), None), with_default=False),
+        "",
+        "## `kubectl get rljobs` columns",
+        "",
+        "| Column | From | Meaning |",
+        "| --- | --- | --- |",
+    ]
+    for column in PRINTER_COLUMNS:
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            column["name"], _code(column["jsonPath"]),
+            column.get("description", "Time since the job was created."))) + " |")
+    return "\n".join(lines) + "\n"

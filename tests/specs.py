@@ -1,0 +1,82 @@
+"""Shared RLJob fixtures: a valid base job and a table of bad variants, one per rule.
+
+The same table drives the Python validator tests and the API-server admission tests, so the
+two implementations of every rule are checked against each other.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from rljob_api.rules import RULES, TRANSITION_RULES
+from tests.controlplane import REPO
+
+BASE_FILE = REPO / "examples" / "tiny-cpu.yaml"
+
+
+def base_job(name: str = "tiny") -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(BASE_FILE.read_text())
+    doc["metadata"] = {"name": name}
+    return doc
+
+
+def rule_message(cel_fragment: str) -> str:
+    """The message of the one rule whose CEL contains `cel_fragment`."""
+    (msg,) = [r.message for r in (*RULES, *TRANSITION_RULES) if cel_fragment in r.cel]
+    return msg
+
+
+@dataclass(frozen=True)
+class BadSpec:
+    id: str
+    changes: dict[str, Any]  # dotted path under spec -> value
+    field: str  # the field every error must name
+    message: str | None = None  # exact rule message, for CEL rules
+    removes: list[str] = field(default_factory=list)
+
+    def apply_to(self, doc: dict[str, Any]) -> dict[str, Any]:
+        doc = copy.deepcopy(doc)
+        for path, value in self.changes.items():
+            node = doc["spec"]
+            *parents, leaf = path.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return doc
+
+
+BAD_SPECS: list[BadSpec] = [
+    BadSpec("batch-rule", {"algorithm.globalBatchSize": 96}, "spec.algorithm",
+            rule_message("self.rolloutBatchSize * self.nSamplesPerPrompt")),
+    BadSpec("micro-batch", {"algorithm.microBatchSize": 24}, "spec.algorithm",
+            rule_message("self.globalBatchSize % self.microBatchSize")),
+    BadSpec("clip-high", {"algorithm.clipEpsHigh": 0.1}, "spec.algorithm",
+            rule_message("self.clipEpsHigh >= self.clipEps")),
+    BadSpec("rollout-gpus", {"rollout.gpus": 3, "rollout.gpusPerEngine": 2}, "spec.rollout",
+            rule_message("self.gpus % self.gpusPerEngine")),
+    BadSpec("sglang-owned-arg", {"rollout.sglangArgs": {"port": "30000"}}, "spec.rollout",
+            rule_message("self.sglangArgs.all")),
+    BadSpec("megatron-cpu", {"trainer.backend": "megatron"}, "spec.trainer",
+            rule_message("self.backend != 'megatron'")),
+    BadSpec("parallelism", {"trainer.gpusPerReplica": 2, "trainer.parallelism": {"tensor": 4}},
+            "spec.trainer", rule_message("self.parallelism.tensor")),
+    BadSpec("colocated-gpus", {"placement": "colocated", "trainer.gpusPerReplica": 2},
+            "spec", rule_message("self.placement != 'colocated'")),
+    BadSpec("backoff", {"recovery.backoffSeconds": 60, "recovery.maxBackoffSeconds": 30},
+            "spec.recovery", rule_message("self.maxBackoffSeconds >= self.backoffSeconds")),
+    BadSpec("lr-positive", {"algorithm.lr": 0}, "spec.algorithm.lr"),
+    BadSpec("clip-range", {"algorithm.clipEps": 1.5}, "spec.algorithm.clipEps"),
+    BadSpec("temperature", {"rollout.sampling.temperature": 0}, "spec.rollout.sampling.temperature"),
+    BadSpec("count-positive", {"trainer.replicas": 0}, "spec.trainer.replicas"),
+    BadSpec("estimator-enum", {"algorithm.estimator": "dpo"}, "spec.algorithm.estimator"),
+    BadSpec("trainer-backend-enum", {"trainer.backend": "jax"}, "spec.trainer.backend"),
+    BadSpec("rollout-backend-enum", {"rollout.backend": "vllm"}, "spec.rollout.backend"),
+    BadSpec("placement-enum", {"placement": "spread"}, "spec.placement"),
+    BadSpec("weight-sync-enum", {"weightSync.mode": "rdma"}, "spec.weightSync.mode"),
+    BadSpec("wrong-type", {"algorithm.lr": "fast"}, "spec.algorithm.lr"),
+    BadSpec("unknown-field", {"trainer.gpuCount": 4}, "spec.trainer.gpuCount"),
+]

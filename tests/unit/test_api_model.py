@@ -1,0 +1,122 @@
+"""The API model: defaults, layout, CRD freshness and the Python validator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from rljob_api.crd import CRD_FILE, build_crd, render_crd
+from rljob_api.spec import RLJobSpec
+from rljob_api.validate import load_job, manifest_problems, update_problems
+from tests.controlplane import REPO
+from tests.specs import BAD_SPECS, BadSpec, base_job
+
+pytestmark = pytest.mark.unit
+
+TOP_LEVEL = ["operator", "runtime", "crds", "charts", "images/trainer", "images/rollout", "e2e",
+             "tests", "pyproject.toml", "README.md"]
+
+
+def test_layout_has_the_fixed_top_level() -> None:
+    missing = [p for p in TOP_LEVEL if not (REPO / p).exists()]
+    assert not missing, f"missing top-level entries: {missing}"
+    assert not (REPO / "operator" / "__init__.py").exists(), "no top-level package 'operator'"
+
+
+def test_api_model_imports_without_torch_ray_or_kopf() -> None:
+    code = (
+        "import sys, rljob_api.spec, rljob_api.status, rljob_api.crd, rljob_api.validate\n"
+        "bad = {'torch', 'ray', 'kopf', 'kubernetes'} & set(sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_committed_crd_matches_the_model() -> None:
+    committed = (REPO / CRD_FILE).read_text()
+    assert committed == render_crd(), "crds/ is stale: run `rljob crd --write`"
+
+
+def test_crd_shape() -> None:
+    crd = build_crd()
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["rlj"]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["PHASE", "STEP", "REWARD", "CHECKPOINT", "RESTARTS", "AGE"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+    def walk(node: dict[str, object], path: str) -> None:
+        assert "anyOf" not in node and "$ref" not in node, path
+        props = node.get("properties")
+        if isinstance(props, dict):
+            for name, child in props.items():
+                assert child.get("description"), f"{path}.{name} has no description"
+                walk(child, f"{path}.{name}")
+
+    walk(spec, "spec")
+
+
+def test_defaults_are_complete() -> None:
+    spec = RLJobSpec()
+    assert spec.algorithm.estimator == "grpo"
+    assert spec.weight_sync.mode == "nccl-broadcast"
+    assert spec.placement == "disaggregated"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid(path: object) -> None:
+    load_job(str(path))
+
+
+@pytest.mark.parametrize("bad", BAD_SPECS, ids=lambda b: b.id)
+def test_python_validator_rejects(bad: BadSpec) -> None:
+    problems = manifest_problems(bad.apply_to(base_job()))
+    assert problems, "accepted a bad spec"
+    text = "\n".join(str(p) for p in problems)
+    assert bad.field in text
+    if bad.message:
+        assert bad.message in text
+
+
+def test_validator_reports_every_problem_at_once() -> None:
+    chosen = [b for b in BAD_SPECS if b.id in {"batch-rule", "rollout-gpus", "lr-positive",
+                                                 "unknown-field", "colocated-gpus"}]
+    doc = base_job()
+    for bad in chosen:
+        doc = bad.apply_to(doc)
+    text = "\n".join(str(p) for p in manifest_problems(doc))
+    for bad in chosen:
+        assert bad.field in text and (bad.message or "") in text
+
+
+def test_immutable_fields_on_update() -> None:
+    old = base_job()["spec"]
+    assert update_problems(old, old) == []
+    new = BadSpec("x", {"model.dtype": "bfloat16", "placement": "colocated"}, "").apply_to(
+        {"spec": old})["spec"]
+    fields = {p.field for p in update_problems(old, new)}
+    assert fields == {"spec.model", "spec"}
+
+
+def test_cli_validate_prints_all_problems_and_exits_nonzero(tmp_path: object) -> None:
+    from pathlib import Path
+
+    bad = BAD_SPECS[0].apply_to(BAD_SPECS[3].apply_to(base_job()))
+    path = Path(str(tmp_path)) / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    proc = subprocess.run([sys.executable, "-m", "rljob.cli", "validate", str(path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "2 problem(s)" in proc.stderr
+    assert "rolloutBatchSize" in proc.stderr and "gpusPerEngine" in proc.stderr
+
+
+def test_cli_validate_unreadable_file() -> None:
+    proc = subprocess.run([sys.executable, "-m", "rljob.cli", "validate", "/nonexistent.yaml"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
