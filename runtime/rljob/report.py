@@ -3,8 +3,8 @@
 Inside a cluster the runtime owns `status.progress`, `status.checkpoint` and
 `status.runtimeFailure` and writes them with server-side apply under its own field manager,
 so the operator (another manager) never overwrites them and vice versa. Non-finite figures
-cannot travel in JSON: they are sent as null and named in `progress.nonFinite`, never
-replaced by a number.
+cannot travel in JSON: they are left out and named in `progress.nonFinite`, never replaced
+by a number.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ def now() -> str:
 
 
 def finite_progress(progress: Progress) -> dict[str, Any]:
-    """`progress` as JSON, with NaN/Inf figures nulled and named in `nonFinite`."""
+    """`progress` as JSON, with NaN/Inf figures left out and named in `nonFinite`."""
     body = progress.model_dump(by_alias=True, exclude_none=True, mode="python")
     bad = sorted(k for k, v in body.items() if isinstance(v, float) and not math.isfinite(v))
     for key in bad:
-        body[key] = None
+        del body[key]
     if bad:
         body["nonFinite"] = ",".join(bad)
     return body

@@ -75,7 +75,7 @@ def test_status_subresource_and_printer_columns(
     assert cols["CHECKPOINT"] == "5"
     assert cols["RESTARTS"] == "2"
 
-    obj = cp.get_json("rljob", "cols", "-n", namespace)
+    obj = cp.get_json("rljob", "cols", "-n", namespace, "--show-managed-fields")
     managers = {m["manager"] for m in obj["metadata"]["managedFields"]}
     assert FIELD_MANAGER in managers
     # A later progress report keeps the checkpoint the same manager applied earlier.
