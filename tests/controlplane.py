@@ -54,17 +54,57 @@ def _openssl(*args: str, cwd: Path) -> None:
 def make_pki(d: Path) -> None:
     """A CA, an API-server serving cert for 127.0.0.1/localhost, and a service-account key."""
     d.mkdir(parents=True, exist_ok=True)
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-             "/CN=rljob-test-ca", "-keyout", "ca.key", "-out", "ca.crt", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rljob-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     (d / "san.cnf").write_text(
         "subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
     )
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver",
-             "-keyout", "apiserver.key", "-out", "apiserver.csr", cwd=d)
-    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", "apiserver.crt",
-             cwd=d)
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        "apiserver.key",
+        "-out",
+        "apiserver.csr",
+        cwd=d,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "apiserver.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "apiserver.crt",
+        cwd=d,
+    )
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=d)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -111,8 +151,12 @@ class ControlPlane:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("wb") as out:
             popen = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
             )
         proc = Process(name, popen, log)
         self.processes[name] = proc
@@ -146,34 +190,54 @@ class ControlPlane:
     def start_core(self, timeout: float = 90) -> None:
         make_pki(self.pki)
         etcd_port, peer_port = free_port(), free_port()
-        etcd = self._spawn("etcd", [
-            str(self.bins / "etcd"), "--data-dir", str(self.root / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-            "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
-            "--unsafe-no-fsync", "--log-level", "warn",
-        ])
+        etcd = self._spawn(
+            "etcd",
+            [
+                str(self.bins / "etcd"),
+                "--data-dir",
+                str(self.root / "etcd"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{etcd_port}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer_port}",
+                "--initial-cluster",
+                f"default=http://127.0.0.1:{peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level",
+                "warn",
+            ],
+        )
         (self.root / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
         self.api_port = free_port()
         p = self.pki
-        api = self._spawn("kube-apiserver", [
-            str(self.bins / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            f"--secure-port={self.api_port}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
-            f"--tls-cert-file={p / 'apiserver.crt'}", f"--tls-private-key-file={p / 'apiserver.key'}",
-            f"--client-ca-file={p / 'ca.crt'}",
-            f"--token-auth-file={self.root / 'tokens.csv'}",
-            "--authorization-mode=RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={p / 'sa.pub'}",
-            f"--service-account-signing-key-file={p / 'sa.key'}",
-            "--service-cluster-ip-range=10.0.0.0/24", "--allow-privileged=true",
-            f"--cert-dir={self.root / 'apiserver-certs'}", "--profiling=false",
-            "--enable-priority-and-fairness=false", "--endpoint-reconciler-type=none",
-        ])
+        api = self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bins / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                f"--secure-port={self.api_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--tls-cert-file={p / 'apiserver.crt'}",
+                f"--tls-private-key-file={p / 'apiserver.key'}",
+                f"--client-ca-file={p / 'ca.crt'}",
+                f"--token-auth-file={self.root / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={p / 'sa.pub'}",
+                f"--service-account-signing-key-file={p / 'sa.key'}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                f"--cert-dir={self.root / 'apiserver-certs'}",
+                "--profiling=false",
+                "--enable-priority-and-fairness=false",
+                "--endpoint-reconciler-type=none",
+            ],
+        )
         self._write_kubeconfig()
 
         def ready() -> bool:
@@ -181,18 +245,33 @@ class ControlPlane:
             self._alive_or_raise(api)
             return self._get("/readyz") == "ok"
 
-        wait_for(ready, timeout=timeout, interval=0.3, what="kube-apiserver /readyz",
-                 describe=lambda: api.tail())
+        wait_for(
+            ready,
+            timeout=timeout,
+            interval=0.3,
+            what="kube-apiserver /readyz",
+            describe=lambda: api.tail(),
+        )
 
     def _write_kubeconfig(self) -> None:
         ca = base64.b64encode((self.pki / "ca.crt").read_bytes()).decode()
         config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "rljob-test",
-            "clusters": [{"name": "rljob-test", "cluster": {
-                "server": self.server, "certificate-authority-data": ca}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "rljob-test",
+            "clusters": [
+                {
+                    "name": "rljob-test",
+                    "cluster": {"server": self.server, "certificate-authority-data": ca},
+                }
+            ],
             "users": [{"name": "admin", "user": {"token": ADMIN_TOKEN}}],
-            "contexts": [{"name": "rljob-test", "context": {
-                "cluster": "rljob-test", "user": "admin", "namespace": "default"}}],
+            "contexts": [
+                {
+                    "name": "rljob-test",
+                    "context": {"cluster": "rljob-test", "user": "admin", "namespace": "default"},
+                }
+            ],
         }
         self.kubeconfig.write_text(yaml.safe_dump(config))
 
@@ -200,27 +279,33 @@ class ControlPlane:
         import ssl
 
         ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
-        req = urllib.request.Request(self.server + path,
-                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        req = urllib.request.Request(
+            self.server + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
         with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
             return resp.read().decode()
 
     # -- kubectl ---------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                token: str | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, token: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         cmd = [str(self.bins / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
         if token is not None:
             cmd.insert(2, f"--token={token}")
         proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=120)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n"
-                               f"{proc.stderr}{proc.stdout}")
+            raise RuntimeError(
+                f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}"
+            )
         return proc
 
     def apply(self, obj: dict[str, Any] | list[dict[str, Any]] | str, *extra: str) -> str:
-        text = obj if isinstance(obj, str) else yaml.safe_dump_all(
-            obj if isinstance(obj, list) else [obj])
+        text = (
+            obj
+            if isinstance(obj, str)
+            else yaml.safe_dump_all(obj if isinstance(obj, list) else [obj])
+        )
         return self.kubectl("apply", "-f", "-", *extra, input=text).stdout
 
     def get_json(self, *args: str) -> Any:
@@ -234,10 +319,20 @@ class ControlPlane:
             for crd in yaml.safe_load_all(doc.read_text()):
                 if crd:
                     name = crd["metadata"]["name"]
-                    wait_for(lambda n=name: self.kubectl(
-                        "wait", "--for=condition=Established", f"crd/{n}", "--timeout=5s",
-                        check=False).returncode == 0,
-                        timeout=timeout, what=f"CRD {name} Established")
+                    wait_for(
+                        lambda n=name: (
+                            self.kubectl(
+                                "wait",
+                                "--for=condition=Established",
+                                f"crd/{n}",
+                                "--timeout=5s",
+                                check=False,
+                            ).returncode
+                            == 0
+                        ),
+                        timeout=timeout,
+                        what=f"CRD {name} Established",
+                    )
 
     # -- optional components ---------------------------------------------------------------
 
@@ -247,58 +342,92 @@ class ControlPlane:
 
         self._alive_or_raise(proc)
         ctx = ssl._create_unverified_context()
-        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", context=ctx,
-                                    timeout=5) as resp:
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=5
+        ) as resp:
             return bool(resp.read() == b"ok")
 
     def start_scheduler(self) -> None:
         port = free_port()
-        proc = self._spawn("kube-scheduler", [
-            str(self.bins / "kube-scheduler"), f"--kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
-            "--leader-elect=false", f"--secure-port={port}", "--bind-address=127.0.0.1",
-        ])
-        wait_for(lambda: self._healthy(proc, port), timeout=60,
-                 what="kube-scheduler /healthz", describe=proc.tail)
+        proc = self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bins / "kube-scheduler"),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                f"--secure-port={port}",
+                "--bind-address=127.0.0.1",
+            ],
+        )
+        wait_for(
+            lambda: self._healthy(proc, port),
+            timeout=60,
+            what="kube-scheduler /healthz",
+            describe=proc.tail,
+        )
 
     def start_controller_manager(self, *extra: str) -> None:
         """kube-controller-manager: garbage collection, service accounts, node lifecycle."""
         port = free_port()
-        proc = self._spawn("kube-controller-manager", [
-            str(self.bins / "kube-controller-manager"), f"--kubeconfig={self.kubeconfig}",
-            f"--authentication-kubeconfig={self.kubeconfig}",
-            f"--authorization-kubeconfig={self.kubeconfig}",
-            "--leader-elect=false", f"--secure-port={port}",
-            "--bind-address=127.0.0.1",
-            f"--service-account-private-key-file={self.pki / 'sa.key'}",
-            f"--root-ca-file={self.pki / 'ca.crt'}",
-            "--use-service-account-credentials=false",
-            "--controllers=*,-bootstrapsigner,-tokencleaner,-nodeipam,-service-lb-controller,"
-            "-route,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach",
-            *extra,
-        ])
-        wait_for(lambda: self._healthy(proc, port) and self.kubectl(
-            "get", "serviceaccount", "default", "-n", "default", check=False).returncode == 0,
-            timeout=60, what="kube-controller-manager to create the default ServiceAccount",
-            describe=proc.tail)
+        proc = self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.bins / "kube-controller-manager"),
+                f"--kubeconfig={self.kubeconfig}",
+                f"--authentication-kubeconfig={self.kubeconfig}",
+                f"--authorization-kubeconfig={self.kubeconfig}",
+                "--leader-elect=false",
+                f"--secure-port={port}",
+                "--bind-address=127.0.0.1",
+                f"--service-account-private-key-file={self.pki / 'sa.key'}",
+                f"--root-ca-file={self.pki / 'ca.crt'}",
+                "--use-service-account-credentials=false",
+                "--controllers=*,-bootstrapsigner,-tokencleaner,-nodeipam,-service-lb-controller,"
+                "-route,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach",
+                *extra,
+            ],
+        )
+        wait_for(
+            lambda: (
+                self._healthy(proc, port)
+                and self.kubectl(
+                    "get", "serviceaccount", "default", "-n", "default", check=False
+                ).returncode
+                == 0
+            ),
+            timeout=60,
+            what="kube-controller-manager to create the default ServiceAccount",
+            describe=proc.tail,
+        )
 
     def start_kwok(self, nodes: int = 2, gpus_per_node: int = 8, prefix: str = "gpu-node") -> None:
         """kwok managing `nodes` fake nodes that advertise `gpus_per_node` nvidia.com/gpu."""
-        proc = self._spawn("kwok", [
-            str(self.bins / "kwok"), f"--kubeconfig={self.kubeconfig}",
-            "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--manage-single-node=",
-            "--cidr=10.244.0.1/16", "--node-ip=10.0.0.2",
-            f"--server-address=127.0.0.1:{free_port()}",
-        ])
+        proc = self._spawn(
+            "kwok",
+            [
+                str(self.bins / "kwok"),
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--manage-single-node=",
+                "--cidr=10.244.0.1/16",
+                "--node-ip=10.0.0.2",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ],
+        )
         self.add_fake_nodes(nodes, gpus_per_node, prefix)
-        wait_for(lambda: self._alive_or_raise(proc) or self._nodes_ready(prefix, nodes),
-                 timeout=60, what=f"{nodes} kwok nodes Ready", describe=proc.tail)
+        wait_for(
+            lambda: self._alive_or_raise(proc) or self._nodes_ready(prefix, nodes),
+            timeout=60,
+            what=f"{nodes} kwok nodes Ready",
+            describe=proc.tail,
+        )
 
-    def add_fake_nodes(self, count: int, gpus: int, prefix: str = "gpu-node",
-                       labels: dict[str, str] | None = None) -> list[str]:
+    def add_fake_nodes(
+        self, count: int, gpus: int, prefix: str = "gpu-node", labels: dict[str, str] | None = None
+    ) -> list[str]:
         names = [f"{prefix}-{i}" for i in range(count)]
         self.apply([fake_node(n, gpus, labels) for n in names])
         return names
@@ -306,37 +435,57 @@ class ControlPlane:
     def _nodes_ready(self, prefix: str, count: int) -> bool:
         items = self.get_json("nodes")["items"]
         ready = [
-            n for n in items if n["metadata"]["name"].startswith(prefix)
-            and any(c["type"] == "Ready" and c["status"] == "True"
-                    for c in n.get("status", {}).get("conditions", []))
+            n
+            for n in items
+            if n["metadata"]["name"].startswith(prefix)
+            and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in n.get("status", {}).get("conditions", [])
+            )
         ]
         return len(ready) >= count
 
     def start_kuberay(self) -> None:
         """The KubeRay operator (out of cluster) with the CRDs of the same Go module."""
         self.install_crds(self.bins / "kuberay-crds")
-        proc = self._spawn("kuberay-operator", [
-            str(self.bins / "kuberay-operator"), f"--kubeconfig={self.kubeconfig}",
-            "--enable-leader-election=false",
-            f"--metrics-addr=127.0.0.1:{free_port()}",
-            f"--health-probe-bind-address=127.0.0.1:{free_port()}",
-        ], env={"KUBECONFIG": str(self.kubeconfig), "ENABLE_WEBHOOKS": "false"})
-        wait_for(lambda: self._alive_or_raise(proc) or "Starting workers" in proc.log.read_text(
-            errors="replace"), timeout=60, what="KubeRay operator to start its workers",
-            describe=proc.tail)
+        proc = self._spawn(
+            "kuberay-operator",
+            [
+                str(self.bins / "kuberay-operator"),
+                f"--kubeconfig={self.kubeconfig}",
+                "--enable-leader-election=false",
+                f"--metrics-addr=127.0.0.1:{free_port()}",
+                f"--health-probe-bind-address=127.0.0.1:{free_port()}",
+            ],
+            env={"KUBECONFIG": str(self.kubeconfig), "ENABLE_WEBHOOKS": "false"},
+        )
+        wait_for(
+            lambda: (
+                self._alive_or_raise(proc)
+                or "Starting workers" in proc.log.read_text(errors="replace")
+            ),
+            timeout=60,
+            what="KubeRay operator to start its workers",
+            describe=proc.tail,
+        )
 
 
 def fake_node(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
     """A Node object kwok will keep Ready, advertising `gpus` nvidia.com/gpu."""
     capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU: str(gpus)}
     return {
-        "apiVersion": "v1", "kind": "Node",
+        "apiVersion": "v1",
+        "kind": "Node",
         "metadata": {
             "name": name,
             "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {"type": "kwok", "kubernetes.io/hostname": name,
-                       "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                       **(labels or {})},
+            "labels": {
+                "type": "kwok",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                **(labels or {}),
+            },
         },
         "spec": {},
         "status": {"capacity": capacity, "allocatable": capacity},

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-
 from rljob_api.rules import RULES, TRANSITION_RULES
+
 from tests.controlplane import REPO
 
 BASE_FILE = REPO / "examples" / "tiny-cpu.yaml"
@@ -50,27 +50,65 @@ class BadSpec:
 
 
 BAD_SPECS: list[BadSpec] = [
-    BadSpec("batch-rule", {"algorithm.globalBatchSize": 96}, "spec.algorithm",
-            rule_message("self.rolloutBatchSize * self.nSamplesPerPrompt")),
-    BadSpec("micro-batch", {"algorithm.microBatchSize": 24}, "spec.algorithm",
-            rule_message("self.globalBatchSize % self.microBatchSize")),
-    BadSpec("clip-high", {"algorithm.clipEpsHigh": 0.1}, "spec.algorithm",
-            rule_message("self.clipEpsHigh >= self.clipEps")),
-    BadSpec("rollout-gpus", {"rollout.gpus": 3, "rollout.gpusPerEngine": 2}, "spec.rollout",
-            rule_message("self.gpus % self.gpusPerEngine")),
-    BadSpec("sglang-owned-arg", {"rollout.sglangArgs": {"port": "30000"}}, "spec.rollout",
-            rule_message("self.sglangArgs.all")),
-    BadSpec("megatron-cpu", {"trainer.backend": "megatron"}, "spec.trainer",
-            rule_message("self.backend != 'megatron'")),
-    BadSpec("parallelism", {"trainer.gpusPerReplica": 2, "trainer.parallelism": {"tensor": 4}},
-            "spec.trainer", rule_message("self.parallelism.tensor")),
-    BadSpec("colocated-gpus", {"placement": "colocated", "trainer.gpusPerReplica": 2},
-            "spec", rule_message("self.placement != 'colocated'")),
-    BadSpec("backoff", {"recovery.backoffSeconds": 60, "recovery.maxBackoffSeconds": 30},
-            "spec.recovery", rule_message("self.maxBackoffSeconds >= self.backoffSeconds")),
+    BadSpec(
+        "batch-rule",
+        {"algorithm.globalBatchSize": 96},
+        "spec.algorithm",
+        rule_message("self.rolloutBatchSize * self.nSamplesPerPrompt"),
+    ),
+    BadSpec(
+        "micro-batch",
+        {"algorithm.microBatchSize": 24},
+        "spec.algorithm",
+        rule_message("self.globalBatchSize % self.microBatchSize"),
+    ),
+    BadSpec(
+        "clip-high",
+        {"algorithm.clipEpsHigh": 0.1},
+        "spec.algorithm",
+        rule_message("self.clipEpsHigh >= self.clipEps"),
+    ),
+    BadSpec(
+        "rollout-gpus",
+        {"rollout.gpus": 3, "rollout.gpusPerEngine": 2},
+        "spec.rollout",
+        rule_message("self.gpus % self.gpusPerEngine"),
+    ),
+    BadSpec(
+        "sglang-owned-arg",
+        {"rollout.sglangArgs": {"port": "30000"}},
+        "spec.rollout",
+        rule_message("self.sglangArgs.all"),
+    ),
+    BadSpec(
+        "megatron-cpu",
+        {"trainer.backend": "megatron"},
+        "spec.trainer",
+        rule_message("self.backend != 'megatron'"),
+    ),
+    BadSpec(
+        "parallelism",
+        {"trainer.gpusPerReplica": 2, "trainer.parallelism": {"tensor": 4}},
+        "spec.trainer",
+        rule_message("self.parallelism.tensor"),
+    ),
+    BadSpec(
+        "colocated-gpus",
+        {"placement": "colocated", "trainer.gpusPerReplica": 2},
+        "spec",
+        rule_message("self.placement != 'colocated'"),
+    ),
+    BadSpec(
+        "backoff",
+        {"recovery.backoffSeconds": 60, "recovery.maxBackoffSeconds": 30},
+        "spec.recovery",
+        rule_message("self.maxBackoffSeconds >= self.backoffSeconds"),
+    ),
     BadSpec("lr-positive", {"algorithm.lr": 0}, "spec.algorithm.lr"),
     BadSpec("clip-range", {"algorithm.clipEps": 1.5}, "spec.algorithm.clipEps"),
-    BadSpec("temperature", {"rollout.sampling.temperature": 0}, "spec.rollout.sampling.temperature"),
+    BadSpec(
+        "temperature", {"rollout.sampling.temperature": 0}, "spec.rollout.sampling.temperature"
+    ),
     BadSpec("count-positive", {"trainer.replicas": 0}, "spec.trainer.replicas"),
     BadSpec("estimator-enum", {"algorithm.estimator": "dpo"}, "spec.algorithm.estimator"),
     BadSpec("trainer-backend-enum", {"trainer.backend": "jax"}, "spec.trainer.backend"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import datetime, timezone
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_api.status import CheckpointStatus, Progress, RuntimeFailure
@@ -89,9 +89,10 @@ class StatusReporter:
 
     def _apply(self, fields: dict[str, Any]) -> None:
         if self._owned is None:
-            current = self.api.get_namespaced_custom_object_status(
+            obj = self.api.get_namespaced_custom_object_status(
                 GROUP, VERSION, self.namespace, PLURAL, self.name
-            ).get("status") or {}
+            )
+            current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
             self._owned = {k: current[k] for k in ("progress", "checkpoint") if k in current}
         self._owned.update(fields)
         status = dict(self._owned)
@@ -102,8 +103,14 @@ class StatusReporter:
             "status": status,
         }
         self.api.patch_namespaced_custom_object_status(
-            GROUP, VERSION, self.namespace, PLURAL, self.name, body,
-            field_manager=FIELD_MANAGER, force=True,
+            GROUP,
+            VERSION,
+            self.namespace,
+            PLURAL,
+            self.name,
+            body,
+            field_manager=FIELD_MANAGER,
+            force=True,
             _content_type="application/apply-patch+yaml",
         )
 

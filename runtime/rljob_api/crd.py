@@ -25,16 +25,36 @@ CRD_FILE = "crds/rljob.io_rljobs.yaml"
 HEADER = "# Generated from the API model by `rljob crd --write`; do not edit by hand.\n"
 
 PRINTER_COLUMNS: list[Schema] = [
-    {"name": "PHASE", "type": "string", "jsonPath": ".status.phase",
-     "description": "Lifecycle phase."},
-    {"name": "STEP", "type": "integer", "jsonPath": ".status.progress.rolloutStep",
-     "description": "Rollout steps completed."},
-    {"name": "REWARD", "type": "number", "jsonPath": ".status.progress.meanReward",
-     "description": "Mean reward of the last rollout step."},
-    {"name": "CHECKPOINT", "type": "integer", "jsonPath": ".status.checkpoint.step",
-     "description": "Step of the latest verified checkpoint."},
-    {"name": "RESTARTS", "type": "integer", "jsonPath": ".status.recovery.restarts",
-     "description": "Restarts after failures."},
+    {
+        "name": "PHASE",
+        "type": "string",
+        "jsonPath": ".status.phase",
+        "description": "Lifecycle phase.",
+    },
+    {
+        "name": "STEP",
+        "type": "integer",
+        "jsonPath": ".status.progress.rolloutStep",
+        "description": "Rollout steps completed.",
+    },
+    {
+        "name": "REWARD",
+        "type": "number",
+        "jsonPath": ".status.progress.meanReward",
+        "description": "Mean reward of the last rollout step.",
+    },
+    {
+        "name": "CHECKPOINT",
+        "type": "integer",
+        "jsonPath": ".status.checkpoint.step",
+        "description": "Step of the latest verified checkpoint.",
+    },
+    {
+        "name": "RESTARTS",
+        "type": "integer",
+        "jsonPath": ".status.recovery.restarts",
+        "description": "Restarts after failures.",
+    },
     {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

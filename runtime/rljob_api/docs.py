@@ -74,9 +74,11 @@ def bounds(node: Schema) -> str:
         if key in node:
             exclusive = node.get("exclusiveM" + key[1:], False)
             parts.append(f"{strict if exclusive else weak} {node[key]}")
-    lengths = [(node.get("minLength"), node.get("maxLength"), "chars"),
-               (node.get("minItems"), node.get("maxItems"), "items"),
-               (node.get("minProperties"), node.get("maxProperties"), "entries")]
+    lengths = [
+        (node.get("minLength"), node.get("maxLength"), "chars"),
+        (node.get("minItems"), node.get("maxItems"), "items"),
+        (node.get("minProperties"), node.get("maxProperties"), "entries"),
+    ]
     for low, high, unit in lengths:
         if low is not None and high is not None:
             parts.append(f"{low} to {high} {unit}")
@@ -129,8 +131,10 @@ def walk(node: Schema, prefix: str, path: tuple[str, ...], defaults: Any) -> Ite
 
 def _table(rows: Iterator[Row], with_default: bool) -> list[str]:
     if with_default:
-        lines = ["| Field | Type | Default | Bounds / values | Description |",
-                 "| --- | --- | --- | --- | --- |"]
+        lines = [
+            "| Field | Type | Default | Bounds / values | Description |",
+            "| --- | --- | --- | --- | --- |",
+        ]
     else:
         lines = ["| Field | Type | Values | Description |", "| --- | --- | --- | --- |"]
     for row in rows:
@@ -172,11 +176,17 @@ def render_reference() -> str:
         "| --- | --- | --- |",
     ]
     for rule in RULES:
-        lines.append("| " + " | ".join(
-            _cell(c) for c in (_where(rule.at), _code(rule.cel), rule.message)) + " |")
+        lines.append(
+            "| "
+            + " | ".join(_cell(c) for c in (_where(rule.at), _code(rule.cel), rule.message))
+            + " |"
+        )
     for trule in TRANSITION_RULES:
-        lines.append("| " + " | ".join(
-            _cell(c) for c in (_where(trule.at), _code(trule.cel), trule.message)) + " |")
+        lines.append(
+            "| "
+            + " | ".join(_cell(c) for c in (_where(trule.at), _code(trule.cel), trule.message))
+            + " |"
+        )
     lines += [
         "",
         "## status",
@@ -193,7 +203,16 @@ def render_reference() -> str:
         "| --- | --- | --- |",
     ]
     for column in PRINTER_COLUMNS:
-        lines.append("| " + " | ".join(_cell(c) for c in (
-            column["name"], _code(column["jsonPath"]),
-            column.get("description", "Time since the job was created."))) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                _cell(c)
+                for c in (
+                    column["name"],
+                    _code(column["jsonPath"]),
+                    column.get("description", "Time since the job was created."),
+                )
+            )
+            + " |"
+        )
     return "\n".join(lines) + "\n"

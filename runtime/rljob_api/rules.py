@@ -66,8 +66,10 @@ RULES: tuple[Rule, ...] = (
         message="spec.algorithm: rolloutBatchSize × nSamplesPerPrompt must equal "
         "globalBatchSize × stepsPerRollout (every generated sample is trained on exactly "
         "once); change globalBatchSize or stepsPerRollout to match",
-        check=lambda a: a["rolloutBatchSize"] * a["nSamplesPerPrompt"]
-        == a["globalBatchSize"] * a["stepsPerRollout"],
+        check=lambda a: (
+            a["rolloutBatchSize"] * a["nSamplesPerPrompt"]
+            == a["globalBatchSize"] * a["stepsPerRollout"]
+        ),
         field_path=".globalBatchSize",
     ),
     Rule(
@@ -117,9 +119,15 @@ RULES: tuple[Rule, ...] = (
         "self.parallelism.pipeline * self.parallelism.context) == 0",
         message="spec.trainer: replicas × gpusPerReplica must be a multiple of "
         "parallelism.tensor × pipeline × context; change the GPU count or the parallel sizes",
-        check=lambda t: (t["replicas"] * t["gpusPerReplica"])
-        % (t["parallelism"]["tensor"] * t["parallelism"]["pipeline"] * t["parallelism"]["context"])
-        == 0,
+        check=lambda t: (
+            (t["replicas"] * t["gpusPerReplica"])
+            % (
+                t["parallelism"]["tensor"]
+                * t["parallelism"]["pipeline"]
+                * t["parallelism"]["context"]
+            )
+            == 0
+        ),
         field_path=".parallelism",
     ),
     Rule(
@@ -129,8 +137,10 @@ RULES: tuple[Rule, ...] = (
         message="spec.placement colocated: spec.rollout.gpus must equal spec.trainer.replicas × "
         "spec.trainer.gpusPerReplica (trainer and rollout share the same GPUs); "
         "match them or use placement disaggregated",
-        check=lambda s: s["placement"] != "colocated"
-        or s["rollout"]["gpus"] == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"],
+        check=lambda s: (
+            s["placement"] != "colocated"
+            or s["rollout"]["gpus"] == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"]
+        ),
         field_path=".rollout.gpus",
     ),
     Rule(

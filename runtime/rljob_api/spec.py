@@ -148,9 +148,7 @@ class TrainerSpec(ApiModel):
     gpus_per_replica: int = Field(
         1, ge=0, le=16, description="GPUs per trainer pod (CPU slots when running locally)."
     )
-    image: Image = Field(
-        "ghcr.io/rljob/trainer:0.1.0", description="Trainer container image."
-    )
+    image: Image = Field("ghcr.io/rljob/trainer:0.1.0", description="Trainer container image.")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Trainer pod resources besides GPUs."
     )
@@ -170,9 +168,7 @@ class Sampling(ApiModel):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (> 0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
-    max_new_tokens: int = Field(
-        512, ge=1, le=1048576, description="Longest response, in tokens."
-    )
+    max_new_tokens: int = Field(512, ge=1, le=1048576, description="Longest response, in tokens.")
     stop: list[Annotated[str, StringConstraints(max_length=64)]] = Field(
         default_factory=list, max_length=16, description="Stop strings besides end-of-sequence."
     )
@@ -198,7 +194,7 @@ class RolloutSpec(ApiModel):
         max_length=128,
         description=(
             "SGLang server arguments without leading dashes, e.g. `mem-fraction-static: "
-            "\"0.8\"`; `\"true\"` for flags. Passed through to the server."
+            '"0.8"`; `"true"` for flags. Passed through to the server.'
         ),
     )
     sampling: Sampling = Field(default_factory=Sampling, description="Generation settings.")
@@ -210,13 +206,9 @@ class AlgorithmSpec(ApiModel):
     estimator: Estimator = Field(
         Estimator.grpo, description="Advantage estimator: `grpo`, `ppo` or `reinforce++`."
     )
-    rollout_batch_size: int = Field(
-        32, ge=1, le=1048576, description="Prompts per rollout step."
-    )
+    rollout_batch_size: int = Field(32, ge=1, le=1048576, description="Prompts per rollout step.")
     n_samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt.")
-    global_batch_size: int = Field(
-        256, ge=1, le=1048576, description="Samples per optimizer step."
-    )
+    global_batch_size: int = Field(256, ge=1, le=1048576, description="Samples per optimizer step.")
     steps_per_rollout: int = Field(
         1, ge=1, le=1024, description="Optimizer steps per rollout step."
     )
@@ -355,9 +347,7 @@ class SchedulingSpec(ApiModel):
     )
     priority_class_name: ShortText | None = Field(None, description="PriorityClass of the pods.")
     queue: ShortText | None = Field(None, description="Kueue LocalQueue name.")
-    suspend: bool = Field(
-        False, description="Tear compute down, keep checkpoints; false resumes."
-    )
+    suspend: bool = Field(False, description="Tear compute down, keep checkpoints; false resumes.")
 
 
 class RLJobSpec(ApiModel):

@@ -111,7 +111,9 @@ def manifest_problems(doc: Any) -> list[Problem]:
         return [Problem("(document)", "must be a mapping with apiVersion, kind, metadata, spec")]
     problems: list[Problem] = []
     if doc.get("apiVersion") != API_VERSION:
-        problems.append(Problem("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})"))
+        problems.append(
+            Problem("apiVersion", f"must be {API_VERSION} (got {doc.get('apiVersion')!r})")
+        )
     if doc.get("kind") != KIND:
         problems.append(Problem("kind", f"must be {KIND} (got {doc.get('kind')!r})"))
     meta = doc.get("metadata")
@@ -136,7 +138,9 @@ def load_job(path: str | Path) -> tuple[Obj, RLJobSpec]:
     except yaml.YAMLError as err:
         raise InvalidJob(source, [Problem("(file)", f"not valid YAML: {err}")]) from None
     if len(docs) != 1:
-        raise InvalidJob(source, [Problem("(file)", f"must hold exactly one RLJob, found {len(docs)} documents")])
+        raise InvalidJob(
+            source, [Problem("(file)", f"must hold exactly one RLJob, found {len(docs)} documents")]
+        )
     problems = manifest_problems(docs[0])
     if problems:
         raise InvalidJob(source, problems)

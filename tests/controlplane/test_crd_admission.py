@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
-
 from rljob.report import FIELD_MANAGER, StatusReporter
 from rljob_api.status import CheckpointStatus, Progress
+
 from tests.controlplane import REPO, ControlPlane
 from tests.specs import BAD_SPECS, BadSpec, base_job, rule_message
 
@@ -33,8 +33,9 @@ def test_examples_are_accepted(control_plane: ControlPlane, namespace: str, path
 @pytest.mark.parametrize("bad", BAD_SPECS, ids=lambda b: b.id)
 def test_bad_specs_are_rejected(control_plane: ControlPlane, namespace: str, bad: BadSpec) -> None:
     doc = bad.apply_to(base_job(f"bad-{bad.id}"))
-    proc = control_plane.kubectl("apply", "-n", namespace, "-f", "-",
-                                 input=yaml.safe_dump(doc), check=False)
+    proc = control_plane.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False
+    )
     assert proc.returncode != 0, f"API server accepted {bad.id}"
     assert bad.field in proc.stderr, proc.stderr
     if bad.message:
@@ -42,8 +43,14 @@ def test_bad_specs_are_rejected(control_plane: ControlPlane, namespace: str, bad
 
 
 def test_defaults_are_filled_by_the_api_server(control_plane: ControlPlane, namespace: str) -> None:
-    control_plane.apply({"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob",
-                         "metadata": {"name": "defaults", "namespace": namespace}, "spec": {}})
+    control_plane.apply(
+        {
+            "apiVersion": "rljob.io/v1alpha1",
+            "kind": "RLJob",
+            "metadata": {"name": "defaults", "namespace": namespace},
+            "spec": {},
+        }
+    )
     spec = control_plane.get_json("rljob", "defaults", "-n", namespace)["spec"]
     assert spec["algorithm"]["estimator"] == "grpo"
     assert spec["trainer"]["backend"] == "megatron"
@@ -62,12 +69,24 @@ def test_status_subresource_and_printer_columns(
 ) -> None:
     cp = control_plane
     cp.apply(base_job("cols"), "-n", namespace)
-    cp.kubectl("patch", "rljob", "cols", "-n", namespace, "--subresource=status", "--type=merge",
-               "-p", '{"status": {"phase": "Running", "recovery": {"restarts": 2}}}')
+    cp.kubectl(
+        "patch",
+        "rljob",
+        "cols",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status": {"phase": "Running", "recovery": {"restarts": 2}}}',
+    )
     reporter = StatusReporter("cols", namespace, api_client)
     reporter.progress(Progress(rollout_step=7, train_step=14, total_steps=60, mean_reward=0.625))
-    reporter.checkpoint(CheckpointStatus(step=5, path="/checkpoints/cols/step-5", verified=True,
-                                         saved_at="2026-01-01T00:00:00Z"))
+    reporter.checkpoint(
+        CheckpointStatus(
+            step=5, path="/checkpoints/cols/step-5", verified=True, saved_at="2026-01-01T00:00:00Z"
+        )
+    )
     cols = _columns(cp, namespace, "cols")
     assert cols["PHASE"] == "Running"
     assert cols["STEP"] == "7"
@@ -88,22 +107,39 @@ def test_status_subresource_and_printer_columns(
     assert status["recovery"]["restarts"] == 2  # another manager's field is untouched
 
 
-def test_status_is_ignored_on_the_main_resource(control_plane: ControlPlane, namespace: str) -> None:
+def test_status_is_ignored_on_the_main_resource(
+    control_plane: ControlPlane, namespace: str
+) -> None:
     cp = control_plane
     cp.apply(base_job("mainres"), "-n", namespace)
-    cp.kubectl("patch", "rljob", "mainres", "-n", namespace, "--type=merge",
-               "-p", '{"status": {"phase": "Succeeded"}}')
-    assert "status" not in cp.get_json("rljob", "mainres", "-n", namespace) or \
-        cp.get_json("rljob", "mainres", "-n", namespace)["status"].get("phase") is None
+    cp.kubectl(
+        "patch",
+        "rljob",
+        "mainres",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"status": {"phase": "Succeeded"}}',
+    )
+    assert (
+        "status" not in cp.get_json("rljob", "mainres", "-n", namespace)
+        or cp.get_json("rljob", "mainres", "-n", namespace)["status"].get("phase") is None
+    )
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"model": {"dtype": "bfloat16"}}, rule_message("self == oldSelf")),
-        ({"placement": "colocated", "rollout": {"gpus": 1}, "trainer": {"gpusPerReplica": 1}},
-         "spec.placement is immutable"),
-        ({"trainer": {"backend": "megatron", "gpusPerReplica": 1}}, "spec.trainer.backend is immutable"),
+        (
+            {"placement": "colocated", "rollout": {"gpus": 1}, "trainer": {"gpusPerReplica": 1}},
+            "spec.placement is immutable",
+        ),
+        (
+            {"trainer": {"backend": "megatron", "gpusPerReplica": 1}},
+            "spec.trainer.backend is immutable",
+        ),
         ({"rollout": {"backend": "sglang"}}, "spec.rollout.backend is immutable"),
     ],
     ids=["model", "placement", "trainer-backend", "rollout-backend"],
@@ -113,8 +149,17 @@ def test_immutable_fields_are_refused_on_update(
 ) -> None:
     cp = control_plane
     cp.apply(base_job("immutable"), "-n", namespace)
-    proc = cp.kubectl("patch", "rljob", "immutable", "-n", namespace, "--type=merge",
-                      "-p", yaml.safe_dump({"spec": change}), check=False)
+    proc = cp.kubectl(
+        "patch",
+        "rljob",
+        "immutable",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        yaml.safe_dump({"spec": change}),
+        check=False,
+    )
     assert proc.returncode != 0, "immutable change accepted"
     assert message in proc.stderr, proc.stderr
 

@@ -7,17 +7,27 @@ import sys
 
 import pytest
 import yaml
-
 from rljob_api.crd import CRD_FILE, build_crd, render_crd
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job, manifest_problems, update_problems
+
 from tests.controlplane import REPO
 from tests.specs import BAD_SPECS, BadSpec, base_job
 
 pytestmark = pytest.mark.unit
 
-TOP_LEVEL = ["operator", "runtime", "crds", "charts", "images/trainer", "images/rollout", "e2e",
-             "tests", "pyproject.toml", "README.md"]
+TOP_LEVEL = [
+    "operator",
+    "runtime",
+    "crds",
+    "charts",
+    "images/trainer",
+    "images/rollout",
+    "e2e",
+    "tests",
+    "pyproject.toml",
+    "README.md",
+]
 
 
 def test_layout_has_the_fixed_top_level() -> None:
@@ -83,8 +93,11 @@ def test_python_validator_rejects(bad: BadSpec) -> None:
 
 
 def test_validator_reports_every_problem_at_once() -> None:
-    chosen = [b for b in BAD_SPECS if b.id in {"batch-rule", "rollout-gpus", "lr-positive",
-                                                 "unknown-field", "colocated-gpus"}]
+    chosen = [
+        b
+        for b in BAD_SPECS
+        if b.id in {"batch-rule", "rollout-gpus", "lr-positive", "unknown-field", "colocated-gpus"}
+    ]
     doc = base_job()
     for bad in chosen:
         doc = bad.apply_to(doc)
@@ -97,7 +110,8 @@ def test_immutable_fields_on_update() -> None:
     old = base_job()["spec"]
     assert update_problems(old, old) == []
     new = BadSpec("x", {"model.dtype": "bfloat16", "placement": "colocated"}, "").apply_to(
-        {"spec": old})["spec"]
+        {"spec": old}
+    )["spec"]
     fields = {p.field for p in update_problems(old, new)}
     assert fields == {"spec.model", "spec"}
 
@@ -108,8 +122,9 @@ def test_cli_validate_prints_all_problems_and_exits_nonzero(tmp_path: object) ->
     bad = BAD_SPECS[0].apply_to(BAD_SPECS[3].apply_to(base_job()))
     path = Path(str(tmp_path)) / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    proc = subprocess.run([sys.executable, "-m", "rljob.cli", "validate", str(path)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljob.cli", "validate", str(path)], capture_output=True, text=True
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "2 problem(s)" in proc.stderr
@@ -117,6 +132,9 @@ def test_cli_validate_prints_all_problems_and_exits_nonzero(tmp_path: object) ->
 
 
 def test_cli_validate_unreadable_file() -> None:
-    proc = subprocess.run([sys.executable, "-m", "rljob.cli", "validate", "/nonexistent.yaml"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rljob.cli", "validate", "/nonexistent.yaml"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
