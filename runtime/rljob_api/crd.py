@@ -22,6 +22,8 @@ from rljob_api.status import RLJobStatus
 Schema = dict[str, Any]
 
 CRD_FILE = "crds/rljob.io_rljobs.yaml"
+# Helm cannot read files outside a chart, so the chart carries a byte copy (a test checks it).
+CHART_CRD_FILE = "charts/rljob-operator/files/rljob.io_rljobs.yaml"
 HEADER = "# Generated from the API model by `rljob crd --write`; do not edit by hand.\n"
 
 PRINTER_COLUMNS: list[Schema] = [

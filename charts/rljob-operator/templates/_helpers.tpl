@@ -1,0 +1,110 @@
+{{/* Names are cut at 63 characters: the limit of a label value and of a DNS label. */}}
+{{- define "rljob-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "rljob-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rljob-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rljob-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rljob-operator.labels" -}}
+{{ include "rljob-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rljob
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "rljob-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rljob-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespace whose RLJobs the operator reconciles in namespace scope. */}}
+{{- define "rljob-operator.watchNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace -}}
+{{- end -}}
+
+{{- define "rljob-operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Namespaced rights of the operator: exactly the calls it makes (rljob_operator.kube and kopf's
+watches). The per-job ServiceAccount/Role/RoleBinding it creates may grant only rights it
+holds itself (RBAC refuses anything else), so no `escalate` or `bind` is needed. The driver
+is a bare Pod; failed or stranded compute pods are deleted for recovery.
+*/}}
+{{- define "rljob-operator.namespacedRules" -}}
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["ray.io"]
+  resources: ["rayclusters"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "patch"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
+
+{{/* Nodes are cluster-scoped: listing them (lost-node detection) needs a ClusterRole. */}}
+{{- define "rljob-operator.nodeRules" -}}
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list"]
+{{- end -}}
+
+{{/* Cluster-wide kopf discovers resources by watching CRDs (scanning is off per namespace). */}}
+{{- define "rljob-operator.discoveryRules" -}}
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end -}}
+
+{{/* Command-line arguments of `rljob-operator` (rljob_operator.config). */}}
+{{- define "rljob-operator.args" -}}
+{{- if eq .Values.rbac.scope "namespace" }}
+- --namespace={{ include "rljob-operator.watchNamespace" . }}
+{{- end }}
+- --metrics-port={{ .Values.metrics.port }}
+- --liveness=http://0.0.0.0:{{ .Values.health.port }}/healthz
+- --interval={{ .Values.operator.interval }}
+- --workers={{ .Values.operator.workers }}
+{{- if .Values.operator.verbose }}
+- --verbose
+{{- end }}
+{{- with .Values.operator.extraArgs }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,81 @@
+"""The chart, the images and the API defaults name the same, pinned versions."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from rljob_api.spec import RLJobSpec
+
+from tests.chart.helm import CHART, REPO
+
+pytestmark = pytest.mark.unit
+
+IMAGES = REPO / "images"
+DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
+OCI_LABELS = ("title", "description", "version", "revision", "created", "licenses", "source")
+
+
+def _version() -> str:
+    found = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert found, "pyproject.toml has no project version"
+    return found.group(1)
+
+
+def _arg_defaults(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE))
+
+
+def test_the_three_images_exist() -> None:
+    assert {p.parent.name for p in DOCKERFILES} == {"operator", "trainer", "rollout"}
+
+
+def test_chart_and_images_carry_the_project_version() -> None:
+    version = _version()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert chart["appVersion"] == version
+    assert values["image"]["tag"] == version
+    for dockerfile in DOCKERFILES:
+        assert _arg_defaults(dockerfile.read_text())["RLJOB_VERSION"] == version, dockerfile
+    defaults = RLJobSpec.model_validate({})
+    assert defaults.trainer.image.endswith(f"/trainer:{version}")
+    assert defaults.rollout.image.endswith(f"/rollout:{version}")
+    tiny = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    assert tiny["trainer"]["image"].endswith(f"/trainer:{version}-cpu")
+    assert tiny["rollout"]["image"].endswith(f"/rollout:{version}-cpu")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_dockerfile_is_pinned_non_root_labelled_and_installs_the_wheel(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    args = _arg_defaults(text)
+    bases = {k: v for k, v in args.items() if k.endswith(("_BASE", "_BUILDER"))}
+    assert bases
+    for name, image in bases.items():
+        tag = image.split("@", 1)[0].rsplit(":", 1)
+        assert len(tag) == 2 and tag[1] not in {"latest", "stable", "main"}, f"{name}={image}"
+        assert re.search(r"\d", tag[1]), f"{name}={image} is not an exact version tag"
+    for versioned in ("MEGATRON_CORE_VERSION", "TORCH_VERSION"):
+        if versioned in args:
+            assert re.fullmatch(r"\d+\.\d+\.\d+", args[versioned]), versioned
+    user = re.findall(r"^USER (\S+)$", text, flags=re.MULTILINE)
+    assert user and user[-1] not in {"0", "root"} and user[-1].split(":")[0].isdigit()
+    for label in OCI_LABELS:
+        assert f"org.opencontainers.image.{label}=" in text, label
+    assert "pip wheel" in text and "rljob-${RLJOB_VERSION}-py3-none-any.whl[" in text
+    ignore = dockerfile.parent / "Dockerfile.dockerignore"
+    assert "!runtime/" in ignore.read_text()
+    documented = (IMAGES / "README.md").read_text()
+    for arg in re.findall(r"^ARG (\w+)", text, flags=re.MULTILINE):
+        assert f"`{arg}`" in documented, f"build arg {arg} is not in images/README.md"
+
+
+@pytest.mark.parametrize("name", ["trainer", "rollout"])
+def test_gpu_images_have_a_cpu_variant(name: str) -> None:
+    text = (IMAGES / name / "Dockerfile").read_text()
+    assert _arg_defaults(text)["VARIANT"] == "cuda"
+    assert "FROM ${CUDA_BASE} AS base-cuda" in text and "FROM ${CPU_BASE} AS base-cpu" in text
+    assert "FROM base-${VARIANT}" in text

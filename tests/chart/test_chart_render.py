@@ -1,0 +1,191 @@
+"""The chart rendered by the pinned helm: lint, Kubernetes schemas, RBAC, security, toggles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.chart.helm import (
+    CHART,
+    CHART_CRD,
+    KUBE_VERSION,
+    SERVICE_MONITOR_API,
+    Manifest,
+    by_kind,
+    helm,
+    one,
+    render,
+)
+
+pytestmark = pytest.mark.controlplane
+
+# Kinds that are not part of Kubernetes itself; their schemas live in other projects' CRDs.
+NON_CORE_KINDS = {"ServiceMonitor"}
+
+COMBINATIONS: dict[str, dict[str, str]] = {
+    "defaults": {},
+    "namespace-scope": {"rbac.scope": "namespace", "watchNamespace": "team-a"},
+    "ha": {"replicaCount": "2"},
+    "no-crds": {"crds.install": "false", "crds.keep": "false"},
+    "existing-sa": {"serviceAccount.create": "false", "serviceAccount.name": "ops"},
+    "digest-and-extras": {
+        "image.digest": "sha256:" + "a" * 64, "operator.extraArgs[0]=--verbose": "",
+        "nodeSelector.pool": "system", "tolerations[0].operator": "Exists",
+        "imagePullSecrets[0].name": "regcred", "priorityClassName": "system-cluster-critical",
+    },
+    "service-monitor": {"metrics.serviceMonitor.enabled": "true"},
+}
+
+
+def _values(combo: dict[str, str]) -> dict[str, str]:
+    """Allow `key=value` keys for list items whose value is inside the key."""
+    out: dict[str, str] = {}
+    for key, value in combo.items():
+        if "=" in key:
+            key, value = key.split("=", 1)
+        out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("combo", sorted(COMBINATIONS))
+def test_lint_strict(k8s_bins: Path, tmp_path: Path, combo: str) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({}))
+    sets = [a for k, v in _values(COMBINATIONS[combo]).items() for a in ("--set", f"{k}={v}")]
+    proc = helm(k8s_bins, "lint", "--strict", "--kube-version", KUBE_VERSION, str(CHART), *sets)
+    assert "0 chart(s) failed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("combo", sorted(COMBINATIONS))
+@pytest.mark.parametrize("with_monitoring", [False, True], ids=["plain", "prometheus-operator"])
+def test_every_manifest_matches_the_kubernetes_schema(
+        k8s_bins: Path, combo: str, with_monitoring: bool) -> None:
+    apis = (SERVICE_MONITOR_API,) if with_monitoring else ()
+    manifests = render(k8s_bins, _values(COMBINATIONS[combo]), api_versions=apis)
+    assert manifests
+    for m in manifests:
+        if m["kind"] in NON_CORE_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            where = "/".join(map(str, err.path))
+            pytest.fail(f"{m['kind']}/{m['metadata']['name']} at {where}: {err.message}")
+
+
+def _rules(manifests: list[Manifest]) -> list[dict[str, Any]]:
+    return [r for kind in ("ClusterRole", "Role") for m in by_kind(manifests, kind)
+            for r in m["rules"]]
+
+
+@pytest.mark.parametrize("combo", ["defaults", "namespace-scope"])
+def test_rbac_has_no_wildcards_and_no_secrets(k8s_bins: Path, combo: str) -> None:
+    rules = _rules(render(k8s_bins, _values(COMBINATIONS[combo])))
+    assert rules
+    for rule in rules:
+        for key in ("verbs", "resources", "apiGroups"):
+            assert "*" not in rule[key], f"wildcard in {key}: {rule}"
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+        assert "secrets" not in rule["resources"], rule
+
+
+def test_cluster_scope_uses_one_cluster_role(k8s_bins: Path) -> None:
+    manifests = render(k8s_bins)
+    assert not by_kind(manifests, "Role")
+    binding = one(manifests, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rljob-rljob-operator",
+                                    "namespace": "rljob-system"}]
+    args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith("--namespace")], "no --namespace: all of them"
+
+
+def test_namespace_scope_grants_namespaced_rights_only_in_the_watched_namespace(
+        k8s_bins: Path) -> None:
+    manifests = render(k8s_bins, _values(COMBINATIONS["namespace-scope"]))
+    role = one(manifests, "Role")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert one(manifests, "RoleBinding")["metadata"]["namespace"] == "team-a"
+    cluster = one(manifests, "ClusterRole")
+    assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a"]
+
+
+def test_deployment_is_restricted_probed_and_pinned(k8s_bins: Path) -> None:
+    deploy = one(render(k8s_bins), "Deployment")
+    spec = deploy["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}} in pod["volumes"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert "readinessProbe" in container
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert container["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert values["image"]["tag"] == chart["appVersion"], "the default image is the app version"
+
+
+def test_digest_replaces_the_tag(k8s_bins: Path) -> None:
+    digest = "sha256:" + "b" * 64
+    deploy = one(render(k8s_bins, {"image.digest": digest}), "Deployment")
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"].endswith("@" + digest)
+
+
+@pytest.mark.parametrize(("replicas", "expected"), [("1", 0), ("2", 1), ("3", 1)])
+def test_pdb_only_with_more_than_one_replica(k8s_bins: Path, replicas: str,
+                                             expected: int) -> None:
+    assert len(by_kind(render(k8s_bins, {"replicaCount": replicas}),
+                       "PodDisruptionBudget")) == expected
+
+
+@pytest.mark.parametrize(("enabled", "api", "expected"), [
+    ("false", False, 0), ("false", True, 0), ("true", False, 0), ("true", True, 1)])
+def test_service_monitor_needs_the_flag_and_the_api(k8s_bins: Path, enabled: str, api: bool,
+                                                    expected: int) -> None:
+    manifests = render(k8s_bins, {"metrics.serviceMonitor.enabled": enabled},
+                       api_versions=(SERVICE_MONITOR_API,) if api else ())
+    monitors = by_kind(manifests, "ServiceMonitor")
+    assert len(monitors) == expected
+    service = one(manifests, "Service")
+    assert service["spec"]["ports"][0]["name"] == "metrics"
+    if monitors:
+        assert monitors[0]["spec"]["endpoints"][0]["port"] == "metrics"
+        assert monitors[0]["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+
+
+def test_rendered_crd_is_the_generated_crd(k8s_bins: Path) -> None:
+    crd = one(render(k8s_bins), "CustomResourceDefinition")
+    source = yaml.safe_load(CHART_CRD.read_text())
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert crd["metadata"].pop("labels")["app.kubernetes.io/part-of"] == "rljob"
+    assert crd == source, "the chart must render crds/rljob.io_rljobs.yaml unchanged"
+    assert not by_kind(render(k8s_bins, {"crds.install": "false"}), "CustomResourceDefinition")
+    kept = one(render(k8s_bins, {"crds.keep": "false"}), "CustomResourceDefinition")
+    assert "annotations" not in kept["metadata"]
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"image.tag": "latest"}, "at '/image/tag': 'latest' does not match pattern"),
+    ({"rbac.scope": "all"}, "at '/rbac/scope': value must be one of 'cluster', 'namespace'"),
+    ({"replicas": "2"}, "additional properties 'replicas' not allowed"),
+])
+def test_helm_refuses_bad_values_naming_the_value(k8s_bins: Path, values: dict[str, str],
+                                                  expected: str) -> None:
+    sets = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+    proc = helm(k8s_bins, "template", "r", str(CHART), "--kube-version", KUBE_VERSION, *sets,
+                check=False)
+    assert proc.returncode != 0
+    assert expected in proc.stderr, proc.stderr
+
