@@ -1,0 +1,78 @@
+"""A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
+`/update_weights_from_tensor`, `/get_weight_version` and `/health`, installing exactly as an
+engine must (decode the handles, check the update, copy in, synchronize, report).
+
+Run as `python benchmarks/weight_sync_engine.py --layout FILE --device cpu|cuda:0 --port-file F`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from rljob.weightsync.tensor_payload import decode_named_tensors, update_problems
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", type=Path, required=True, help="JSON {name: [dtype, shape]}")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--port-file", type=Path, required=True)
+    args = p.parse_args()
+    layout = json.loads(args.layout.read_text())
+    params = {
+        n: torch.zeros(shape, dtype=getattr(torch, dt), device=args.device)
+        for n, (dt, shape) in layout.items()
+    }
+    state = {"version": "0"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200, {})
+            else:
+                self._send(200, {"weight_version": state["version"]})
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            named = [t for e in body["serialized_named_tensors"] for t in decode_named_tensors(e)]
+            problems = update_problems(params, named)
+            if problems:
+                self._send(400, {"success": False, "message": "; ".join(problems[:3])})
+                return
+            with torch.no_grad():
+                for name, tensor in named:
+                    params[name].copy_(tensor, non_blocking=True)
+            if args.device != "cpu":
+                torch.cuda.synchronize(args.device)
+            del named
+            state["version"] = str(body["weight_version"])
+            self._send(200, {"success": True, "message": "ok"})
+
+        def log_message(self, format: str, *a: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    tmp = args.port_file.with_suffix(".tmp")
+    tmp.write_text(str(server.server_address[1]))
+    tmp.rename(args.port_file)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Versions as HF safetensors directories (`weightSync.mode: disk`, and the resync fallback).
+
+One shard per bucket plus `model.safetensors.index.json`, so any HF loader (and SGLang's
+`/update_weights_from_disk`) reads it. A directory appears under its final name only when
+complete (written to a temporary name, fsynced, renamed), so an engine never loads half a
+version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rljob.weightsync.protocol import BucketMeta, layout_to_json, pack_bucket
+
+INDEX = "model.safetensors.index.json"
+MANIFEST = "rljob-weights.json"
+
+
+def version_dir(root: Path, version: int) -> Path:
+    return root / f"v{version:08d}"
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_version(
+    root: Path,
+    version: int,
+    buckets: Sequence[BucketMeta],
+    tensors: dict[str, torch.Tensor],
+    bucket_digests: Sequence[str],
+    digest: str,
+    config_json: str | None = None,
+) -> Path:
+    """Write version `version` atomically; returns its final directory."""
+    final = version_dir(root, version)
+    if final.exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    weight_map: dict[str, str] = {}
+    total = 0
+    for bucket in buckets:
+        name = shard_name(bucket.index, len(buckets))
+        shard = {m.name: tensors[m.name].detach().contiguous().cpu() for m in bucket.tensors}
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        _fsync(tmp / name)
+        for m in bucket.tensors:
+            weight_map[m.name] = name
+            total += m.nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (tmp / INDEX).write_text(json.dumps(index, indent=1))
+    manifest = {
+        "version": version,
+        "digest": digest,
+        "bucket_digests": list(bucket_digests),
+        "layout": layout_to_json(buckets),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest))
+    if config_json is not None:
+        (tmp / "config.json").write_text(config_json)
+    _fsync(tmp)
+    os.rename(tmp, final)
+    _fsync(root)
+    return final
+
+
+def read_bucket(path: Path, bucket: BucketMeta, count: int) -> torch.Tensor:
+    """Bucket `bucket` of the version in `path`, packed exactly as the sender packed it."""
+    shard = load_file(str(path / shard_name(bucket.index, count)))
+    missing = [m.name for m in bucket.tensors if m.name not in shard]
+    if missing:
+        raise ValueError(f"{path}: shard {bucket.index} lacks {', '.join(missing[:3])}")
+    return pack_bucket(bucket, [shard[m.name] for m in bucket.tensors])
+
+
+def prune(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete versions (and stale temporary dirs)."""
+    if not root.exists():
+        return
+    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
+    for old in versions[:-keep] if keep > 0 else versions:
+        shutil.rmtree(old, ignore_errors=True)
+    for tmp in root.glob(".v*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)

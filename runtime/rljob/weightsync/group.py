@@ -1,0 +1,95 @@
+"""The broadcast group: one torch.distributed process group per membership epoch.
+
+Groups are built directly on a prefixed view of the trainer's TCP store rather than through
+`init_process_group`, so the trainer may still use the default group for its own training,
+and a group can be dropped and rebuilt (new epoch) when an engine dies or rejoins.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    BroadcastOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    Store,
+    TCPStore,
+)
+
+
+def open_store(host: str, port: int, *, server: bool, timeout_s: float) -> TCPStore:
+    """The trainer hosts the store (`server=True`); sidecars connect, failing after `timeout_s`."""
+    return TCPStore(
+        host,
+        port,
+        is_master=server,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+
+
+class BroadcastGroup:
+    """Rank 0 is the trainer; ranks 1..n are the engines' sidecars, in roster order."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        epoch_prefix: str,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        prefixed = PrefixStore(epoch_prefix, store)
+        timeout = timedelta(seconds=timeout_s)
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self._pg: Any
+        if backend == "gloo":
+            self._pg = ProcessGroupGloo(prefixed, rank, size, timeout)
+        elif backend == "nccl":
+            # Looked up at run time: CPU-only builds of torch have no NCCL class.
+            nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009
+            options = nccl.Options()
+            options._timeout = timeout
+            self._pg = nccl(prefixed, rank, size, options)
+        else:
+            raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+
+    def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
+        """Blocking broadcast of `buf` from `root`; raises when a peer fails or times out."""
+        opts = BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self._pg.broadcast([buf], opts).wait()
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
+
+    def close(self) -> None:
+        """Release the group's connections (NCCL communicators are aborted, not waited on)."""
+        if self.backend == "nccl":
+            self._pg.abort()
+        del self._pg
+
+
+def poll_key(store: Store, key: str, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """True once `key` exists, False after `timeout_s`.
+
+    Polls `check` instead of calling `wait`: a timed-out `wait` is logged by c10d as a
+    warning, and these waits time out routinely (idle sidecars, slow acknowledgements).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(interval_s, remaining))
+    return True

@@ -1,0 +1,386 @@
+"""The trainer's side of weight sync: publish version v to every engine, wait for their acks.
+
+`publish(version, named_tensors)` scans the weights, announces the bucket layout, sends the
+buckets (one broadcast group, or a safetensors directory), publishes the digest, and waits
+until every targeted engine acknowledged or the deadline passed. Engines that rejected the
+version, died, or stayed silent are reported as stale with the reason; within the same
+deadline they get another full delivery (from disk when a disk directory is configured), and
+`resync` tries again later, e.g. once a lost engine came back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rljob_api.spec import WeightSyncMode, WeightSyncSpec
+
+from rljob.weightsync import disk
+from rljob.weightsync.group import BroadcastGroup, open_store, poll_key
+from rljob.weightsync.protocol import (
+    Announcement,
+    BucketMeta,
+    Keys,
+    Registration,
+    Transport,
+    bucket_digest,
+    decode_ack,
+    decode_registration,
+    encode,
+    layout_to_json,
+    nonfinite_report,
+    pack_bucket,
+    plan_buckets,
+    version_digest,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteWeights(ValueError):
+    """The trainer's own weights hold NaN/Inf: nothing is sent, the caller must stop."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    version: int
+    acked: list[str]
+    stale: dict[str, str]
+    attempts: int
+    seconds: float
+    bytes_per_engine: int
+
+
+@dataclass
+class EngineRecord:
+    registration: Registration
+    acked_version: int | None = None
+    stale_reason: str = ""
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    port: int
+    transport: Transport = "broadcast"
+    backend: str = "gloo"
+    bucket_bytes: int = 512 << 20
+    ack_timeout_s: float = 300.0
+    verify_digest: bool = True
+    scan_nonfinite: bool = True
+    disk_dir: Path | None = None
+    keep_disk_versions: int = 2
+    join_timeout_s: float = 120.0
+    probe_timeout_s: float = 2.0
+    max_attempts: int = 2
+    config_json: str | None = None
+
+    @classmethod
+    def from_spec(
+        cls, spec: WeightSyncSpec, *, port: int, backend: str, disk_dir: Path | None
+    ) -> PublisherConfig:
+        """The publisher settings `spec.weightSync` asks for."""
+        return cls(
+            port=port,
+            transport="disk" if spec.mode == WeightSyncMode.disk.value else "broadcast",
+            backend=backend,
+            bucket_bytes=spec.bucket_size_mb << 20,
+            ack_timeout_s=float(spec.ack_timeout_seconds),
+            verify_digest=spec.verify_digest,
+            scan_nonfinite=spec.scan_nonfinite,
+            disk_dir=disk_dir,
+        )
+
+
+class WeightPublisher:
+    """Hosts the coordination store and acts as rank 0 of the broadcast group."""
+
+    def __init__(self, config: PublisherConfig, *, start_version: int = 0) -> None:
+        if config.transport == "disk" and config.disk_dir is None:
+            raise ValueError("weightSync.mode disk needs a directory for the versions (disk_dir)")
+        self.config = config
+        self.version = start_version
+        self._store = open_store(
+            "0.0.0.0", config.port, server=True, timeout_s=config.join_timeout_s
+        )
+        self.port = int(self._store.port)
+        self._store.set(Keys.trainer, uuid.uuid4().hex)
+        self._store.add(Keys.members, 0)
+        self._members_seen = 0
+        self._engines: dict[str, EngineRecord] = {}
+        self._seq = 0
+        self._epoch = 0
+        self._group: BroadcastGroup | None = None
+        self._group_roster: dict[str, str] = {}
+        self._send_buffers: dict[int, tuple[BucketMeta, torch.Tensor]] = {}
+
+    # --- membership -------------------------------------------------------------------------
+
+    def _refresh_members(self) -> None:
+        count = int(self._store.add(Keys.members, 0))
+        for i in range(self._members_seen, count):
+            reg = decode_registration(self._store.get(Keys.member(i)))
+            old = self._engines.get(reg.engine)
+            if old is None or old.registration.incarnation != reg.incarnation:
+                self._engines[reg.engine] = EngineRecord(reg)
+        self._members_seen = count
+
+    def engines(self) -> dict[str, EngineRecord]:
+        self._refresh_members()
+        return dict(self._engines)
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        """Block until `count` distinct engines registered, or raise TimeoutError naming them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._refresh_members()
+            if len(self._engines) >= count:
+                return sorted(self._engines)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{len(self._engines)} of {count} rollout engines joined weight sync within "
+                    f"{timeout_s:.0f}s: {sorted(self._engines)}"
+                )
+            poll_key(self._store, Keys.member(self._members_seen), min(1.0, remaining))
+
+    def _probe(self, names: Iterable[str]) -> dict[str, bool]:
+        def alive(name: str) -> bool:
+            url = self._engines[name].registration.health_url + "/health"
+            try:
+                with urllib.request.urlopen(url, timeout=self.config.probe_timeout_s) as resp:
+                    return int(resp.status) == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        names = list(names)
+        if not names:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
+            return dict(zip(names, pool.map(alive, names), strict=True))
+
+    # --- publishing -------------------------------------------------------------------------
+
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> SyncResult:
+        """Deliver `version` to every registered engine; see the module docstring."""
+        if version <= self.version:
+            raise ValueError(
+                f"weight version {version} must be greater than the last published "
+                f"version {self.version}"
+            )
+        named = self._checked(named_tensors)
+        self.version = version
+        return self._deliver(named)
+
+    def resync(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncResult:
+        """Deliver the current version again to every engine that has not acknowledged it."""
+        return self._deliver(self._checked(named_tensors))
+
+    def _checked(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        named = [(name, t.detach()) for name, t in named_tensors]
+        if self.config.scan_nonfinite:
+            problems = nonfinite_report(named)
+            if problems:
+                raise NonFiniteWeights(
+                    "refusing to publish weights with non-finite values: " + "; ".join(problems)
+                )
+        return named
+
+    def _deliver(self, named: list[tuple[str, torch.Tensor]]) -> SyncResult:
+        start = time.monotonic()
+        deadline = start + self.config.ack_timeout_s
+        plan = plan_buckets(named, self.config.bucket_bytes)
+        reasons: dict[str, str] = {}
+        acked: list[str] = []
+        attempts = 0
+        self._refresh_members()
+        while attempts < self.config.max_attempts and time.monotonic() < deadline:
+            self._refresh_members()
+            pending = [n for n, r in self._engines.items() if r.acked_version != self.version]
+            alive = self._probe(pending)
+            for name, ok in alive.items():
+                if not ok:
+                    reasons[name] = "unreachable: its sidecar does not answer /health"
+            targets = sorted(n for n, ok in alive.items() if ok)
+            if not targets:
+                break
+            attempts += 1
+            fallback = attempts > 1 and self.config.disk_dir is not None
+            transport: Transport = "disk" if fallback else self.config.transport
+            outcome = self._attempt(named, plan, targets, transport, deadline)
+            for name, (ok, reason) in outcome.items():
+                if ok:
+                    self._engines[name].acked_version = self.version
+                    acked.append(name)
+                    reasons.pop(name, None)
+                else:
+                    reasons[name] = reason
+            if all(ok for ok, _ in outcome.values()):
+                break
+        stale: dict[str, str] = {}
+        for name, record in self._engines.items():
+            if record.acked_version == self.version:
+                record.stale_reason = ""
+            else:
+                record.stale_reason = reasons.get(name, "not delivered before the deadline")
+                stale[name] = record.stale_reason
+        for name, reason in stale.items():
+            log.warning("engine %s is stale at version %d: %s", name, self.version, reason)
+        return SyncResult(
+            version=self.version,
+            acked=sorted(acked),
+            stale=stale,
+            attempts=attempts,
+            seconds=time.monotonic() - start,
+            bytes_per_engine=sum(b.nbytes for b in plan),
+        )
+
+    def _attempt(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        plan: list[BucketMeta],
+        targets: list[str],
+        transport: Transport,
+        deadline: float,
+    ) -> dict[str, tuple[bool, str]]:
+        self._seq += 1
+        seq = self._seq
+        incarnations = {n: self._engines[n].registration.incarnation for n in targets}
+        if transport == "broadcast" and (self._group is None or incarnations != self._group_roster):
+            self._drop_group()
+            self._epoch += 1
+        path = ""
+        digests: list[str] = []
+        tensors = dict(named)
+        if transport == "disk":
+            digests = [
+                bucket_digest(pack_bucket(b, [tensors[m.name] for m in b.tensors])) for b in plan
+            ]
+            assert self.config.disk_dir is not None
+            written = disk.write_version(
+                self.config.disk_dir,
+                self.version,
+                plan,
+                tensors,
+                digests,
+                version_digest(self.version, plan, digests),
+                self.config.config_json,
+            )
+            disk.prune(self.config.disk_dir, self.config.keep_disk_versions)
+            path = str(written)
+        announcement = Announcement(
+            seq=seq,
+            version=self.version,
+            epoch=self._epoch,
+            transport=transport,
+            roster={name: i + 1 for i, name in enumerate(targets)},
+            backend=self.config.backend,
+            layout=layout_to_json(plan),
+            path=path,
+            verify_digest=self.config.verify_digest,
+            scan_nonfinite=self.config.scan_nonfinite,
+        )
+        self._store.set(Keys.announcement(seq), encode(announcement))
+        self._store.set(Keys.latest_seq, str(seq))
+        error = ""
+        if transport == "broadcast":
+            try:
+                if self._group is None:
+                    self._group = BroadcastGroup(
+                        self._store,
+                        epoch_prefix=Keys.group(self._epoch),
+                        rank=0,
+                        size=len(targets) + 1,
+                        backend=self.config.backend,
+                        timeout_s=min(
+                            self.config.join_timeout_s, max(1.0, deadline - time.monotonic())
+                        ),
+                    )
+                    self._group_roster = incarnations
+                for bucket in plan:
+                    buf = pack_bucket(
+                        bucket,
+                        [tensors[m.name] for m in bucket.tensors],
+                        self._staging(bucket, tensors[bucket.tensors[0].name].device),
+                    )
+                    if self.config.verify_digest:
+                        digests.append(bucket_digest(buf))
+                    self._group.broadcast(buf)
+            except RuntimeError as err:
+                error = f"broadcast of version {self.version} failed at the trainer: {err}"
+                log.warning("%s", error)
+                self._drop_group()
+        record = {
+            "error": error,
+            "version_digest": version_digest(self.version, plan, digests) if digests else "",
+            "bucket_digests": digests,
+        }
+        self._store.set(Keys.digest(seq), json.dumps(record))
+        outcome = self._collect_acks(seq, targets, deadline)
+        if not all(ok for ok, _ in outcome.values()):
+            self._drop_group()
+        return outcome
+
+    def _staging(self, bucket: BucketMeta, device: torch.device) -> torch.Tensor:
+        """The send buffer of `bucket`, kept while the layout stays (padding stays zero)."""
+        held = self._send_buffers.get(bucket.index)
+        if held is not None and held[0] == bucket and held[1].device == device:
+            return held[1]
+        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+        self._send_buffers[bucket.index] = (bucket, buf)
+        return buf
+
+    def _collect_acks(
+        self, seq: int, targets: list[str], deadline: float
+    ) -> dict[str, tuple[bool, str]]:
+        outcome: dict[str, tuple[bool, str]] = {}
+        pending = set(targets)
+        next_probe = time.monotonic() + 1.0
+        while pending:
+            for name in sorted(pending):
+                if self._store.check([Keys.ack(seq, name)]):
+                    ack = decode_ack(self._store.get(Keys.ack(seq, name)))
+                    outcome[name] = (ack.ok, ack.reason)
+                    pending.discard(name)
+            now = time.monotonic()
+            if not pending:
+                break
+            if now >= deadline:
+                for name in pending:
+                    outcome[name] = (
+                        False,
+                        f"no acknowledgement of version {self.version} within "
+                        f"{self.config.ack_timeout_s:.0f}s",
+                    )
+                break
+            if now >= next_probe:
+                for name, ok in self._probe(sorted(pending)).items():
+                    if not ok:
+                        outcome[name] = (False, "lost during sync: its sidecar stopped answering")
+                        pending.discard(name)
+                next_probe = time.monotonic() + 1.0
+                continue
+            poll_key(self._store, Keys.ack(seq, min(pending)), min(0.2, deadline - now))
+        return outcome
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+        self._group_roster = {}
+
+    def close(self) -> None:
+        self._drop_group()
+        del self._store

@@ -1,0 +1,457 @@
+"""`rljob-weight-sync`: the sidecar that owns one rollout engine's place in weight sync.
+
+It registers with the trainer's store, follows the announcements, receives each version
+addressed to it (broadcast group or disk), verifies it (digest, finite values), installs it
+into its engine through the engine's HTTP update endpoints and acknowledges the result. A
+rejected version never reaches the engine, which keeps serving the previous one. When the
+trainer's store goes away (trainer restart) or the sidecar itself restarts, it registers
+again and is included from the next announcement on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from torch._C._distributed_c10d import Store
+
+from rljob.weightsync import disk
+from rljob.weightsync.engine_http import EngineError, EngineHTTP
+from rljob.weightsync.group import BroadcastGroup, open_store, poll_key
+from rljob.weightsync.protocol import (
+    Ack,
+    Announcement,
+    BucketMeta,
+    Keys,
+    Registration,
+    bucket_digest,
+    decode_announcement,
+    encode,
+    layout_from_json,
+    nonfinite_report,
+    unpack_bucket,
+    version_digest,
+)
+from rljob.weightsync.tensor_payload import encode_named_tensors, use_file_system_sharing
+
+log = logging.getLogger("rljob.weightsync.sidecar")
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    engine_name: str
+    engine_url: str
+    trainer_host: str
+    trainer_port: int
+    listen_host: str = "0.0.0.0"
+    listen_port: int = 8090
+    advertise_host: str = ""
+    device: str = "cpu"
+    connect_timeout_s: float = 30.0
+    collective_timeout_s: float = 120.0
+    install_timeout_s: float = 300.0
+    reconnect_backoff_s: float = 2.0
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.serving_version = Gauge(
+            "rljob_weight_sync_engine_version",
+            "Weight version the local engine reports (-1 when not numeric or unknown).",
+            registry=self.registry,
+        )
+        self.versions = Counter(
+            "rljob_weight_sync_versions",
+            "Versions handled, by result (installed or rejected).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.bytes = Counter(
+            "rljob_weight_sync_received_bytes",
+            "Weight bytes received from the trainer.",
+            registry=self.registry,
+        )
+        self.last_seconds = Gauge(
+            "rljob_weight_sync_last_sync_seconds",
+            "Seconds from announcement to acknowledgement of the last version.",
+            registry=self.registry,
+        )
+        self.connected = Gauge(
+            "rljob_weight_sync_connected",
+            "1 while registered with the trainer's store.",
+            registry=self.registry,
+        )
+        self.serving_version.set(-1)
+
+
+class Sidecar:
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self.engine = EngineHTTP(config.engine_url, timeout_s=10.0)
+        self.metrics = SidecarMetrics()
+        self.incarnation = uuid.uuid4().hex
+        self.state = "starting"
+        self.last_rejection = ""
+        self.last_acked_version = -1
+        self._stop = threading.Event()
+        self._group: BroadcastGroup | None = None
+        self._epoch = -1
+        self._http: ThreadingHTTPServer | None = None
+        self._staging: list[torch.Tensor] = []
+        if config.device == "cpu":
+            use_file_system_sharing()
+
+    # --- health and metrics -----------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "engine": self.config.engine_name,
+            "incarnation": self.incarnation,
+            "state": self.state,
+            "last_acked_version": self.last_acked_version,
+            "last_rejection": self.last_rejection,
+        }
+
+    def serve_http(self) -> int:
+        """Serve /health and /metrics on a background thread; returns the bound port."""
+        sidecar = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    body, ctype = json.dumps(sidecar.health()).encode(), "application/json"
+                elif self.path == "/metrics":
+                    body, ctype = generate_latest(sidecar.metrics.registry), CONTENT_TYPE_LATEST
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        self._http = ThreadingHTTPServer(
+            (self.config.listen_host, self.config.listen_port), Handler
+        )
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, daemon=True).start()
+        return int(self._http.server_address[1])
+
+    # --- main loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Follow the trainer until stopped, re-registering whenever the store is lost."""
+        port = self.serve_http()
+        log.info("sidecar %s: health on port %d", self.config.engine_name, port)
+        while not self._stop.is_set():
+            try:
+                self._session(port)
+            except (RuntimeError, OSError) as err:
+                self.state = "disconnected"
+                self.metrics.connected.set(0)
+                self._drop_group()
+                log.warning("trainer store unavailable (%s); reconnecting", err)
+                self._stop.wait(self.config.reconnect_backoff_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._http is not None:
+            self._http.shutdown()
+
+    def _engine_version(self) -> str:
+        try:
+            version = self.engine.weight_version()
+        except EngineError:
+            return ""
+        self.metrics.serving_version.set(int(version) if version.lstrip("-").isdigit() else -1)
+        return version
+
+    def _session(self, http_port: int) -> None:
+        cfg = self.config
+        store = open_store(
+            cfg.trainer_host, cfg.trainer_port, server=False, timeout_s=cfg.connect_timeout_s
+        )
+        advertise = cfg.advertise_host or socket.gethostbyname(socket.gethostname())
+        registration = Registration(
+            engine=cfg.engine_name,
+            incarnation=self.incarnation,
+            health_url=f"http://{advertise}:{http_port}",
+            engine_version=self._engine_version(),
+        )
+        index = int(store.add(Keys.members, 1)) - 1
+        store.set(Keys.member(index), encode(registration))
+        next_seq = int(store.get(Keys.latest_seq)) + 1 if store.check([Keys.latest_seq]) else 1
+        self.state = "idle"
+        self.metrics.connected.set(1)
+        log.info(
+            "registered %s as member %d; waiting for announcement %d",
+            cfg.engine_name,
+            index,
+            next_seq,
+        )
+        while not self._stop.is_set():
+            if not poll_key(store, Keys.announcement(next_seq), 1.0, interval_s=0.1):
+                continue
+            announcement = decode_announcement(store.get(Keys.announcement(next_seq)))
+            next_seq += 1
+            if cfg.engine_name not in announcement.roster:
+                continue
+            self.handle(store, announcement)
+
+    def handle(self, store: Store, ann: Announcement) -> None:
+        """Receive, verify, install and acknowledge one announcement."""
+        start = time.monotonic()
+        self.state = f"receiving v{ann.version}"
+        layout = layout_from_json(ann.layout)
+        try:
+            buffers = (
+                self._receive_broadcast(store, ann, layout)
+                if ann.transport == "broadcast"
+                else [disk.read_bucket(Path(ann.path), b, len(layout)) for b in layout]
+            )
+        except (RuntimeError, OSError, ValueError) as err:
+            self._drop_group()
+            self._ack(store, ann, False, f"receiving version {ann.version} failed: {err}", start)
+            return
+        problems = self._verify(store, ann, layout, buffers)
+        if problems:
+            self._ack(store, ann, False, "; ".join(problems), start)
+            return
+        self.state = f"installing v{ann.version}"
+        try:
+            if ann.transport == "broadcast":
+                named = [
+                    nt
+                    for b, buf in zip(layout, buffers, strict=True)
+                    for nt in unpack_bucket(b, buf)
+                ]
+                result = self.engine.update_from_tensor(
+                    [encode_named_tensors(named)], str(ann.version), self.config.install_timeout_s
+                )
+            else:
+                result = self.engine.update_from_disk(
+                    ann.path, str(ann.version), self.config.install_timeout_s
+                )
+            serving = self._engine_version()
+        except EngineError as err:
+            self._ack(store, ann, False, f"engine unreachable while installing: {err}", start)
+            return
+        if not result.success:
+            self._ack(
+                store, ann, False, f"engine refused version {ann.version}: {result.message}", start
+            )
+        elif serving != str(ann.version):
+            self._ack(
+                store,
+                ann,
+                False,
+                f"engine reports version {serving!r} after installing {ann.version}",
+                start,
+            )
+        else:
+            self._ack(store, ann, True, "", start, serving)
+
+    def _receive_broadcast(
+        self, store: Store, ann: Announcement, layout: Sequence[BucketMeta]
+    ) -> list[torch.Tensor]:
+        if self._group is None or self._epoch != ann.epoch:
+            self._drop_group()
+            self._group = BroadcastGroup(
+                store,
+                epoch_prefix=Keys.group(ann.epoch),
+                rank=ann.roster[self.config.engine_name],
+                size=len(ann.roster) + 1,
+                backend=ann.backend,
+                timeout_s=self.config.collective_timeout_s,
+            )
+            self._epoch = ann.epoch
+        sizes = [b.nbytes for b in layout]
+        if [b.numel() for b in self._staging] != sizes:
+            # Staging buffers are kept across versions: fresh shared memory costs page faults
+            # on both sides of the handoff, every version. The engine copies out before it
+            # answers, so nothing still reads them when the next version arrives.
+            self._staging = [self._allocate(n) for n in sizes]
+        buffers: list[torch.Tensor] = []
+        for bucket, buf in zip(layout, self._staging, strict=True):
+            self._group.broadcast(buf)
+            self.metrics.bytes.inc(bucket.nbytes)
+            buffers.append(buf)
+        return buffers
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.config.device)
+        if buf.device.type == "cpu":
+            buf.share_memory_()  # type: ignore[no-untyped-call]
+        return buf
+
+    def _verify(
+        self,
+        store: Store,
+        ann: Announcement,
+        layout: Sequence[BucketMeta],
+        buffers: Sequence[torch.Tensor],
+    ) -> list[str]:
+        problems: list[str] = []
+        if ann.scan_nonfinite:
+            for bucket, buf in zip(layout, buffers, strict=True):
+                found = nonfinite_report(unpack_bucket(bucket, buf))
+                if found:
+                    problems.append(
+                        f"bucket {bucket.index} has non-finite values: " + ", ".join(found)
+                    )
+        if not poll_key(store, Keys.digest(ann.seq), self.config.collective_timeout_s):
+            return [*problems, f"the trainer published no digest for version {ann.version}"]
+        record = json.loads(store.get(Keys.digest(ann.seq)))
+        if record["error"]:
+            problems.append(f"sender aborted: {record['error']}")
+        elif ann.verify_digest:
+            digests = [bucket_digest(buf) for buf in buffers]
+            if version_digest(ann.version, layout, digests) != record["version_digest"]:
+                bad = [
+                    str(i)
+                    for i, (got, want) in enumerate(
+                        zip(digests, record["bucket_digests"], strict=True)
+                    )
+                    if got != want
+                ]
+                problems.append(
+                    f"digest mismatch for version {ann.version} (buckets {', '.join(bad)})"
+                )
+        return problems
+
+    def _ack(
+        self,
+        store: Store,
+        ann: Announcement,
+        ok: bool,
+        reason: str,
+        start: float,
+        serving: str = "",
+    ) -> None:
+        elapsed = time.monotonic() - start
+        ack = Ack(
+            engine=self.config.engine_name,
+            seq=ann.seq,
+            version=ann.version,
+            ok=ok,
+            reason=reason,
+            serving_version=serving,
+            extra={"seconds": elapsed},
+        )
+        store.set(Keys.ack(ann.seq, self.config.engine_name), encode(ack))
+        self.metrics.last_seconds.set(elapsed)
+        self.metrics.versions.labels(result="installed" if ok else "rejected").inc()
+        if ok:
+            self.last_acked_version = ann.version
+            log.info("installed version %d in %.2fs", ann.version, elapsed)
+        else:
+            self.last_rejection = f"v{ann.version}: {reason}"
+            log.warning("rejected version %d: %s", ann.version, reason)
+        self.state = "idle"
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+        self._epoch = -1
+
+
+def _host_port(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise SystemExit(f"rljob-weight-sync: {what} must look like HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
+    env = os.environ
+    p = argparse.ArgumentParser(prog="rljob-weight-sync", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--trainer",
+        default=env.get("RLJOB_WEIGHT_SYNC_TRAINER", ""),
+        help="HOST:PORT of the trainer's weight-sync store (RLJOB_WEIGHT_SYNC_TRAINER)",
+    )
+    p.add_argument(
+        "--engine-url",
+        default=env.get("RLJOB_ENGINE_URL", "http://127.0.0.1:30000"),
+        help="base URL of the local engine (RLJOB_ENGINE_URL)",
+    )
+    p.add_argument(
+        "--engine-name",
+        default=env.get("POD_NAME", socket.gethostname()),
+        help="this engine's name in the group (POD_NAME)",
+    )
+    p.add_argument("--listen", default="0.0.0.0:8090", help="HOST:PORT for /health and /metrics")
+    p.add_argument(
+        "--advertise-host",
+        default=env.get("POD_IP", ""),
+        help="address the trainer uses to probe /health (POD_IP)",
+    )
+    p.add_argument(
+        "--device",
+        default="cuda:0" if torch.cuda.is_available() else "cpu",
+        help="where received buckets are staged: cpu or cuda:N (the engine's GPU)",
+    )
+    p.add_argument("--connect-timeout", type=float, default=30.0)
+    p.add_argument("--collective-timeout", type=float, default=120.0)
+    p.add_argument("--install-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    if not args.trainer:
+        raise SystemExit(
+            "rljob-weight-sync: --trainer HOST:PORT (or RLJOB_WEIGHT_SYNC_TRAINER) is required"
+        )
+    trainer_host, trainer_port = _host_port(args.trainer, "--trainer")
+    listen_host, listen_port = _host_port(args.listen, "--listen")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise SystemExit(f"rljob-weight-sync: --device must be cpu or cuda:N, got {args.device!r}")
+    for name in ("connect_timeout", "collective_timeout", "install_timeout"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"rljob-weight-sync: --{name.replace('_', '-')} must be > 0 seconds")
+    return SidecarConfig(
+        engine_name=args.engine_name,
+        engine_url=args.engine_url,
+        trainer_host=trainer_host,
+        trainer_port=trainer_port,
+        listen_host=listen_host,
+        listen_port=listen_port,
+        advertise_host=args.advertise_host,
+        device=args.device,
+        connect_timeout_s=args.connect_timeout,
+        collective_timeout_s=args.collective_timeout,
+        install_timeout_s=args.install_timeout,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = parse_args(argv)
+    Sidecar(config).run()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,172 @@
+"""A weight-sync cluster on one machine: the trainer's publisher in the test process, and
+three engines, each a real transformers model served over HTTP in its own process with its
+own `rljob-weight-sync` sidecar process. Everything started here is killed at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+
+from tests.controlplane import REPO
+from tests.polling import wait_for
+
+ENGINES = ("e0", "e1", "e2")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
+    return env
+
+
+def http_json(url: str, body: Any = None, timeout: float = 10.0) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@dataclass
+class Cluster:
+    publisher: WeightPublisher
+    workdir: Path
+    engines: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    sidecars: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    urls: dict[str, str] = field(default_factory=dict)
+    seeds: int = 0
+
+    def start_engine(self, name: str) -> None:
+        self.seeds += 1
+        port_file = self.workdir / f"{name}-{self.seeds}.port"
+        log = open(self.workdir / f"{name}-engine.log", "ab")  # noqa: SIM115 - owned by the child
+        self.engines[name] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.weightsync.mini_engine",
+                "--seed",
+                str(self.seeds),
+                "--port-file",
+                str(port_file),
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(port_file.exists, timeout=60, what=f"engine {name} to listen")
+        self.urls[name] = f"http://127.0.0.1:{port_file.read_text()}"
+
+    def start_sidecar(self, name: str) -> None:
+        log = open(self.workdir / f"{name}-sidecar.log", "ab")  # noqa: SIM115
+        self.sidecars[name] = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rljob.weightsync.sidecar",
+                "--trainer",
+                f"127.0.0.1:{self.publisher.port}",
+                "--engine-url",
+                self.urls[name],
+                "--engine-name",
+                name,
+                "--listen",
+                "127.0.0.1:0",
+                "--advertise-host",
+                "127.0.0.1",
+                "--device",
+                "cpu",
+                "--collective-timeout",
+                "6",
+                "--connect-timeout",
+                "10",
+            ],
+            cwd=REPO,
+            env=_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def kill(self, procs: dict[str, subprocess.Popen[bytes]], name: str) -> None:
+        proc = procs.pop(name)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def version(self, name: str) -> str:
+        return str(http_json(self.urls[name] + "/get_weight_version")["weight_version"])
+
+    def weights(self, name: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.tensor(
+                http_json(self.urls[name] + "/get_weights_by_name", {"name": n}), dtype=t.dtype
+            ).view(t.shape)
+            for n, t in like.items()
+        }
+
+    def generate_version(self, name: str) -> str:
+        out = http_json(
+            self.urls[name] + "/generate",
+            {
+                "input_ids": [1, 2, 3],
+                "sampling_params": {"max_new_tokens": 2},
+                "return_logprob": True,
+            },
+        )
+        return str(out["meta_info"]["weight_version"])
+
+    def registered(self, name: str) -> str | None:
+        record = self.publisher.engines().get(name)
+        return record.registration.incarnation if record else None
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:]
+            for p in sorted(self.workdir.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for procs in (self.sidecars, self.engines):
+            for name in list(procs):
+                self.kill(procs, name)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("weightsync")
+    publisher = WeightPublisher(
+        PublisherConfig(
+            port=0,
+            bucket_bytes=16 << 10,
+            ack_timeout_s=60,
+            join_timeout_s=20,
+            probe_timeout_s=1,
+            max_attempts=2,
+        )
+    )
+    c = Cluster(publisher, workdir)
+    try:
+        for name in ENGINES:
+            c.start_engine(name)
+        for name in ENGINES:
+            c.start_sidecar(name)
+        publisher.wait_for_engines(len(ENGINES), timeout_s=90)
+        yield c
+    except BaseException:
+        print(c.logs())
+        raise
+    finally:
+        c.stop()
+        c.publisher.close()

@@ -1,0 +1,210 @@
+"""The wire format, the disk format, the tensor handoff and the SGLang command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rljob.engine.sglang_launcher import (
+    EngineStartError,
+    ReservedArgumentError,
+    SGLangServer,
+    build_command,
+    wait_healthy,
+)
+from rljob.weightsync import disk
+from rljob.weightsync.protocol import (
+    ALIGN_BYTES,
+    bucket_digest,
+    layout_from_json,
+    layout_to_json,
+    nonfinite_report,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    version_digest,
+)
+from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
+from rljob.weightsync.sidecar import parse_args
+from rljob.weightsync.tensor_payload import (
+    decode_named_tensors,
+    encode_named_tensors,
+    update_problems,
+)
+from rljob_api.rules import RESERVED_SGLANG_ARGS
+from rljob_api.spec import WeightSyncSpec
+
+pytestmark = pytest.mark.unit
+
+
+def named() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("embed.weight", torch.randn(50, 16, generator=g)),
+        ("norm.weight", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("layer.bias", torch.randn(3, generator=g).half()),
+        ("scale", torch.tensor(2.5)),
+        ("big.weight", torch.randn(300, 10, generator=g)),
+        ("steps", torch.arange(5)),
+    ]
+
+
+def test_buckets_respect_the_size_and_keep_order() -> None:
+    tensors = named()
+    plan = plan_buckets(tensors, bucket_bytes=4096)
+    order = [m.name for b in plan for m in b.tensors]
+    assert order == [n for n, _ in tensors]
+    for b in plan:
+        assert all(m.offset % ALIGN_BYTES == 0 for m in b.tensors)
+        if len(b.tensors) > 1:
+            assert b.nbytes <= 4096
+    # The 12 000-byte tensor does not fit any bucket and travels alone.
+    big = next(b for b in plan if any(m.name == "big.weight" for m in b.tensors))
+    assert len(big.tensors) == 1 and big.nbytes >= 12000
+
+
+def test_pack_then_unpack_is_bit_exact_for_every_dtype() -> None:
+    tensors = named()
+    plan = plan_buckets(tensors, bucket_bytes=1 << 20)
+    by_name = dict(tensors)
+    (bucket,) = plan
+    buf = pack_bucket(bucket, [by_name[m.name] for m in bucket.tensors])
+    for name, view in unpack_bucket(bucket, buf):
+        assert view.dtype == by_name[name].dtype and torch.equal(view, by_name[name])
+
+
+def test_layout_survives_json_and_the_digest_binds_version_and_bytes() -> None:
+    tensors = named()
+    plan = plan_buckets(tensors, bucket_bytes=2048)
+    assert layout_from_json(json.loads(json.dumps(layout_to_json(plan)))) == plan
+    by_name = dict(tensors)
+    bufs = [pack_bucket(b, [by_name[m.name] for m in b.tensors]) for b in plan]
+    digests = [bucket_digest(b) for b in bufs]
+    reference = version_digest(7, plan, digests)
+    assert version_digest(8, plan, digests) != reference
+    bufs[1][5] ^= 1  # one flipped bit
+    assert version_digest(7, plan, [bucket_digest(b) for b in bufs]) != reference
+
+
+def test_nonfinite_report_names_the_tensor_and_counts() -> None:
+    t = torch.zeros(4)
+    t[1], t[2] = float("nan"), float("-inf")
+    report = nonfinite_report([("ok", torch.ones(2)), ("bad", t), ("ints", torch.arange(3))])
+    assert report == ["bad: 1 NaN, 1 Inf"]
+
+
+def test_publisher_refuses_nonfinite_weights_and_old_versions() -> None:
+    publisher = WeightPublisher(PublisherConfig(port=0), start_version=5)
+    try:
+        with pytest.raises(ValueError, match="greater than the last published version 5"):
+            publisher.publish(5, named())
+        bad = [("w", torch.tensor([1.0, float("inf")]))]
+        with pytest.raises(NonFiniteWeights, match="w: 0 NaN, 1 Inf"):
+            publisher.publish(6, bad)
+        assert publisher.version == 5
+    finally:
+        publisher.close()
+
+
+def test_publisher_settings_follow_the_spec(tmp_path: Path) -> None:
+    spec = WeightSyncSpec.model_validate(
+        {"mode": "disk", "bucketSizeMb": 3, "ackTimeoutSeconds": 9, "scanNonfinite": False}
+    )
+    cfg = PublisherConfig.from_spec(spec, port=1234, backend="gloo", disk_dir=tmp_path)
+    assert (cfg.transport, cfg.bucket_bytes, cfg.ack_timeout_s) == ("disk", 3 << 20, 9.0)
+    assert cfg.scan_nonfinite is False and cfg.verify_digest is True
+    with pytest.raises(ValueError, match="disk_dir"):
+        WeightPublisher(PublisherConfig(port=0, transport="disk"))
+
+
+def test_disk_versions_are_complete_hf_directories(tmp_path: Path) -> None:
+    tensors = named()
+    plan = plan_buckets(tensors, bucket_bytes=2048)
+    by_name = dict(tensors)
+    bufs = [pack_bucket(b, [by_name[m.name] for m in b.tensors]) for b in plan]
+    digests = [bucket_digest(b) for b in bufs]
+    for version in (1, 2, 3):
+        path = disk.write_version(tmp_path, version, plan, by_name, digests, "d", '{"x": 1}')
+    index = json.loads((path / disk.INDEX).read_text())
+    assert set(index["weight_map"]) == set(by_name)
+    for bucket, buf in zip(plan, bufs, strict=True):
+        assert torch.equal(disk.read_bucket(path, bucket, len(plan)), buf)
+    disk.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000002", "v00000003"]
+
+
+def test_shared_memory_handoff_reaches_another_process() -> None:
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    entry = encode_named_tensors([("w", t)])
+    code = (
+        "import sys; from rljob.weightsync.tensor_payload import decode_named_tensors as d;"
+        "(n, x), = d(sys.stdin.read()); print(n, x.sum().item(), tuple(x.shape))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=entry, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.split() == ["w", "66.0", "(3,", "4)"], out.stderr
+    assert decode_named_tensors(entry)[0][0] == "w"
+
+
+def test_engine_side_checks_refuse_a_bad_update_whole() -> None:
+    current = {"a": torch.zeros(2), "b": torch.zeros(3, dtype=torch.bfloat16)}
+    problems = update_problems(
+        current,
+        [("a", torch.tensor([1.0, float("nan")])), ("b", torch.zeros(3)), ("c", torch.zeros(1))],
+    )
+    assert problems == [
+        "a: non-finite values",
+        "b: dtype torch.float32 != torch.bfloat16",
+        "unknown parameter c",
+    ]
+
+
+def test_sidecar_arguments_are_checked_with_a_message() -> None:
+    with pytest.raises(SystemExit, match="--trainer HOST:PORT"):
+        parse_args(["--trainer", "", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="must look like HOST:PORT"):
+        parse_args(["--trainer", "trainer-0", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="cpu or cuda:N"):
+        parse_args(["--trainer", "t:1", "--device", "tpu"])
+    cfg = parse_args(["--trainer", "t:29600", "--device", "cpu", "--engine-name", "r0"])
+    assert (cfg.trainer_host, cfg.trainer_port, cfg.engine_name) == ("t", 29600, "r0")
+
+
+SERVER = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=4, nccl_port=31000)
+
+
+def test_sglang_args_pass_through_and_owned_args_are_ours() -> None:
+    argv = build_command(
+        SERVER,
+        {
+            "mem-fraction-static": "0.8",
+            "enable-torch-compile": "true",
+            "disable-radix-cache": "false",
+        },
+    )
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--tp-size"] == "4" and pairs["--port"] == "30000"
+    assert pairs["--nccl-port"] == "31000" and pairs["--model-path"] == "/model"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.8"
+    assert "--enable-torch-compile" in argv and "--disable-radix-cache" not in argv
+
+
+@pytest.mark.parametrize("key", [*RESERVED_SGLANG_ARGS, "weight-version"])
+def test_a_user_value_for_an_owned_sglang_arg_is_refused(key: str) -> None:
+    with pytest.raises(ReservedArgumentError, match=f"sets {key}, which rljob sets itself"):
+        build_command(SERVER, {key: "1"})
+
+
+def test_health_polling_gives_up_at_its_deadline_and_on_exit() -> None:
+    with pytest.raises(EngineStartError, match="not healthy after 1s"):
+        wait_healthy("http://127.0.0.1:9", deadline_s=1, request_timeout_s=0.2, interval_s=0.2)
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    proc.wait(timeout=60)
+    with pytest.raises(EngineStartError, match="exited with code 3"):
+        wait_healthy("http://127.0.0.1:9", deadline_s=30, process=proc)
