@@ -1,0 +1,344 @@
+"""Pure builders: an RLJob spec in, the Kubernetes objects that run it out.
+
+Nothing here talks to the API server, so every manifest can be checked in unit tests and
+building it twice gives the same object (the reconciler relies on that for idempotence).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from rljob_api import API_VERSION, GROUP, KIND, PLURAL
+from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
+
+from rljob_operator import names
+
+Obj = dict[str, Any]
+GPU = "nvidia.com/gpu"
+WEIGHT_SYNC_COMMAND = "rljob-weight-sync"
+SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor for CPU pods
+HEAD_RESOURCES: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+SIDECAR_RESOURCES: Obj = {
+    "requests": {"cpu": "100m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of one RLJob: enough to name, label and own its children."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def of(cls, body: Obj) -> JobRef:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"])
+
+
+def owner_reference(job: JobRef) -> Obj:
+    """Makes the RLJob the controller of a child, so deleting it garbage-collects the child."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: JobRef, name: str, component: str) -> Obj:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": names.labels(job.name, component),
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def _resources(spec: ResourceRequirements, gpus: int) -> Obj:
+    requests = {k: str(v) for k, v in spec.requests.items()}
+    limits = {k: str(v) for k, v in spec.limits.items()}
+    if gpus > 0:
+        requests[GPU] = limits[GPU] = str(gpus)
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _env(job: JobRef, component: str) -> list[Obj]:
+    return [
+        {"name": "RLJOB_NAME", "value": job.name},
+        {"name": "RLJOB_NAMESPACE", "value": job.namespace},
+        {"name": "RLJOB_COMPONENT", "value": component},
+    ]
+
+
+def _shm_volume(gpus: int) -> Obj:
+    size = max(1, SHM_GIB_PER_GPU * gpus)
+    return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size}Gi"}}
+
+
+def _checkpoint_volume(spec: RLJobSpec) -> Obj:
+    if spec.checkpoint.pvc:
+        return {"name": "checkpoints",
+                "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}}
+    return {"name": "checkpoints", "emptyDir": {}}
+
+
+def _data_volumes(spec: RLJobSpec) -> tuple[list[Obj], list[Obj]]:
+    """Volumes and mounts every job container shares: shm, checkpoints, model and data."""
+    volumes = [_checkpoint_volume(spec)]
+    mounts: list[Obj] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "checkpoints", "mountPath": spec.checkpoint.path},
+    ]
+    if spec.model.pvc:
+        claim: Obj = {"claimName": spec.model.pvc, "readOnly": True}
+        volumes.append({"name": "model", "persistentVolumeClaim": claim})
+        mounts.append({"name": "model", "mountPath": "/model", "readOnly": True})
+    if spec.data.pvc:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data.pvc}})
+        mounts.append({"name": "data", "mountPath": "/data"})
+    return volumes, mounts
+
+
+def _scheduling(spec: RLJobSpec) -> Obj:
+    sched = spec.scheduling
+    out: Obj = {}
+    if sched.node_selector:
+        out["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        out["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations
+        ]
+    if sched.priority_class_name:
+        out["priorityClassName"] = sched.priority_class_name
+    return out
+
+
+def _pod_template(job: JobRef, spec: RLJobSpec, component: str, containers: list[Obj],
+                  gpus: int) -> Obj:
+    volumes, _ = _data_volumes(spec)
+    return {
+        "metadata": {"labels": names.labels(job.name, component)},
+        "spec": {
+            "serviceAccountName": names.service_account_name(job.name),
+            # A dead Ray container fails the pod; KubeRay replaces it and the operator
+            # restarts the driver, instead of a silent in-place restart losing actors.
+            "restartPolicy": "Never",
+            "containers": containers,
+            "volumes": [_shm_volume(gpus), *volumes],
+            **_scheduling(spec),
+        },
+    }
+
+
+def _ray_container(job: JobRef, spec: RLJobSpec, name: str, component: str, image: str,
+                   resources: Obj, ports: list[Obj] | None = None) -> Obj:
+    _, mounts = _data_volumes(spec)
+    container: Obj = {
+        "name": name,
+        "image": image,
+        "env": _env(job, component),
+        "resources": resources,
+        "volumeMounts": mounts,
+    }
+    if ports:
+        container["ports"] = ports
+    return container
+
+
+def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec) -> Obj:
+    _, mounts = _data_volumes(spec)
+    return {
+        "name": "weight-sync",
+        "image": spec.rollout.image,
+        "command": [WEIGHT_SYNC_COMMAND],
+        "env": [
+            *_env(job, "weight-sync"),
+            {"name": "RLJOB_ENGINE_URL", "value": f"http://127.0.0.1:{names.ENGINE_PORT}"},
+        ],
+        "resources": SIDECAR_RESOURCES,
+        "volumeMounts": mounts,
+    }
+
+
+def _ray_resources(slot: str) -> str:
+    """rayStartParams `resources` in KubeRay's quoted-JSON form: a custom Ray resource the
+    runtime uses to place trainer and rollout actors on their own pods."""
+    return json.dumps(json.dumps({slot: 1}))
+
+
+def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
+    """GPUs each rollout pod requests: one engine per pod; the `hf` backend runs on CPU."""
+    return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
+
+
+def engine_count(spec: RLJobSpec) -> int:
+    return spec.rollout.gpus // spec.rollout.gpus_per_engine
+
+
+def worker_groups(spec: RLJobSpec) -> dict[str, int]:
+    """Worker group name → pod count; the operator waits for exactly these (plus the head)."""
+    if spec.placement == Placement.colocated:
+        return {names.COLOCATED: spec.trainer.replicas}
+    return {names.TRAINER: spec.trainer.replicas, names.ROLLOUT: engine_count(spec)}
+
+
+def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Obj:
+    engine_port = [{"containerPort": names.ENGINE_PORT, "name": "engine"}]
+    if group == names.ROLLOUT:
+        gpus = rollout_gpus_per_pod(spec)
+        main = _ray_container(job, spec, "ray-worker", group, spec.rollout.image,
+                              _resources(spec.rollout.resources, gpus), engine_port)
+        containers = [main, _weight_sync_sidecar(job, spec)]
+    else:
+        gpus = spec.trainer.gpus_per_replica
+        main = _ray_container(job, spec, "ray-worker", group, spec.trainer.image,
+                              _resources(spec.trainer.resources, gpus),
+                              engine_port if group == names.COLOCATED else None)
+        containers = [main]
+        if group == names.COLOCATED:
+            containers.append(_weight_sync_sidecar(job, spec))
+    return {
+        "groupName": group,
+        "replicas": replicas,
+        "minReplicas": replicas,
+        "maxReplicas": replicas,
+        "rayStartParams": {"resources": _ray_resources(f"rljob_{group}")},
+        "template": _pod_template(job, spec, group, containers, gpus),
+    }
+
+
+def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
+    """The RayCluster: a CPU-only head and the trainer/rollout (or one colocated) groups."""
+    head = _ray_container(job, spec, "ray-head", names.HEAD, spec.trainer.image,
+                          HEAD_RESOURCES, [{"containerPort": names.RAY_GCS_PORT, "name": "gcs"}])
+    return {
+        "apiVersion": names.RAY_API_VERSION,
+        "kind": "RayCluster",
+        "metadata": _metadata(job, names.raycluster_name(job.name), names.HEAD),
+        "spec": {
+            "headGroupSpec": {
+                # No work on the head: every actor lands on a trainer or rollout pod.
+                "rayStartParams": {"num-cpus": "0"},
+                "template": _pod_template(job, spec, names.HEAD, [head], 0),
+            },
+            "workerGroupSpecs": [
+                _worker_group(job, spec, group, replicas)
+                for group, replicas in worker_groups(spec).items()
+            ],
+        },
+    }
+
+
+def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
+    """`rljob run` against the job's Ray cluster; it resumes from its workdir by itself."""
+    return [
+        "rljob", "run", f"{names.SPEC_DIR}/{names.SPEC_FILE}",
+        "--workdir", f"{spec.checkpoint.path.rstrip('/')}/{job.name}",
+        "--ray-address", f"{names.head_service(job.name, job.namespace)}:{names.RAY_GCS_PORT}",
+    ]
+
+
+def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[str]) -> Obj:
+    """The driver pod of one attempt.
+
+    A bare pod, not a batch Job: the operator owns restarts (with backoff and the
+    checkpoint bookkeeping), so nothing else should retry it. The annotations record which
+    attempt it is and which compute pods it started with; a later reconcile compares them
+    with what exists to tell that a pod was lost, even across operator restarts.
+    """
+    _, mounts = _data_volumes(spec)
+    volumes, _ = _data_volumes(spec)
+    meta = _metadata(job, names.driver_name(job.name), names.DRIVER)
+    meta["annotations"] = {
+        names.ANNOTATION_RESTARTS: str(restarts),
+        names.ANNOTATION_COMPUTE_PODS: ",".join(sorted(compute_pods)),
+    }
+    container = {
+        "name": "driver",
+        "image": spec.trainer.image,
+        "command": driver_command(job, spec),
+        "env": [*_env(job, names.DRIVER), {"name": "RLJOB_RESTARTS", "value": str(restarts)}],
+        "resources": DRIVER_RESOURCES,
+        "volumeMounts": [
+            {"name": "spec", "mountPath": names.SPEC_DIR, "readOnly": True},
+            *(m for m in mounts if m["name"] != "dshm"),
+        ],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "serviceAccountName": names.service_account_name(job.name),
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": [
+                {"name": "spec", "configMap": {"name": names.configmap_name(job.name)}},
+                *volumes,
+            ],
+            **_scheduling(spec),
+        },
+    }
+
+
+def spec_document(job: JobRef, spec: Obj) -> str:
+    """The RLJob manifest the driver runs, as `rljob run` reads it."""
+    doc = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": job.name, "namespace": job.namespace},
+        "spec": spec,
+    }
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def build_configmap(job: JobRef, spec: Obj) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, names.configmap_name(job.name), names.DRIVER),
+        "data": {names.SPEC_FILE: spec_document(job, spec)},
+    }
+
+
+def build_rbac(job: JobRef) -> list[Obj]:
+    """ServiceAccount, Role and RoleBinding letting the job's pods read and patch the status
+    of their own RLJob (`resourceNames`), and nothing else."""
+    sa = names.service_account_name(job.name)
+    role = names.role_name(job.name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": _metadata(job, sa, names.DRIVER)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(job, role, names.DRIVER),
+            "rules": [
+                {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"],
+                 "resourceNames": [job.name], "verbs": ["get", "patch"]},
+                {"apiGroups": [GROUP], "resources": [PLURAL],
+                 "resourceNames": [job.name], "verbs": ["get"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(job, role, names.DRIVER),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": job.namespace}],
+        },
+    ]

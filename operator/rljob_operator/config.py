@@ -1,0 +1,71 @@
+"""Operator settings from flags, with environment defaults (for the Helm chart)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    kubeconfig: str | None = None
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    interval: float = 10.0  # seconds between resyncs of one job
+    workers: int = 4
+    server_timeout: int = 60  # watch requests end server-side after this long (seconds)
+    metrics_port: int = 9090  # 0 disables /metrics
+    metrics_addr: str = "0.0.0.0"
+    liveness: str | None = "http://0.0.0.0:8080/healthz"
+    verbose: bool = False
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rljob-operator",
+        description="Reconcile RLJob objects onto KubeRay and report their state.")
+    p.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"),
+                   help="kubeconfig file (default: $KUBECONFIG, else in-cluster service account)")
+    p.add_argument("--namespace", "-n", action="append", default=[], dest="namespaces",
+                   help="watch only this namespace (repeatable; default: all namespaces)")
+    p.add_argument("--interval", type=float,
+                   default=_env_float("RLJOB_OPERATOR_INTERVAL", OperatorConfig.interval),
+                   help="seconds between resyncs of each job ($RLJOB_OPERATOR_INTERVAL)")
+    p.add_argument("--workers", type=int, default=OperatorConfig.workers,
+                   help="jobs reconciled in parallel")
+    p.add_argument("--server-timeout", type=int,
+                   default=int(os.environ.get("RLJOB_OPERATOR_SERVER_TIMEOUT", "60")),
+                   help="watch timeout in seconds; the stream is re-opened after it")
+    p.add_argument("--metrics-port", type=int,
+                   default=int(os.environ.get("RLJOB_OPERATOR_METRICS_PORT", "9090")),
+                   help="Prometheus /metrics port; 0 disables it")
+    p.add_argument("--metrics-addr", default=OperatorConfig.metrics_addr)
+    p.add_argument("--liveness", default=os.environ.get(
+        "RLJOB_OPERATOR_LIVENESS", OperatorConfig.liveness),
+                   help="liveness endpoint URL, e.g. http://0.0.0.0:8080/healthz; '' disables")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> OperatorConfig:
+    args = build_parser().parse_args(argv)
+    if args.interval <= 0:
+        raise SystemExit("rljob-operator: --interval must be > 0 seconds")
+    if args.workers < 1:
+        raise SystemExit("rljob-operator: --workers must be >= 1")
+    return OperatorConfig(
+        kubeconfig=args.kubeconfig or None,
+        namespaces=tuple(args.namespaces),
+        interval=args.interval,
+        workers=args.workers,
+        server_timeout=args.server_timeout,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        liveness=args.liveness or None,
+        verbose=args.verbose,
+    )

@@ -1,0 +1,117 @@
+"""kopf wiring: watch events kick the controller; the controller does the work.
+
+No on.create/update/delete, daemon or timer handlers: those need kopf's finalizers and
+per-object progress annotations, and a level-based reconcile needs neither. Deleting an
+RLJob therefore never waits for the operator; owner references remove its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import kopf
+from kubernetes import client
+from rljob_api import GROUP, PLURAL, VERSION
+
+from rljob_operator import names
+from rljob_operator.config import OperatorConfig
+from rljob_operator.controller import Controller
+from rljob_operator.kube import Kube, load_configuration
+from rljob_operator.metrics import Metrics
+from rljob_operator.observe import pod_failure
+from rljob_operator.reconciler import FailureHints, Reconciler
+
+STALL_SECONDS = 60.0  # the liveness probe fails when the scheduler loop stalls this long
+
+
+def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    # Watches that end and re-open: the cure for the "operator goes deaf" bug.
+    settings.watching.server_timeout = cfg.server_timeout
+    settings.watching.client_timeout = cfg.server_timeout + 30
+    settings.watching.connect_timeout = 5
+    settings.networking.request_timeout = 30
+    settings.posting.level = 30  # kopf's own events: warnings and errors only
+    settings.scanning.disabled = bool(cfg.namespaces)
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    cfg: OperatorConfig = memo.config
+    c = load_configuration(cfg.kubeconfig)
+    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix(
+        "authorization")
+    scheme, _sep, token = str(header or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=c.host,
+        ca_path=c.ssl_ca_cert,
+        insecure=not c.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=c.cert_file,
+        private_key_path=c.key_file,
+    )
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    cfg: OperatorConfig = memo.config
+    configure(settings, cfg)
+    metrics = Metrics()
+    hints = FailureHints()
+    kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)))
+    controller = Controller(Reconciler(kube, metrics, hints).reconcile, cfg.interval,
+                            cfg.workers)
+    memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr) \
+        if cfg.metrics_port else None
+    memo.hints = hints
+    memo.controller = controller
+    memo.task = asyncio.create_task(controller.run())
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    memo.task.cancel()
+    if memo.metrics_server is not None:
+        memo.metrics_server.shutdown()
+
+
+@kopf.on.probe(id="reconcilerHeartbeatAge")
+def heartbeat(memo: kopf.Memo, **_: Any) -> float:
+    age: float = time.monotonic() - memo.controller.heartbeat
+    if memo.task.done() or age > STALL_SECONDS:
+        raise kopf.PermanentError(f"reconcile scheduler stalled for {age:.0f}s")
+    return round(age, 1)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def rljob_event(type: str, name: str, namespace: str | None, memo: kopf.Memo,
+                      **_: Any) -> None:
+    key = (namespace or "", name)
+    if type == "DELETED":
+        memo.controller.forget(key)
+    else:
+        memo.controller.track(key)
+
+
+@kopf.on.event("", "v1", "pods", labels={names.LABEL_JOB: kopf.PRESENT})
+async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: kopf.Labels,
+                    memo: kopf.Memo, **_: Any) -> None:
+    namespace = namespace or ""
+    job = labels[names.LABEL_JOB]
+    hint = pod_failure(dict(body))
+    if hint is not None:
+        memo.hints.record(namespace, job, name, hint)
+    memo.controller.kick((namespace, job))
+
+
+@kopf.on.event(names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL,
+               labels={names.LABEL_JOB: kopf.PRESENT})
+async def raycluster_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
+                           **_: Any) -> None:
+    memo.controller.kick((namespace or "", labels[names.LABEL_JOB]))

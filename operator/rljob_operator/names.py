@@ -1,0 +1,65 @@
+"""Names, labels and annotations shared by the operator's builders and observers.
+
+Every child name derives from the RLJob name alone, so a restarted operator finds the
+children its predecessor made instead of creating duplicates.
+"""
+
+from __future__ import annotations
+
+from rljob_api import GROUP
+
+FIELD_MANAGER = "rljob-operator"
+LABEL_JOB = f"{GROUP}/job"
+LABEL_COMPONENT = f"{GROUP}/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_RESTARTS = f"{GROUP}/restarts"
+ANNOTATION_COMPUTE_PODS = f"{GROUP}/compute-pods"
+
+HEAD = "head"
+TRAINER = "trainer"
+ROLLOUT = "rollout"
+COLOCATED = "colocated"
+DRIVER = "driver"
+COMPUTE_COMPONENTS = (HEAD, TRAINER, ROLLOUT, COLOCATED)
+
+RAY_API_VERSION = "ray.io/v1"
+RAY_GROUP = "ray.io"
+RAY_VERSION = "v1"
+RAY_PLURAL = "rayclusters"
+RAY_GCS_PORT = 6379
+ENGINE_PORT = 30000
+SPEC_FILE = "rljob.yaml"
+SPEC_DIR = "/etc/rljob"
+
+# KubeRay refuses RayCluster names longer than this; the RayCluster carries the job's name.
+MAX_JOB_NAME = 53
+
+
+def raycluster_name(job: str) -> str:
+    return job
+
+
+def head_service(job: str, namespace: str) -> str:
+    """The DNS name KubeRay gives the head Service of the job's RayCluster."""
+    return f"{raycluster_name(job)}-head-svc.{namespace}.svc"
+
+
+def driver_name(job: str) -> str:
+    return f"{job}-driver"
+
+
+def configmap_name(job: str) -> str:
+    return f"{job}-spec"
+
+
+def service_account_name(job: str) -> str:
+    return f"{job}-runtime"
+
+
+def role_name(job: str) -> str:
+    return f"{job}-status-writer"
+
+
+def labels(job: str, component: str) -> dict[str, str]:
+    """Labels every child carries: `kubectl get pods -l rljob.io/job=NAME` finds them all."""
+    return {LABEL_JOB: job, LABEL_COMPONENT: component, LABEL_MANAGED_BY: FIELD_MANAGER}

@@ -1,0 +1,156 @@
+"""Pure observation: raw API objects of one job's children into a compact view.
+
+The decision logic (`status.py`) only sees these views, so it can be tested with plain
+values and cannot accidentally depend on a field the API server did not send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob_api.spec import FailureKind
+
+from rljob_operator import names
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FailureHint:
+    """A pod failure seen on the watch stream before the pod vanished (KubeRay deletes failed
+    pods at once); only used to name the cause better than "deleted"."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PodView:
+    name: str
+    component: str
+    phase: str
+    node: str | None
+    deleting: bool
+    ready: bool
+    failure: FailureHint | None
+    unschedulable: str | None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def restarts(self) -> int | None:
+        """Which attempt a driver pod belongs to (its `rljob.io/restarts` annotation)."""
+        raw = self.annotations.get(names.ANNOTATION_RESTARTS)
+        return int(raw) if raw is not None and raw.isdigit() else None
+
+    @property
+    def recorded_compute(self) -> frozenset[str]:
+        """The compute pods a driver pod started with."""
+        raw = self.annotations.get(names.ANNOTATION_COMPUTE_PODS, "")
+        return frozenset(p for p in raw.split(",") if p)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one reconcile knows about a job's children."""
+
+    cluster: str  # "absent", "present" or "deleting"
+    driver: PodView | None
+    compute: tuple[PodView, ...]
+    lost_nodes: frozenset[str]
+    hints: Mapping[str, FailureHint] = field(default_factory=dict)
+
+    def live_compute(self) -> list[PodView]:
+        """Compute pods that are neither failed, going away, nor on a lost node."""
+        return [
+            p for p in self.compute
+            if not p.deleting and p.failure is None and p.node not in self.lost_nodes
+        ]
+
+
+def _condition(obj: Obj, kind: str) -> Obj | None:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind:
+            return dict(cond)
+    return None
+
+
+def _terminated(pod: Obj) -> Obj | None:
+    """The terminated state of the pod's first (Ray or driver) container, if it ended."""
+    containers = pod.get("spec", {}).get("containers") or [{}]
+    first = containers[0].get("name")
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == first:
+            terminated = (status.get("state") or {}).get("terminated")
+            return dict(terminated) if terminated else None
+    return None
+
+
+def pod_failure(pod: Obj) -> FailureHint | None:
+    """Why a pod failed, if it did: evicted, failed phase, or a dead first container."""
+    status = pod.get("status") or {}
+    if status.get("reason") == "Evicted":
+        return FailureHint(FailureKind.pod_evicted.value, status.get("message") or "evicted")
+    terminated = _terminated(pod)
+    if status.get("phase") == "Failed" or (terminated and terminated.get("exitCode") != 0):
+        detail = status.get("message") or status.get("reason") or ""
+        if terminated:
+            detail = (f"container exited with code {terminated.get('exitCode')} "
+                      f"({terminated.get('reason') or 'Error'}) {detail}").strip()
+        return FailureHint(FailureKind.pod_failed.value, detail or "pod failed")
+    return None
+
+
+def pod_view(pod: Obj) -> PodView:
+    meta = pod["metadata"]
+    status = pod.get("status") or {}
+    scheduled = _condition(pod, "PodScheduled")
+    unschedulable = None
+    if scheduled and scheduled.get("status") == "False":
+        unschedulable = scheduled.get("message") or scheduled.get("reason") or "not scheduled"
+    ready = _condition(pod, "Ready")
+    return PodView(
+        name=meta["name"],
+        component=(meta.get("labels") or {}).get(names.LABEL_COMPONENT, ""),
+        phase=status.get("phase") or "Pending",
+        node=(pod.get("spec") or {}).get("nodeName"),
+        deleting=meta.get("deletionTimestamp") is not None,
+        ready=bool(ready and ready.get("status") == "True"),
+        failure=pod_failure(pod),
+        unschedulable=unschedulable,
+        annotations=dict(meta.get("annotations") or {}),
+    )
+
+
+def lost_nodes(nodes: Iterable[Obj], used: Iterable[str]) -> frozenset[str]:
+    """Nodes the job's pods are bound to that are gone or not Ready."""
+    ready = {
+        n["metadata"]["name"]
+        for n in nodes
+        if (_condition(n, "Ready") or {}).get("status") == "True"
+    }
+    return frozenset(name for name in used if name not in ready)
+
+
+def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
+            hints: Mapping[str, FailureHint] | None = None) -> Observed:
+    views = [pod_view(p) for p in pods]
+    driver_name = names.driver_name(job_name)
+    driver = next((v for v in views if v.name == driver_name), None)
+    compute = tuple(sorted(
+        (v for v in views if v.component in names.COMPUTE_COMPONENTS and v.name != driver_name),
+        key=lambda v: v.name,
+    ))
+    used = {v.node for v in views if v.node}
+    cluster = "absent"
+    if raycluster is not None:
+        deleting = raycluster["metadata"].get("deletionTimestamp") is not None
+        cluster = "deleting" if deleting else "present"
+    return Observed(
+        cluster=cluster,
+        driver=driver,
+        compute=compute,
+        lost_nodes=lost_nodes(nodes, used),
+        hints=dict(hints or {}),
+    )

@@ -1,0 +1,130 @@
+"""One reconcile of one RLJob: read, decide (pure), write status, act.
+
+The status is written before the actions, so a crash between the two leaves a status that
+the next reconcile, recomputing from the same stored state, turns into the same actions;
+actions are idempotent, and child names are fixed, so nothing is ever duplicated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+from rljob_operator import builders, names
+from rljob_operator.builders import JobRef, Obj
+from rljob_operator.kube import Kube
+from rljob_operator.metrics import Metrics
+from rljob_operator.observe import FailureHint, observe
+from rljob_operator.status import Actions, JobView, decide, needs_write, parse_job, parse_time
+
+log = logging.getLogger("rljob_operator")
+MAX_HINTS_PER_JOB = 64
+
+
+class FailureHints:
+    """Pod failures seen on the watch stream, per job; thread-safe and bounded."""
+
+    def __init__(self) -> None:
+        self._hints: dict[tuple[str, str], dict[str, FailureHint]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, namespace: str, job: str, pod: str, hint: FailureHint) -> None:
+        with self._lock:
+            per_job = self._hints.setdefault((namespace, job), {})
+            per_job[pod] = hint
+            while len(per_job) > MAX_HINTS_PER_JOB:
+                per_job.pop(next(iter(per_job)))
+
+    def of(self, namespace: str, job: str) -> dict[str, FailureHint]:
+        with self._lock:
+            return dict(self._hints.get((namespace, job), {}))
+
+    def forget(self, namespace: str, job: str) -> None:
+        with self._lock:
+            self._hints.pop((namespace, job), None)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, metrics: Metrics, hints: FailureHints,
+                 clock: Callable[[], datetime] = _utcnow) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.hints = hints
+        self.clock = clock
+
+    def reconcile(self, namespace: str, name: str) -> float | None:
+        """Bring one job one step closer to its desired state; returns seconds until it
+        wants to be looked at again (None: the regular interval), or raises."""
+        with self.metrics.reconcile_seconds.time():
+            try:
+                after = self._reconcile(namespace, name)
+            except Exception:
+                self.metrics.reconciles.labels(result="error").inc()
+                raise
+        self.metrics.reconciles.labels(result="ok").inc()
+        return after
+
+    def _reconcile(self, namespace: str, name: str) -> float | None:
+        body = self.kube.get_rljob(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            # Children go with the RLJob through owner references; nothing to do.
+            self.metrics.set_phase((namespace, name), None)
+            self.hints.forget(namespace, name)
+            return None
+        job = parse_job(body)
+        pods = self.kube.list_pods(namespace, name)
+        nodes = self.kube.list_nodes() if any(p.get("spec", {}).get("nodeName")
+                                              for p in pods) else []
+        observed = observe(name, self.kube.get_raycluster(namespace, name), pods, nodes,
+                           self.hints.of(namespace, name))
+        now = self.clock()
+        decision = decide(job, observed, now)
+        if needs_write(job.status, decision.status):
+            self.kube.apply_status(namespace, name, decision.status)
+            self.metrics.status_writes.inc()
+            self._count(body, job.status, decision.status, now)
+        if decision.event is not None:
+            log.info("%s/%s: %s: %s", namespace, name, decision.event.reason,
+                     decision.event.message)
+            self.kube.post_event(body, decision.event)
+        if decision.restart is not None:
+            self.metrics.restarts.labels(reason=decision.restart.kind).inc()
+        restarts = int(decision.status.get("recovery", {}).get("restarts") or 0)
+        self._act(JobRef.of(body), body, job, decision.actions, restarts)
+        self.metrics.set_phase((namespace, name), decision.status.get("phase"))
+        return decision.requeue_after
+
+    def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
+        created = parse_time(body["metadata"].get("creationTimestamp"))
+        if created is not None and not old.get("startedAt") and new.get("startedAt"):
+            self.metrics.time_to_running.observe((now - created).total_seconds())
+
+    def _ensure_support(self, ref: JobRef, body: Obj) -> None:
+        for obj in builders.build_rbac(ref):
+            self.kube.create(obj)
+        self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}))
+
+    def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
+             restarts: int) -> None:
+        ns = ref.namespace
+        for pod in actions.delete_pods:
+            self.kube.delete_pod(ns, pod, force=True)
+        if actions.delete_driver:
+            self.kube.delete_pod(ns, names.driver_name(ref.name))
+        if actions.delete_cluster:
+            self.kube.delete_raycluster(ns, names.raycluster_name(ref.name))
+        if job.spec is None:
+            return
+        if actions.create_cluster:
+            self._ensure_support(ref, body)
+            self.kube.create(builders.build_raycluster(ref, job.spec))
+        if actions.create_driver is not None:
+            self._ensure_support(ref, body)
+            self.kube.create(builders.build_driver(ref, job.spec, restarts,
+                                                   list(actions.create_driver)))

@@ -1,0 +1,463 @@
+"""Pure decisions: (job, observed children, now) → the operator's status fields and actions.
+
+Level-based: the decision depends only on the RLJob as stored (spec and status) and on what
+exists now, never on which event woke the operator, so a restarted operator picks up
+exactly where the previous one stopped. All durable state lives in `status` (restart count,
+backoff deadline) and in the driver pod's annotations (its attempt and the compute pods it
+started with).
+
+The operator owns `phase`, `conditions`, `observedGeneration`, `recovery`, `startedAt` and
+`finishedAt`; `progress`, `checkpoint` and `runtimeFailure` belong to the runtime and are
+only read here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from pydantic import ValidationError
+from rljob_api.spec import FailureKind, RLJobSpec
+from rljob_api.status import TERMINAL_PHASES, Phase
+from rljob_api.validate import spec_problems
+
+from rljob_operator import names
+from rljob_operator.builders import worker_groups
+from rljob_operator.observe import Observed, PodView
+
+Obj = dict[str, Any]
+OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startedAt",
+                   "finishedAt")
+MAX_LISTED_PODS = 5
+
+
+def iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The RLJob as stored: a valid spec, or the reason it is not."""
+
+    name: str
+    generation: int
+    spec: RLJobSpec | None
+    spec_error: str | None
+    status: Obj
+
+
+def parse_job(body: Obj) -> JobView:
+    meta = body["metadata"]
+    name = meta["name"]
+    raw = body.get("spec")
+    spec: RLJobSpec | None = None
+    errors = [str(p) for p in spec_problems(raw)]
+    if len(name) > names.MAX_JOB_NAME:
+        errors.append(f"metadata.name must be at most {names.MAX_JOB_NAME} characters "
+                      "(KubeRay's RayCluster name limit); recreate the job with a shorter name")
+    if not errors:
+        try:
+            spec = RLJobSpec.model_validate(raw)
+        except ValidationError as err:
+            errors.append(str(err))
+    return JobView(
+        name=name,
+        generation=int(meta.get("generation") or 0),
+        spec=spec,
+        spec_error="; ".join(errors) if errors else None,
+        status=dict(body.get("status") or {}),
+    )
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str
+    message: str
+    pod: str | None
+
+
+@dataclass(frozen=True)
+class Actions:
+    """Idempotent steps for the reconciler; each is safe to repeat or to find already done."""
+
+    create_cluster: bool = False
+    delete_cluster: bool = False
+    create_driver: tuple[str, ...] | None = None  # compute pods the new driver starts with
+    delete_driver: bool = False
+    delete_pods: tuple[str, ...] = ()  # force-deleted: failed, or stranded on a lost node
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: Obj
+    actions: Actions = field(default_factory=Actions)
+    event: Event | None = None
+    requeue_after: float | None = None
+    restart: Failure | None = None  # set when this decision starts a restart
+
+
+def operator_fields(status: Obj) -> Obj:
+    return {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
+
+
+def _normal(status: Obj) -> Obj:
+    out = dict(status)
+    out["conditions"] = {c["type"]: c for c in status.get("conditions") or []}
+    return out
+
+
+def needs_write(current: Obj, desired: Obj) -> bool:
+    """Whether the operator's fields differ from what is stored (no write when equal)."""
+    return _normal(operator_fields(current)) != _normal(desired)
+
+
+def condition(old: list[Obj], kind: str, status: str, reason: str, message: str,
+              generation: int, now: datetime) -> Obj:
+    """A metav1.Condition; its lastTransitionTime only moves when `status` changes."""
+    prev = next((c for c in old if c.get("type") == kind), None)
+    moved = prev is None or prev.get("status") != status
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": iso(now) if moved or prev is None
+        else prev["lastTransitionTime"],
+        "observedGeneration": generation,
+    }
+
+
+def backoff_seconds(spec: RLJobSpec, restart: int) -> int:
+    """Delay before restart number `restart` (1-based): doubling, capped."""
+    rec = spec.recovery
+    return int(min(rec.backoff_seconds * 2 ** max(0, restart - 1), rec.max_backoff_seconds))
+
+
+def _pod_list(pods: list[str]) -> str:
+    shown = ", ".join(pods[:MAX_LISTED_PODS])
+    more = len(pods) - MAX_LISTED_PODS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def unschedulable_message(pods: list[PodView]) -> str:
+    """Which pods cannot be scheduled and the scheduler's reason, grouped by reason."""
+    by_reason: dict[str, list[str]] = {}
+    for pod in pods:
+        by_reason.setdefault(pod.unschedulable or "", []).append(pod.name)
+    return "; ".join(
+        f"{len(p)} pod(s) cannot be scheduled ({_pod_list(p)}): {reason}"
+        for reason, p in sorted(by_reason.items())
+    )
+
+
+class _Decider:
+    """One decision; helpers share the job, observation and clock."""
+
+    def __init__(self, job: JobView, obs: Observed, now: datetime) -> None:
+        self.job = job
+        self.obs = obs
+        self.now = now
+        self.cur = job.status
+        self.phase = self.cur.get("phase")
+        self.recovery: Obj = dict(self.cur.get("recovery") or {})
+        self.restarts = int(self.recovery.get("restarts") or 0)
+
+    # -- status assembly -------------------------------------------------------------------
+
+    def status(self, phase: str, conditions: list[tuple[str, str, str, str]],
+               recovery: Obj, finished: bool = False) -> Obj:
+        old = list(self.cur.get("conditions") or [])
+        out: Obj = {
+            "phase": phase,
+            "observedGeneration": self.job.generation,
+            "conditions": [condition(old, k, s, r, m, self.job.generation, self.now)
+                           for k, s, r, m in conditions],
+            "recovery": {k: v for k, v in recovery.items() if v is not None},
+        }
+        started = self.cur.get("startedAt")
+        if started is None and phase == Phase.running.value:
+            started = iso(self.now)
+        if started:
+            out["startedAt"] = started
+        finished_at = self.cur.get("finishedAt") or (iso(self.now) if finished else None)
+        if finished_at:
+            out["finishedAt"] = finished_at
+        return out
+
+    def base_recovery(self, action: str | None, next_at: str | None = None) -> Obj:
+        rec = dict(self.recovery)
+        rec["restarts"] = self.restarts
+        rec["lostSteps"] = int(rec.get("lostSteps") or 0)
+        if self.job.spec is not None:
+            rec["maxRestarts"] = self.job.spec.recovery.max_restarts
+        rec["action"] = action
+        rec["nextAttemptAt"] = next_at
+        return rec
+
+    def transition_event(self, phase: str, type_: str, message: str) -> Event | None:
+        return None if phase == self.phase else Event(type_, phase, message)
+
+    # -- terminal and special phases -------------------------------------------------------
+
+    def terminal(self) -> Decision:
+        """Succeeded/Failed stay so; compute is torn down, the driver pod kept for its logs."""
+        status = operator_fields(self.cur)
+        status["observedGeneration"] = self.job.generation
+        return Decision(status, Actions(delete_cluster=self.obs.cluster == "present"))
+
+    def fail(self, reason: str, message: str, last_failure: Obj | None = None) -> Decision:
+        rec = self.base_recovery(None)
+        if last_failure is not None:
+            rec["lastFailure"] = last_failure
+        status = self.status(Phase.failed.value, [
+            ("Ready", "False", reason, message),
+            ("Failed", "True", reason, message),
+        ], rec, finished=True)
+        return Decision(
+            status,
+            Actions(delete_cluster=self.obs.cluster == "present"),
+            self.transition_event(Phase.failed.value, "Warning", f"{reason}: {message}"),
+        )
+
+    def succeed(self) -> Decision:
+        message = "the driver completed every step"
+        status = self.status(Phase.succeeded.value, [
+            ("Ready", "False", "Succeeded", message),
+            ("Succeeded", "True", "DriverSucceeded", message),
+        ], self.base_recovery(None), finished=True)
+        return Decision(status, Actions(delete_cluster=self.obs.cluster == "present"),
+                        self.transition_event(Phase.succeeded.value, "Normal", message))
+
+    def suspended(self) -> Decision:
+        driver = self.obs.driver
+        message = "spec.scheduling.suspend is true: compute released, checkpoints kept"
+        status = self.status(Phase.suspended.value, [
+            ("Ready", "False", "Suspended", message),
+            ("Scheduled", "False", "Suspended", message),
+            ("Suspended", "True", "Suspended", message),
+        ], self.base_recovery(None))
+        actions = Actions(
+            delete_cluster=self.obs.cluster == "present",
+            delete_driver=driver is not None and not driver.deleting,
+        )
+        return Decision(status, actions,
+                        self.transition_event(Phase.suspended.value, "Normal", message))
+
+    # -- failures and recovery -------------------------------------------------------------
+
+    def detect_failure(self, driver: PodView) -> Failure | None:
+        """The first sign that the running attempt is broken, most specific cause first."""
+        obs = self.obs
+        if driver.node in obs.lost_nodes:
+            return Failure(FailureKind.node_lost.value,
+                           f"node {driver.node} is not Ready or was removed", driver.name)
+        if driver.failure is not None:
+            kind = driver.failure.kind
+            if kind == FailureKind.pod_failed.value:
+                kind = FailureKind.driver_failed.value
+            message = driver.failure.message
+            runtime = self.cur.get("runtimeFailure")
+            if runtime:
+                message = f"{runtime.get('reason')}: {runtime.get('message', '')}; {message}"
+            return Failure(kind, message, driver.name)
+        recorded = driver.recorded_compute
+        for pod in obs.compute:
+            if pod.node in obs.lost_nodes and pod.name in recorded:
+                return Failure(FailureKind.node_lost.value,
+                               f"node {pod.node} is not Ready or was removed", pod.name)
+        for pod in obs.compute:
+            if pod.failure is not None and pod.name in recorded:
+                return Failure(pod.failure.kind, pod.failure.message, pod.name)
+        present = {p.name for p in obs.compute if not p.deleting}
+        for name in sorted(recorded - present):
+            hint = obs.hints.get(name)
+            if hint is not None:
+                return Failure(hint.kind, hint.message, name)
+            return Failure(FailureKind.pod_deleted.value, "the pod was deleted", name)
+        return None
+
+    def recover_or_fail(self, failure: Failure) -> Decision:
+        spec = self.job.spec
+        assert spec is not None
+        last = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
+                "time": iso(self.now)}
+        last = {k: v for k, v in last.items() if v is not None}
+        if failure.kind not in spec.recovery.retry_on:
+            return self.fail(failure.kind, f"{failure.message} (pod {failure.pod}); "
+                             f"{failure.kind} is not in spec.recovery.retryOn", last)
+        if self.restarts >= spec.recovery.max_restarts:
+            return self.fail(
+                "RestartLimitExceeded",
+                f"{failure.kind} of pod {failure.pod}: {failure.message}; all "
+                f"{spec.recovery.max_restarts} restarts (spec.recovery.maxRestarts) are used",
+                last,
+            )
+        restart = self.restarts + 1
+        delay = backoff_seconds(spec, restart)
+        checkpoint = self.cur.get("checkpoint") or {}
+        resume = int(checkpoint.get("step") or 0) if checkpoint.get("verified") else 0
+        step = int((self.cur.get("progress") or {}).get("rolloutStep") or 0)
+        self.restarts = restart
+        rec = self.base_recovery("WaitingForBackoff", iso(self.now + timedelta(seconds=delay)))
+        rec.update(lastFailure=last, resumedFromStep=resume, lostSteps=max(0, step - resume))
+        message = (f"{failure.kind} (pod {failure.pod}): {failure.message}; restart "
+                   f"{restart}/{spec.recovery.max_restarts} in {delay}s from checkpoint "
+                   f"step {resume}")
+        status = self.status(Phase.recovering.value, [
+            ("Ready", "False", failure.kind, message),
+            *self.scheduling_conditions(),
+        ], rec)
+        driver = self.obs.driver
+        stranded = self.stranded_pods()
+        failed = tuple(p.name for p in self.obs.compute if p.failure is not None)
+        actions = Actions(
+            create_cluster=self.obs.cluster == "absent",
+            delete_driver=driver is not None and not driver.deleting,
+            delete_pods=tuple(sorted(set(stranded) | set(failed))),
+        )
+        return Decision(status, actions, Event("Warning", "Recovering", message),
+                        requeue_after=float(delay), restart=failure)
+
+    # -- the normal path -------------------------------------------------------------------
+
+    def stranded_pods(self) -> tuple[str, ...]:
+        """Pods on lost nodes: no kubelet will ever finish them, so they are force-deleted
+        for KubeRay to replace them elsewhere."""
+        pods = [*self.obs.compute, *([self.obs.driver] if self.obs.driver else [])]
+        return tuple(p.name for p in pods if p.node in self.obs.lost_nodes)
+
+    def expected(self) -> dict[str, int]:
+        assert self.job.spec is not None
+        return {names.HEAD: 1, **worker_groups(self.job.spec)}
+
+    def compute_ready(self) -> bool:
+        live = self.obs.live_compute()
+        for component, count in self.expected().items():
+            ready = [p for p in live
+                     if p.component == component and p.phase == "Running" and p.ready]
+            if len(ready) < count:
+                return False
+        return self.obs.cluster == "present"
+
+    def all_scheduled(self) -> bool:
+        live = [p for p in self.obs.live_compute() if p.unschedulable is None and p.node]
+        return self.obs.cluster == "present" and len(live) >= sum(self.expected().values())
+
+    def scheduling_conditions(self) -> list[tuple[str, str, str, str]]:
+        stuck = [p for p in self.obs.compute if p.unschedulable and not p.deleting]
+        if stuck:
+            sched = ("Scheduled", "False", "Unschedulable", unschedulable_message(stuck))
+        elif not self.all_scheduled():
+            live = len([p for p in self.obs.live_compute() if p.node])
+            sched = ("Scheduled", "False", "WaitingForPods",
+                     f"{live} of {sum(self.expected().values())} compute pods are placed")
+        else:
+            sched = ("Scheduled", "True", "AllPodsScheduled",
+                     "every compute pod is bound to a node")
+        return [sched, ("Suspended", "False", "NotSuspended", "")]
+
+    def active(self) -> Decision:
+        driver = self.obs.driver
+        stale = driver is not None and driver.restarts != self.restarts
+        attempt = driver if driver is not None and not stale and not driver.deleting else None
+        running = self.phase == Phase.running.value
+        if attempt is not None and attempt.phase == "Succeeded":
+            return self.succeed()
+        failure = None
+        if attempt is not None:
+            failure = self.detect_failure(attempt)
+        elif running and (driver is None or (driver.deleting and not stale)):
+            failure = Failure(FailureKind.pod_deleted.value, "the driver pod was deleted",
+                              names.driver_name(self.job.name))
+        if failure is not None:
+            return self.recover_or_fail(failure)
+        return self.progressing(driver, attempt, stale)
+
+    def progressing(self, driver: PodView | None, attempt: PodView | None,
+                    stale: bool) -> Decision:
+        recovering = self.phase == Phase.recovering.value
+        ready = self.compute_ready()
+        create_driver: tuple[str, ...] | None = None
+        requeue: float | None = None
+        next_at = self.recovery.get("nextAttemptAt") if recovering else None
+        waiting_phase = Phase.recovering.value if recovering else (
+            Phase.initializing.value if self.all_scheduled() else Phase.pending.value)
+        if attempt is not None and attempt.phase == "Running" and ready:
+            phase, action, next_at = Phase.running.value, None, None
+        elif attempt is not None:
+            phase, action = waiting_phase, "StartingDriver"
+            if not recovering:
+                phase = Phase.initializing.value
+        elif driver is not None:
+            phase, action = waiting_phase, "StoppingDriver"
+        elif not ready:
+            phase, action = waiting_phase, "WaitingForPods"
+        else:
+            due = parse_time(next_at)
+            if recovering and due is not None and self.now < due:
+                phase, action = waiting_phase, "WaitingForBackoff"
+                requeue = (due - self.now).total_seconds()
+            else:
+                phase, action = waiting_phase, "StartingDriver"
+                if not recovering:
+                    phase = Phase.initializing.value
+                create_driver = tuple(p.name for p in self.obs.live_compute())
+        if not recovering and phase != Phase.running.value:
+            action = None
+        rec = self.base_recovery(action, next_at)
+        ready_cond = ("Ready", "True", "Running", "the driver and every compute pod run")
+        if phase != Phase.running.value:
+            ready_cond = ("Ready", "False", action or phase, f"phase {phase}")
+        status = self.status(phase, [ready_cond, *self.scheduling_conditions()], rec)
+        actions = Actions(
+            create_cluster=self.obs.cluster == "absent",
+            create_driver=create_driver,
+            delete_driver=stale and driver is not None and not driver.deleting,
+            delete_pods=self.stranded_pods(),
+        )
+        return Decision(status, actions, self.phase_event(phase, rec), requeue)
+
+    def phase_event(self, phase: str, rec: Obj) -> Event | None:
+        if phase == self.phase:
+            return None
+        if phase == Phase.running.value and self.phase == Phase.recovering.value:
+            return Event("Normal", "Resumed",
+                         f"running again after restart {rec['restarts']}, resumed from "
+                         f"checkpoint step {rec.get('resumedFromStep', 0)}")
+        if phase == Phase.pending.value:
+            return Event("Normal", phase, "waiting for compute pods to be scheduled")
+        return Event("Normal", phase, f"phase {phase}")
+
+
+def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
+    """The operator's status fields and next actions for one job."""
+    d = _Decider(job, obs, now)
+    if d.phase in TERMINAL_PHASES:
+        return d.terminal()
+    if job.spec is None:
+        return d.fail("InvalidSpec", job.spec_error or "the spec is invalid")
+    runtime = job.status.get("runtimeFailure")
+    if runtime and runtime.get("retryable") is False:
+        return d.fail(str(runtime.get("reason") or "RuntimeFailure"),
+                      str(runtime.get("message") or "the runtime stopped the job"))
+    if job.spec.scheduling.suspend:
+        return d.suspended()
+    return d.active()
+
+
+__all__ = ["Actions", "Decision", "Event", "Failure", "JobView", "decide", "needs_write",
+           "operator_fields", "parse_job"]

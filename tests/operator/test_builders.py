@@ -1,0 +1,123 @@
+"""Pure builders: spec → RayCluster, driver pod, ConfigMap and RBAC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from rljob_api.spec import RLJobSpec
+from rljob_api.validate import spec_problems
+from rljob_operator import builders
+from rljob_operator.builders import JobRef
+
+pytestmark = pytest.mark.unit
+JOB = JobRef("rl", "team-a", "uid-1")
+
+
+def spec(**raw: Any) -> RLJobSpec:
+    assert spec_problems(raw) == []
+    return RLJobSpec.model_validate(raw)
+
+
+def containers(group: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(group["template"]["spec"]["containers"])
+
+
+def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
+    s = spec(trainer={"replicas": 2, "gpusPerReplica": 4, "image": "t:1",
+                      "resources": {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}}},
+             rollout={"gpus": 6, "gpusPerEngine": 2, "image": "r:1"},
+             scheduling={"nodeSelector": {"pool": "h200"}, "priorityClassName": "high",
+                         "tolerations": [{"key": "gpu", "operator": "Exists",
+                                          "effect": "NoSchedule"}]},
+             checkpoint={"pvc": "ckpt", "path": "/ckpt"})
+    rc = builders.build_raycluster(JOB, s)
+    assert rc["metadata"]["name"] == "rl"
+    assert rc["metadata"]["ownerReferences"] == [{
+        "apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "rl", "uid": "uid-1",
+        "controller": True, "blockOwnerDeletion": True}]
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert {k: g["replicas"] for k, g in groups.items()} == {"trainer": 2, "rollout": 3}
+
+    trainer = containers(groups["trainer"])[0]
+    assert trainer["image"] == "t:1"
+    assert trainer["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": "4"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "4"}}
+    assert {"name": "checkpoints", "mountPath": "/ckpt"} in trainer["volumeMounts"]
+    pod = groups["trainer"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}} \
+        in pod["volumes"]
+    assert pod["nodeSelector"] == {"pool": "h200"}
+    assert pod["priorityClassName"] == "high"
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert groups["trainer"]["template"]["metadata"]["labels"]["rljob.io/component"] == "trainer"
+
+    engine, sidecar = containers(groups["rollout"])
+    assert engine["image"] == "r:1"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert sidecar["command"] == ["rljob-weight-sync"]
+    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    assert env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:30000"
+    assert env["RLJOB_NAME"] == "rl" and env["RLJOB_NAMESPACE"] == "team-a"
+
+    head = containers(rc["spec"]["headGroupSpec"])[0]
+    assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
+    assert rc["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+
+
+def test_colocated_uses_one_shared_group_with_the_sidecar() -> None:
+    s = spec(placement="colocated", trainer={"replicas": 2, "gpusPerReplica": 8},
+             rollout={"gpus": 16, "gpusPerEngine": 2})
+    groups = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
+    assert [(g["groupName"], g["replicas"]) for g in groups] == [("colocated", 2)]
+    assert [c["name"] for c in containers(groups[0])] == ["ray-worker", "weight-sync"]
+
+
+def test_hf_rollout_and_cpu_trainer_request_no_gpus() -> None:
+    s = spec(trainer={"backend": "torch", "gpusPerReplica": 0},
+             rollout={"backend": "hf", "gpus": 2, "gpusPerEngine": 1})
+    for group in builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]:
+        resources = containers(group)[0]["resources"]
+        assert "nvidia.com/gpu" not in resources.get("limits", {})
+
+
+def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
+    s = spec(checkpoint={"path": "/ckpt/"})
+    pod = builders.build_driver(JOB, s, restarts=2, compute_pods=["b", "a"])
+    assert pod["metadata"]["name"] == "rl-driver"
+    assert pod["metadata"]["annotations"] == {"rljob.io/restarts": "2",
+                                              "rljob.io/compute-pods": "a,b"}
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert pod["spec"]["serviceAccountName"] == "rl-runtime"
+    (container,) = pod["spec"]["containers"]
+    assert container["command"] == [
+        "rljob", "run", "/etc/rljob/rljob.yaml", "--workdir", "/ckpt/rl",
+        "--ray-address", "rl-head-svc.team-a.svc:6379"]
+    assert pod["metadata"]["labels"]["rljob.io/component"] == "driver"
+
+
+def test_configmap_holds_a_manifest_rljob_run_accepts() -> None:
+    raw = {"trainer": {"replicas": 1}}
+    cm = builders.build_configmap(JOB, raw)
+    doc = yaml.safe_load(cm["data"]["rljob.yaml"])
+    assert doc["kind"] == "RLJob" and doc["metadata"] == {"name": "rl", "namespace": "team-a"}
+    assert doc["spec"] == raw
+
+
+def test_role_grants_only_this_jobs_status() -> None:
+    sa, role, binding = builders.build_rbac(JOB)
+    assert sa["metadata"]["name"] == "rl-runtime"
+    assert all(rule["resourceNames"] == ["rl"] for rule in role["rules"])
+    verbs = {r["resources"][0]: r["verbs"] for r in role["rules"]}
+    assert verbs == {"rljobs/status": ["get", "patch"], "rljobs": ["get"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-runtime",
+                                    "namespace": "team-a"}]
+
+
+def test_builders_are_deterministic() -> None:
+    s = spec()
+    assert builders.build_raycluster(JOB, s) == builders.build_raycluster(JOB, s)

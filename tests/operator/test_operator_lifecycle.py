@@ -1,0 +1,161 @@
+"""The operator on a real control plane: apply → RayCluster → pods on fake GPU nodes →
+Running; runtime progress in the columns; no idle status writes; RBAC, GC, suspend,
+success, unschedulable jobs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.controlplane import ControlPlane
+from tests.operator.harness import Operator, job_manifest
+from tests.operator.jobs import patch_pod_phase, pods, report, status, wait_phase
+from tests.polling import wait_for
+
+pytestmark = pytest.mark.controlplane
+Pool = Callable[[int, int], list[str]]
+
+
+def test_job_runs_reports_progress_and_is_quiet_when_idle(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
+        api_client: Any) -> None:
+    nodes = gpu_pool(1, 8)
+    cluster.apply(job_manifest("rl", namespace), "-n", namespace)
+    st = wait_phase(cluster, namespace, "rl", "Running")
+    assert st["startedAt"] and st["observedGeneration"] == 1
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "True"
+
+    # Children: RayCluster with head + trainer + rollout groups, labels and owners.
+    rc = cluster.get_json("raycluster", "rl", "-n", namespace)
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"trainer", "rollout"}
+    assert groups["rollout"]["replicas"] == 2
+    rollout_containers = groups["rollout"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in rollout_containers] == ["ray-worker", "weight-sync"]
+    assert rc["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+    by_component = {c: pods(cluster, namespace, "rl", c)
+                    for c in ("head", "trainer", "rollout", "driver")}
+    assert {c: len(p) for c, p in by_component.items()} == {
+        "head": 1, "trainer": 1, "rollout": 2, "driver": 1}
+    assert all(p["spec"]["nodeName"] == nodes[0] for ps in by_component.values() for p in ps)
+    trainer = by_component["trainer"][0]["spec"]["containers"][0]
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    driver = by_component["driver"][0]
+    assert driver["spec"]["containers"][0]["command"][:2] == ["rljob", "run"]
+    assert f"rl-head-svc.{namespace}.svc:6379" in driver["spec"]["containers"][0]["command"]
+
+    # `kubectl get rljobs` shows the phase; the runtime's reports fill the other columns.
+    report(api_client, namespace, "rl", step=7, checkpoint=5, reward=0.75)
+
+    def columns() -> list[str] | None:
+        line = cluster.kubectl("get", "rljobs", "-n", namespace, "--no-headers").stdout.split()
+        return line if line[1:5] == ["Running", "7", "0.75", "5"] else None
+
+    row = wait_for(columns, timeout=30, what="kubectl get rljobs to show progress")
+    assert row[0] == "rl" and row[5] == "0"  # RESTARTS
+
+    # Steady state: reconciles keep running but write nothing.
+    rv = cluster.get_json("rljob", "rl", "-n", namespace)["metadata"]["resourceVersion"]
+    writes = operator.metric("rljob_operator_status_writes_total")
+    reconciles = operator.metric("rljob_operator_reconciles_total")
+    wait_for(lambda: operator.metric("rljob_operator_reconciles_total") >= reconciles + 6,
+             timeout=30, what="six more reconciles")
+    assert operator.metric("rljob_operator_status_writes_total") == writes
+    assert cluster.get_json("rljob", "rl", "-n", namespace)["metadata"]["resourceVersion"] == rv
+    assert operator.metric("rljob_jobs") >= 1
+
+    # The operator's writes never removed the runtime's fields, nor the reverse.
+    st = status(cluster, namespace, "rl")
+    assert st["progress"]["rolloutStep"] == 7 and st["checkpoint"]["step"] == 5
+    assert st["phase"] == "Running" and st["recovery"]["restarts"] == 0
+
+    # The job's pods may patch their own RLJob's status and nothing else.
+    sa = f"system:serviceaccount:{namespace}:rl-runtime"
+
+    def can(verb: str, target: str) -> str:
+        out: str = cluster.kubectl("auth", "can-i", verb, target, "--subresource=status",
+                                   f"--as={sa}", "-n", namespace, check=False).stdout
+        return out.strip()
+
+    assert can("patch", "rljobs.rljob.io/rl") == "yes"
+    assert can("patch", "rljobs.rljob.io/other") == "no"
+    reasons = {e["reason"] for e in cluster.get_json(
+        "events", "-n", namespace, "--field-selector", "involvedObject.name=rl")["items"]}
+    assert {"Initializing", "Running"} <= reasons
+
+
+def test_driver_success_tears_down_compute_and_delete_collects_children(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    gpu_pool(1, 8)
+    cluster.apply(job_manifest("ok", namespace), "-n", namespace)
+    wait_phase(cluster, namespace, "ok", "Running")
+    patch_pod_phase(cluster, namespace, "ok-driver", "Succeeded", 0)
+    st = wait_phase(cluster, namespace, "ok", "Succeeded")
+    assert st["finishedAt"]
+    wait_for(lambda: cluster.kubectl("get", "raycluster", "ok", "-n", namespace,
+                                     check=False).returncode != 0,
+             timeout=30, what="RayCluster removed after success")
+
+    cluster.kubectl("delete", "rljob", "ok", "-n", namespace, "--wait=false")
+
+    def children() -> list[str]:
+        out: str = cluster.kubectl("get", "pods,configmaps,serviceaccounts,roles,rolebindings",
+                                   "-n", namespace, "-l", "rljob.io/job=ok", "-o", "name").stdout
+        return out.split()
+
+    wait_for(lambda: children() == [], timeout=60, what="children garbage-collected",
+             describe=lambda: " ".join(children()))
+
+
+def test_too_few_gpus_is_pending_with_the_scheduler_reason(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    gpu_pool(1, 3)  # the job needs 4 GPUs
+    cluster.apply(job_manifest("big", namespace), "-n", namespace)
+
+    def unschedulable() -> dict[str, Any] | None:
+        st = status(cluster, namespace, "big")
+        conds = {c["type"]: c for c in st.get("conditions", [])}
+        cond = conds.get("Scheduled")
+        return cond if st.get("phase") == "Pending" and cond and \
+            cond["reason"] == "Unschedulable" else None
+
+    cond = wait_for(unschedulable, timeout=60, what="Pending with Scheduled=False")
+    assert cond["status"] == "False"
+    assert "Insufficient nvidia.com/gpu" in cond["message"]
+    stuck = [p["metadata"]["name"] for p in pods(cluster, namespace, "big")
+             if not p["spec"].get("nodeName")]
+    assert stuck and all(name in cond["message"] for name in stuck)
+
+    gpu_pool(1, 8)  # capacity arrives: the job starts by itself
+    wait_phase(cluster, namespace, "big", "Running")
+
+
+def test_suspend_releases_compute_and_resume_runs_again(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
+        api_client: Any) -> None:
+    gpu_pool(1, 8)
+    cluster.apply(job_manifest("sus", namespace), "-n", namespace)
+    wait_phase(cluster, namespace, "sus", "Running")
+    report(api_client, namespace, "sus", step=4, checkpoint=3)
+
+    def suspend(flag: bool) -> None:
+        cluster.kubectl("patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p",
+                        json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
+
+    suspend(True)
+    st = wait_phase(cluster, namespace, "sus", "Suspended")
+    assert st["checkpoint"]["step"] == 3
+    wait_for(lambda: pods(cluster, namespace, "sus") == [], timeout=60,
+             what="every pod of the suspended job gone")
+    assert cluster.kubectl("get", "raycluster", "sus", "-n", namespace,
+                           check=False).returncode != 0
+
+    suspend(False)
+    st = wait_phase(cluster, namespace, "sus", "Running")
+    assert st["recovery"]["restarts"] == 0 and st["checkpoint"]["step"] == 3
+    assert st["observedGeneration"] == 3
+    assert len(pods(cluster, namespace, "sus", "driver")) == 1
+

@@ -1,0 +1,261 @@
+"""Pure decisions: observed children + stored status → phase, conditions, recovery, actions."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from rljob_operator.observe import FailureHint, observe
+from rljob_operator.status import (
+    Decision,
+    backoff_seconds,
+    decide,
+    iso,
+    needs_write,
+    parse_job,
+)
+
+pytestmark = pytest.mark.unit
+Obj = dict[str, Any]
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+SPEC: Obj = {
+    "trainer": {"replicas": 1, "gpusPerReplica": 2},
+    "rollout": {"gpus": 2, "gpusPerEngine": 1},
+    "recovery": {"maxRestarts": 2, "backoffSeconds": 10, "maxBackoffSeconds": 15},
+}
+COMPUTE = [("rl-head-a", "head"), ("rl-trainer-worker-a", "trainer"),
+           ("rl-rollout-worker-a", "rollout"), ("rl-rollout-worker-b", "rollout")]
+
+
+def pod(name: str, component: str, phase: str = "Running", node: str | None = "n1",
+        annotations: Obj | None = None, unschedulable: str | None = None,
+        deleting: bool = False) -> Obj:
+    conditions: list[Obj] = []
+    if unschedulable:
+        conditions.append({"type": "PodScheduled", "status": "False",
+                           "reason": "Unschedulable", "message": unschedulable})
+        node = None
+    elif phase == "Running":
+        conditions.append({"type": "Ready", "status": "True"})
+    meta: Obj = {"name": name, "labels": {"rljob.io/component": component},
+                 "annotations": annotations or {}}
+    if deleting:
+        meta["deletionTimestamp"] = iso(T0)
+    return {"metadata": meta, "spec": {"nodeName": node, "containers": [{"name": "c"}]},
+            "status": {"phase": phase, "conditions": conditions}}
+
+
+def driver(restarts: int = 0, phase: str = "Running", recorded: tuple[str, ...] = (),
+           **kw: Any) -> Obj:
+    names = ",".join(sorted(recorded or [n for n, _ in COMPUTE]))
+    return pod("rl-driver", "driver", phase, annotations={
+        "rljob.io/restarts": str(restarts), "rljob.io/compute-pods": names}, **kw)
+
+
+def compute(skip: str | None = None) -> list[Obj]:
+    return [pod(n, c) for n, c in COMPUTE if n != skip]
+
+
+READY_NODE = {"metadata": {"name": "n1"}, "status": {"conditions": [
+    {"type": "Ready", "status": "True"}]}}
+
+
+def job(status: Obj | None = None, spec: Obj | None = None, name: str = "rl",
+        generation: int = 1) -> Obj:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": "u", "generation": generation},
+            "spec": spec if spec is not None else SPEC, "status": status or {}}
+
+
+def run(body: Obj, pods: list[Obj], now: datetime = T0, cluster: bool = True,
+        nodes: list[Obj] | None = None, hints: dict[str, FailureHint] | None = None) -> Decision:
+    rc = {"metadata": {"name": "rl"}} if cluster else None
+    obs = observe("rl", rc, pods, [READY_NODE] if nodes is None else nodes, hints)
+    return decide(parse_job(body), obs, now)
+
+
+def applied(body: Obj, d: Decision) -> Obj:
+    """The RLJob after the operator's status write (runtime fields untouched)."""
+    return job({**body["status"], **d.status}, body["spec"], body["metadata"]["name"],
+               body["metadata"]["generation"])
+
+
+def conditions(d: Decision) -> dict[str, Obj]:
+    return {c["type"]: c for c in d.status["conditions"]}
+
+
+RUNNING: Obj = {"phase": "Running", "startedAt": iso(T0),
+                "recovery": {"restarts": 0, "maxRestarts": 2, "lostSteps": 0},
+                "progress": {"rolloutStep": 9}, "checkpoint": {"step": 6, "verified": True}}
+
+
+def test_new_job_creates_its_cluster_and_waits_pending() -> None:
+    d = run(job(), [], cluster=False)
+    assert d.status["phase"] == "Pending" and d.actions.create_cluster
+    assert d.status["recovery"] == {"restarts": 0, "maxRestarts": 2, "lostSteps": 0}
+    assert conditions(d)["Scheduled"]["reason"] == "WaitingForPods"
+
+
+def test_unschedulable_pods_are_named_with_the_scheduler_reason() -> None:
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    pods = [pod("rl-head-a", "head"), pod("rl-trainer-worker-a", "trainer", "Pending",
+                                          unschedulable=why)]
+    d = run(job(), pods)
+    cond = conditions(d)["Scheduled"]
+    assert d.status["phase"] == "Pending"
+    assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
+    assert cond["message"] == f"1 pod(s) cannot be scheduled (rl-trainer-worker-a): {why}"
+
+
+def test_ready_compute_starts_the_driver_then_runs() -> None:
+    body = job()
+    d = run(body, compute())
+    assert d.status["phase"] == "Initializing"
+    assert d.actions.create_driver == tuple(sorted(n for n, _ in COMPUTE))
+    body = applied(body, d)
+    d = run(body, [*compute(), driver()], now=T0 + timedelta(seconds=5))
+    assert d.status["phase"] == "Running"
+    assert d.status["startedAt"] == iso(T0 + timedelta(seconds=5))
+    assert d.event is not None and d.event.reason == "Running"
+    assert conditions(d)["Ready"]["status"] == "True"
+
+
+def test_nothing_to_write_when_nothing_changed() -> None:
+    body = job(RUNNING)
+    first = run(body, [*compute(), driver()])
+    body = applied(body, first)
+    later = run(body, [*compute(), driver()], now=T0 + timedelta(minutes=5))
+    assert not needs_write(body["status"], later.status)
+    assert later.event is None and later.actions.create_driver is None
+    # A runtime report changes only runtime fields: still nothing for the operator to write.
+    body["status"]["progress"] = {"rolloutStep": 10}
+    assert not needs_write(body["status"], run(body, [*compute(), driver()]).status)
+
+
+def test_condition_transition_time_moves_only_with_its_status() -> None:
+    body = applied(job(RUNNING), run(job(RUNNING), [*compute(), driver()]))
+    before = conditions(run(body, [*compute(), driver()]))["Ready"]["lastTransitionTime"]
+    lost = run(body, [*compute("rl-trainer-worker-a"), driver()], now=T0 + timedelta(hours=1))
+    assert conditions(lost)["Ready"]["lastTransitionTime"] == iso(T0 + timedelta(hours=1))
+    assert before == iso(T0)
+
+
+def test_deleted_compute_pod_starts_a_restart_from_the_verified_checkpoint() -> None:
+    body = job(RUNNING)
+    d = run(body, [*compute("rl-trainer-worker-a"), pod("rl-trainer-worker-z", "trainer"),
+                   driver()])
+    assert d.status["phase"] == "Recovering"
+    rec = d.status["recovery"]
+    assert rec["restarts"] == 1 and rec["resumedFromStep"] == 6 and rec["lostSteps"] == 3
+    assert rec["lastFailure"] == {"reason": "PodDeleted", "message": "the pod was deleted",
+                                  "pod": "rl-trainer-worker-a", "time": iso(T0)}
+    assert rec["action"] == "WaitingForBackoff"
+    assert rec["nextAttemptAt"] == iso(T0 + timedelta(seconds=10))
+    assert d.actions.delete_driver and d.requeue_after == 10
+    assert d.event is not None and d.event.type == "Warning"
+    assert d.restart is not None and d.restart.kind == "PodDeleted"
+
+
+def test_watch_hint_names_the_real_cause_of_a_vanished_pod() -> None:
+    hint = FailureHint("PodFailed", "container exited with code 137 (OOMKilled)")
+    d = run(job(RUNNING), [*compute("rl-rollout-worker-b"), driver()],
+            hints={"rl-rollout-worker-b": hint})
+    assert d.status["recovery"]["lastFailure"]["reason"] == "PodFailed"
+    assert "OOMKilled" in d.status["recovery"]["lastFailure"]["message"]
+
+
+def test_recovery_waits_for_backoff_then_starts_the_next_attempt() -> None:
+    body = job(RUNNING)
+    body = applied(body, run(body, [*compute("rl-trainer-worker-a"), driver()]))
+    fresh = [*compute("rl-trainer-worker-a"), pod("rl-trainer-worker-z", "trainer")]
+    stale = run(body, [*fresh, driver(restarts=0)], now=T0 + timedelta(seconds=1))
+    assert stale.actions.delete_driver and stale.status["recovery"]["restarts"] == 1
+    early = run(body, fresh, now=T0 + timedelta(seconds=4))
+    assert early.actions.create_driver is None and early.requeue_after == 6
+    assert early.status["recovery"]["action"] == "WaitingForBackoff"
+    due = run(body, fresh, now=T0 + timedelta(seconds=10))
+    assert due.actions.create_driver is not None
+    assert "rl-trainer-worker-z" in due.actions.create_driver
+    body = applied(body, due)
+    back = run(body, [*fresh, driver(restarts=1, recorded=due.actions.create_driver)],
+               now=T0 + timedelta(seconds=12))
+    assert back.status["phase"] == "Running"
+    assert back.event is not None and back.event.reason == "Resumed"
+    assert "nextAttemptAt" not in back.status["recovery"]
+    assert back.status["recovery"]["resumedFromStep"] == 6
+
+
+def test_backoff_doubles_up_to_the_cap() -> None:
+    spec = parse_job(job()).spec
+    assert spec is not None
+    assert [backoff_seconds(spec, n) for n in (1, 2, 3)] == [10, 15, 15]
+
+
+def test_restart_limit_fails_the_job_and_releases_compute() -> None:
+    status = {**RUNNING, "recovery": {"restarts": 2, "maxRestarts": 2}}
+    d = run(job(status), [*compute(), driver(restarts=2, phase="Failed")])
+    assert d.status["phase"] == "Failed" and d.status["finishedAt"] == iso(T0)
+    cond = conditions(d)["Failed"]
+    assert cond["reason"] == "RestartLimitExceeded" and "DriverFailed" in cond["message"]
+    assert d.actions.delete_cluster and d.status["recovery"]["restarts"] == 2
+
+
+def test_failure_not_in_retry_on_fails_at_once() -> None:
+    spec = {**SPEC, "recovery": {**SPEC["recovery"], "retryOn": ["PodFailed"]}}
+    d = run(job(RUNNING, spec), [*compute("rl-head-a"), driver()])
+    assert d.status["phase"] == "Failed"
+    assert conditions(d)["Failed"]["reason"] == "PodDeleted"
+
+
+def test_lost_node_is_a_failure_and_its_pods_are_force_deleted() -> None:
+    lost = {"metadata": {"name": "n1"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown"}]}}
+    d = run(job(RUNNING), [*compute(), driver()], nodes=[lost])
+    rec = d.status["recovery"]
+    assert rec["lastFailure"]["reason"] == "NodeLost" and "n1" in rec["lastFailure"]["message"]
+    assert set(d.actions.delete_pods) == {n for n, _ in COMPUTE} | {"rl-driver"}
+    gone = run(job(RUNNING), [*compute(), driver()], nodes=[])  # node object deleted
+    assert gone.status["recovery"]["lastFailure"]["reason"] == "NodeLost"
+
+
+def test_non_retryable_runtime_failure_fails_with_its_reason() -> None:
+    status = {**RUNNING, "runtimeFailure": {"reason": "NonFiniteWeights", "message": "NaN",
+                                            "retryable": False, "time": iso(T0)}}
+    d = run(job(status), [*compute(), driver()])
+    assert d.status["phase"] == "Failed"
+    assert conditions(d)["Failed"]["reason"] == "NonFiniteWeights"
+    assert "runtimeFailure" not in d.status  # the runtime's field is never written back
+
+
+def test_invalid_spec_and_overlong_name_fail_naming_the_field() -> None:
+    bad = {**SPEC, "rollout": {"gpus": 3, "gpusPerEngine": 2}}
+    d = run(job(spec=bad), [])
+    assert d.status["phase"] == "Failed"
+    assert "spec.rollout.gpus" in conditions(d)["Failed"]["message"]
+    long = run(job(name="x" * 60), [])
+    assert "metadata.name must be at most 53" in conditions(long)["Failed"]["message"]
+
+
+def test_suspend_tears_down_and_resume_waits_for_the_old_driver() -> None:
+    spec = {**SPEC, "scheduling": {"suspend": True}}
+    d = run(job(RUNNING, spec, generation=2), [*compute(), driver()])
+    assert d.status["phase"] == "Suspended"
+    assert d.actions.delete_cluster and d.actions.delete_driver
+    assert conditions(d)["Suspended"]["status"] == "True"
+    body = applied(job(RUNNING, spec, generation=2), d)
+    body["spec"] = SPEC
+    # The old driver is still terminating: no restart is counted, nothing new starts.
+    resumed = run(body, [*compute(), driver(deleting=True)], cluster=False)
+    assert resumed.status["recovery"]["restarts"] == 0
+    assert resumed.actions.create_cluster and resumed.actions.create_driver is None
+    assert resumed.status["phase"] == "Pending"
+
+
+def test_succeeded_driver_finishes_the_job_and_terminal_phases_stay() -> None:
+    body = job(RUNNING)
+    d = run(body, [*compute(), driver(phase="Succeeded")])
+    assert d.status["phase"] == "Succeeded" and d.actions.delete_cluster
+    body = applied(body, d)
+    again = run(body, [driver(phase="Succeeded")], cluster=False)
+    assert not needs_write(body["status"], again.status)
+    assert not again.actions.create_cluster and again.actions.create_driver is None
