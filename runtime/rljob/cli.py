@@ -6,8 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from rljob_api.crd import CRD_FILE, render_crd
+from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
+from rljob_api.docs import DOCS_FILE, render_reference
 from rljob_api.validate import InvalidJob, load_job
+
+from rljob import run
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -25,9 +28,19 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _crd(args: argparse.Namespace) -> int:
-    text = render_crd()
-    if args.write:
-        target = Path(args.write)
+    if args.write == CRD_FILE:
+        _emit(render_crd(), CHART_CRD_FILE)
+    return _emit(render_crd(), args.write)
+
+
+def _docs(args: argparse.Namespace) -> int:
+    return _emit(render_reference(), args.write)
+
+
+def _emit(text: str, write: str | None) -> int:
+    """Print generated text, or write it to the file `write` names."""
+    if write:
+        target = Path(write)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
         print(f"wrote {target}")
@@ -44,8 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_validate)
     p = sub.add_parser("crd", help="print the RLJob CRD generated from the API model")
     p.add_argument("--write", nargs="?", const=CRD_FILE, metavar="PATH",
-                   help=f"write it to PATH (default {CRD_FILE}) instead of stdout")
+                   help=f"write it to PATH instead of stdout (default: {CRD_FILE} and the "
+                   f"chart's copy {CHART_CRD_FILE})")
     p.set_defaults(func=_crd)
+    p = sub.add_parser("docs", help="print the RLJob field reference generated from the API model")
+    p.add_argument("--write", nargs="?", const=DOCS_FILE, metavar="PATH",
+                   help=f"write it to PATH (default {DOCS_FILE}) instead of stdout")
+    p.set_defaults(func=_docs)
+    run.add_parser(sub)
     return parser
 
 

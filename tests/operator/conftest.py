@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.controlplane import ControlPlane
-from tests.operator.harness import POOL_LABEL, Operator, node_ready
-from tests.polling import wait_for
+from tests.operator_process import NodePool, Operator
 
 
 @pytest.fixture
@@ -30,19 +29,8 @@ def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[
 @pytest.fixture
 def gpu_pool(cluster: ControlPlane, namespace: str) -> Iterator[Callable[[int, int], list[str]]]:
     """Adds kwok nodes labelled for this test only; removes them afterwards."""
-    made: list[str] = []
-
-    def add(count: int, gpus: int) -> list[str]:
-        nodes: list[str] = cluster.add_fake_nodes(count, gpus, prefix=f"{namespace}-n{len(made)}",
-                                       labels={POOL_LABEL: namespace})
-        made.extend(nodes)
-        wait_for(lambda: all(node_ready(cluster, n) for n in nodes), timeout=60,
-                 what=f"nodes {nodes} Ready")
-        return nodes
-
+    pool = NodePool(cluster, namespace)
     try:
-        yield add
+        yield pool.add
     finally:
-        if made:
-            cluster.kubectl("delete", "node", *made, "--wait=false", "--ignore-not-found",
-                            check=False)
+        pool.remove()

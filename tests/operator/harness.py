@@ -1,21 +1,10 @@
-"""The operator process and the job manifests the operator tests use."""
+"""The job manifests the operator tests use."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import urllib.request
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from tests.controlplane import ControlPlane, free_port
-from tests.polling import wait_for
-
-POOL_LABEL = "rljob.io/test-pool"
-INTERVAL = 0.5  # the operator's resync interval in these tests
+from tests.operator_process import POOL_LABEL
 
 
 def job_manifest(name: str, pool: str, **spec: Any) -> dict[str, Any]:
@@ -30,75 +19,3 @@ def job_manifest(name: str, pool: str, **spec: Any) -> dict[str, Any]:
     body.update(spec)
     return {"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob",
             "metadata": {"name": name}, "spec": body}
-
-
-@dataclass
-class Operator:
-    """One `rljob-operator` process against the test control plane."""
-
-    cp: ControlPlane
-    namespace: str
-    log: Path
-    metrics_port: int = field(default_factory=free_port)
-    liveness_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rljob_operator", "--kubeconfig", str(self.cp.kubeconfig),
-                 "--namespace", self.namespace, "--interval", str(INTERVAL),
-                 "--server-timeout", "30", "--metrics-port", str(self.metrics_port),
-                 "--metrics-addr", "127.0.0.1",
-                 "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True,
-            )
-        wait_for(self.healthy, timeout=60, what="operator liveness endpoint",
-                 describe=self.tail)
-
-    def healthy(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"operator exited with {self.proc.returncode}")
-        url = f"http://127.0.0.1:{self.liveness_port}/healthz"
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return bool(resp.status == 200)
-
-    def kill(self) -> None:
-        """SIGKILL: no cleanup, as when a node dies under the operator."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.kill()
-
-    def metric(self, name: str) -> float:
-        """Sum of one metric's samples (all label values)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            text = resp.read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def node_ready(cp: ControlPlane, node: str) -> bool:
-    obj = cp.get_json("node", node)
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in obj.get("status", {}).get("conditions", []))

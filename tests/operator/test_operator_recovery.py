@@ -14,8 +14,9 @@ from rljob.report import StatusReporter, now
 from rljob_api.status import RuntimeFailure
 
 from tests.controlplane import ControlPlane
-from tests.operator.harness import Operator, job_manifest
+from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, report, status, wait_phase
+from tests.operator_process import Operator
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.controlplane

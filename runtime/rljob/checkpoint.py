@@ -1,0 +1,160 @@
+"""Atomic, verified checkpoints with keep-last-K.
+
+A checkpoint is written into a temporary directory, every file is fsynced, a manifest
+of SHA-256 digests is written last, and only then is the directory renamed to
+`step_XXXXXXXX` (rename is atomic on POSIX). A crash at any point leaves either the
+complete new checkpoint or none; readers only trust a directory whose files all match
+its manifest, so a torn or tampered checkpoint is skipped in favour of the one before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+# Makes a save stop just before its manifest is written, with a marker file next to the
+# checkpoints, so a test can kill the process at a known point mid-save.
+PAUSE_ENV = "RLJOB_CHECKPOINT_PAUSE_AT_STEP"
+PAUSE_MARKER = ".save-paused"
+
+
+@dataclass(frozen=True)
+class Verified:
+    step: int
+    path: Path
+    checksum: str
+    size_bytes: int
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(PREFIX) or not name[len(PREFIX):].isdigit():
+        return None
+    return int(name[len(PREFIX):])
+
+
+def verify(path: Path) -> Verified | None:
+    """The checkpoint at `path` if every file in its manifest is present and matches."""
+    step = step_of(path)
+    manifest = path / MANIFEST
+    if step is None or not manifest.is_file():
+        return None
+    try:
+        data = json.loads(manifest.read_text())
+        files: dict[str, dict[str, int | str]] = data["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    size = 0
+    for rel, entry in files.items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != entry["size"] or _sha256(f) != entry["sha256"]:
+            return None
+        size += int(entry["size"])
+    return Verified(step, path, _sha256(manifest), size)
+
+
+class CheckpointStore:
+    """The checkpoints of one job under `root`."""
+
+    def __init__(self, root: Path, keep_last: int) -> None:
+        self.root = root
+        self.keep_last = keep_last
+        root.mkdir(parents=True, exist_ok=True)
+
+    def begin(self, step: int) -> Path:
+        """A fresh temporary directory for the checkpoint of `step`."""
+        tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return tmp
+
+    def _pause_for_test(self, step: int) -> None:
+        if os.environ.get(PAUSE_ENV) == str(step):
+            (self.root / PAUSE_MARKER).write_text(str(step))
+            threading.Event().wait()
+
+    def commit(self, tmp: Path, step: int) -> Verified:
+        """Checksum, fsync and publish `tmp` as the checkpoint of `step`; prune old ones."""
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        entries: dict[str, dict[str, int | str]] = {}
+        for f in files:
+            _fsync_file(f)
+            entries[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "size": f.stat().st_size}
+        self._pause_for_test(step)
+        manifest = tmp / MANIFEST
+        with manifest.open("w") as fh:
+            json.dump({"step": step, "files": entries}, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        final = self.root / f"{PREFIX}{step:08d}"
+        if final.exists():
+            # Only a checkpoint that failed verification can be here (resume starts past a
+            # verified one); move it aside so the rename stays atomic.
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        verified = verify(final)
+        if verified is None:
+            raise OSError(f"checkpoint {final} failed verification right after writing")
+        self._prune()
+        return verified
+
+    def _prune(self) -> None:
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        steps = sorted((s, p) for p in self.root.iterdir() if (s := step_of(p)) is not None)
+        for _, path in steps[: max(0, len(steps) - self.keep_last)]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def latest(self) -> Verified | None:
+        """The newest checkpoint that verifies; torn or corrupt ones are passed over."""
+        if not self.root.is_dir():
+            return None
+        candidates = sorted(
+            ((s, p) for p in self.root.iterdir() if (s := step_of(p)) is not None), reverse=True
+        )
+        for _, path in candidates:
+            found = verify(path)
+            if found is not None:
+                return found
+        return None
+
+    def published(self) -> list[tuple[int, Path]]:
+        """Checkpoints that were published (verified when committed), oldest first."""
+        return sorted(
+            (s, p) for p in self.root.iterdir()
+            if (s := step_of(p)) is not None and (p / MANIFEST).is_file()
+        )

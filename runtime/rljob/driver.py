@@ -1,0 +1,422 @@
+"""The slime-style loop: generate → reward → train → publish weights → checkpoint.
+
+The driver owns no model and runs no user code: it places the workers (Ray placement
+group), moves samples from the rollout worker to the trainer ranks, decides when to
+publish and save, and reports. Everything it needs to continue after a crash — step,
+weight version, data cursor, buffer, RNG — is in the latest verified checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from rljob_api.spec import RLJobSpec
+from rljob_api.status import CheckpointRecord, CheckpointStatus, Progress, RuntimeFailure
+
+from rljob import metrics_log
+from rljob.checkpoint import CheckpointStore, Verified
+from rljob.engine.launcher import EngineProcess
+from rljob.placement import Layout, plan, trainer_world
+from rljob.progress_bar import ProgressBar
+from rljob.report import Reporter, now
+from rljob.rollout import RolloutWorker
+from rljob.tasks import DatasetError, load_task
+from rljob.tiny_model import BUILTIN_TINY, write_tiny
+from rljob.trainer.torch_backend import TorchTrainer
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+EXIT_NONFINITE = 3
+EXIT_INTERRUPTED = 130
+PLACEMENT_TIMEOUT_S = 300.0
+STATE_FILE = "state.json"
+ROLLOUT_FILE = "rollout_state.json"
+DRIVER_RNG_FILE = "driver_rng.pt"
+
+
+class JobError(Exception):
+    """Stops the run with an exit code and a message (no traceback)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # rollout steps completed
+    train_step: int = 0
+    samples: int = 0
+    weight_version: int = 0
+    skipped_steps: int = 0
+    consecutive_nonfinite: int = 0
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workdir: Path
+    max_steps: int | None = None
+    ray_address: str | None = None
+
+
+def worker_env() -> dict[str, str]:
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    existing = os.environ.get("PYTHONPATH")
+    return {
+        "PYTHONPATH": os.pathsep.join([*paths, *([existing] if existing else [])]),
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _mtime(path: Path) -> str:
+    stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    return stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Interrupt:
+    """First Ctrl-C asks the loop to stop after saving; a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> Interrupt:
+        self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+        print("\ninterrupt: finishing this step, then saving (Ctrl-C again to abort)",
+              file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGINT, self._previous)
+
+
+class Job:
+    def __init__(self, name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter):
+        self.name = name
+        self.spec = spec
+        self.options = options
+        self.reporter = reporter
+        self.workdir = options.workdir
+        self.store = CheckpointStore(self.workdir / "checkpoints", spec.checkpoint.keep_last)
+        self.metrics_path = self.workdir / metrics_log.METRICS_FILE
+        self.state = LoopState()
+        self.pg: PlacementGroup | None = None
+        self.engines: list[Any] = []
+        self.trainers: list[Any] = []
+        self.rollout: Any = None
+        self.urls: list[str] = []
+        self.started_ray = False
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def model_dir(self) -> Path:
+        spec = self.spec
+        if spec.model.source != BUILTIN_TINY:
+            source = Path(spec.model.source)
+            if not (source / "config.json").is_file():
+                raise JobError(EXIT_INVALID, f"spec.model.source: {source} is not an HF model "
+                               "directory (no config.json); give one or use builtin:tiny")
+            return source
+        data = spec.data
+        try:
+            alphabet = load_task(data.dataset, data.prompt_key, data.label_key).alphabet
+            if data.eval_dataset:
+                alphabet += load_task(data.eval_dataset, data.prompt_key, data.label_key).alphabet
+        except DatasetError as err:
+            raise JobError(EXIT_INVALID, str(err)) from None
+        try:
+            return write_tiny(self.workdir / "model", spec.model.tiny, alphabet,
+                              spec.algorithm.seed, spec.model.dtype)
+        except ValueError as err:
+            raise JobError(EXIT_INVALID, str(err)) from None
+
+    def start_ray(self, layout: Layout) -> None:
+        env = {"env_vars": worker_env()}
+        if ray.is_initialized():
+            return  # an embedding program (a test, a notebook) owns Ray
+        if self.options.ray_address:
+            ray.init(address=self.options.ray_address, runtime_env=env, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
+                     runtime_env=env, log_to_driver=False)
+            self.started_ray = True
+
+    def place(self, model_dir: Path) -> None:
+        spec = self.spec
+        layout = plan(spec)
+        self.start_ray(layout)
+        use_gpu = (spec.trainer.gpus_per_replica > 0
+                   and ray.cluster_resources().get("GPU", 0) >= layout.slots)
+        pg = self.pg = placement_group(layout.bundles(use_gpu), strategy="PACK")
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            have = ray.cluster_resources()
+            raise JobError(EXIT_FAILED, (
+                f"placement: {layout.slots} slots of {'GPU' if use_gpu else 'CPU'} "
+                f"({spec.placement}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the "
+                f"cluster has {have}. Lower trainer/rollout GPU counts or add nodes."))
+        device = "cuda" if use_gpu else "cpu"
+        res = {"num_gpus": layout.share, "num_cpus": 0} if use_gpu else {
+            "num_cpus": layout.share}
+
+        def at(slot: int) -> dict[str, Any]:
+            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=slot), **res}
+
+        engine_cls = ray.remote(EngineProcess)
+        host = "127.0.0.1" if not self.options.ray_address else ray.util.get_node_ip_address()
+        self.engines = [
+            engine_cls.options(**at(slot)).remote(
+                spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), host)
+            for slot in layout.engine_slots
+        ]
+        world = trainer_world(spec)
+        port = 29500 + random.Random(os.getpid()).randrange(10000)
+        init = f"tcp://{host}:{port}"
+        trainer_cls = ray.remote(TorchTrainer)
+        spec_json = spec.model_dump_json(by_alias=True)
+        self.trainers = [
+            trainer_cls.options(**at(slot)).remote(spec_json, str(model_dir), rank, world, init,
+                                                   device)
+            for rank, slot in enumerate(layout.trainer_slots)
+        ]
+        self.urls = ray.get([e.address.remote() for e in self.engines])
+        worker_cls = ray.remote(RolloutWorker)
+        self.rollout = worker_cls.options(num_cpus=0).remote(spec_json, str(model_dir), self.urls)
+        problems = ray.get(self.rollout.setup.remote())
+        if problems:
+            raise JobError(EXIT_INVALID, "\n".join(problems))
+        sync = spec.weight_sync
+        ray.get(self.trainers[0].set_publisher.remote(
+            self.urls, str(sync.mode), str(self.workdir / "weights")))
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def resume(self) -> Verified | None:
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        ray.get([t.load.remote(str(latest.path)) for t in self.trainers])
+        self.state = LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
+        ray.get(self.rollout.load.remote(json.loads((latest.path / ROLLOUT_FILE).read_text())))
+        rng = torch.load(latest.path / DRIVER_RNG_FILE, weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        metrics_log.keep_until(self.metrics_path, self.state.step)
+        return latest
+
+    def save(self) -> Verified:
+        tmp = self.store.begin(self.state.step)
+        hf = self.spec.checkpoint.format == "hf"
+        ray.get([t.save.remote(str(tmp), hf) for t in self.trainers])
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(self.state), indent=1))
+        (tmp / ROLLOUT_FILE).write_text(json.dumps(ray.get(self.rollout.state.remote())))
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()}, tmp / DRIVER_RNG_FILE)
+        verified = self.store.commit(tmp, self.state.step)
+        history = [CheckpointRecord(step=s, path=str(p), saved_at=_mtime(p))
+                   for s, p in self.store.published()[-16:]]
+        self.reporter.checkpoint(CheckpointStatus(
+            step=verified.step, path=str(verified.path), saved_at=now(),
+            size_bytes=verified.size_bytes, checksum=verified.checksum, verified=True,
+            history=history))
+        return verified
+
+    def save_evidence(self, samples: list[dict[str, Any]], reason: str) -> Path:
+        """The offending batch and the trainer state, to reproduce a non-finite stop."""
+        target = self.workdir / "nonfinite" / f"step_{self.state.step + 1:08d}"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        (target / "batch.json").write_text(json.dumps(samples, default=str))
+        (target / "state.json").write_text(json.dumps({**asdict(self.state), "reason": reason}))
+        ray.get([t.save.remote(str(target), False) for t in self.trainers])
+        return target
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def publish(self) -> None:
+        from rljob.publish import NonFiniteWeights
+
+        try:
+            acked = ray.get(self.trainers[0].publish.remote(self.state.weight_version))
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, NonFiniteWeights):
+                raise JobError(EXIT_NONFINITE, f"NonFiniteWeights: {err.cause}") from None
+            raise
+        missing = sorted(set(self.urls) - set(acked))
+        if missing:
+            raise JobError(EXIT_FAILED, f"WeightSyncFailed: engines {missing} did not install "
+                           f"weight version {self.state.weight_version}")
+
+    def fail(self, reason: str, message: str, retryable: bool) -> None:
+        self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
+                                             step=self.state.step, time=now()))
+
+    def run(self) -> int:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        model_dir = self.model_dir()
+        self.place(model_dir)
+        resumed = self.resume()
+        if resumed is not None:
+            print(f"resumed from {resumed.path} (step {resumed.step}, weight version "
+                  f"{self.state.weight_version})", file=sys.stderr, flush=True)
+        self.publish()
+        algo = self.spec.algorithm
+        end = algo.total_steps
+        if self.options.max_steps is not None:
+            end = min(end, self.state.step + self.options.max_steps)
+        saved_at = self.state.step if resumed is not None else -1
+        bar = ProgressBar(self.state.step, end)
+        started = time.monotonic()
+        code = EXIT_OK
+        with Interrupt() as interrupt:
+            while self.state.step < end and not interrupt.requested:
+                self.one_step(bar)
+                if self.state.step % self.spec.checkpoint.interval == 0 or self.state.step == end:
+                    self.save()
+                    saved_at = self.state.step
+            if interrupt.requested:
+                code = EXIT_INTERRUPTED
+        bar.close()
+        if saved_at != self.state.step:
+            self.save()
+        rows = metrics_log.read(self.metrics_path)
+        if rows:
+            metrics_log.plot(rows, self.workdir / metrics_log.PLOT_FILE)
+        self.summary(rows, time.monotonic() - started, code)
+        return code
+
+    def one_step(self, bar: ProgressBar) -> None:
+        step = self.state.step
+        t0 = time.monotonic()
+        samples, rstats = ray.get(self.rollout.generate.remote(step))
+        t1 = time.monotonic()
+        results = ray.get([t.train.remote(samples, step == 0) for t in self.trainers])
+        t2 = time.monotonic()
+        m = results[0]
+        for skipped in m["step_skipped"]:
+            self.state.consecutive_nonfinite = (
+                self.state.consecutive_nonfinite + 1 if skipped else 0)
+        self.state.skipped_steps += m["skipped_steps"]
+        self.state.train_step += m["optimizer_steps"]
+        limit = self.spec.algorithm.max_consecutive_nonfinite
+        if self.state.consecutive_nonfinite >= limit:
+            reasons = "; ".join(m["nonfinite"])
+            where = self.save_evidence(samples, reasons)
+            message = (f"{self.state.consecutive_nonfinite} optimizer steps in a row had "
+                       f"non-finite loss or gradients ({reasons}); batch and state saved in "
+                       f"{where}")
+            self.fail("NonFiniteLoss", message, retryable=False)
+            raise JobError(EXIT_NONFINITE, f"NonFiniteLoss: {message}")
+        bad = ray.get(self.trainers[0].nonfinite_weights.remote())
+        if bad:
+            where = self.save_evidence(samples, f"non-finite weights {bad[:5]}")
+            message = f"weights became non-finite ({', '.join(bad[:5])}); not sent to engines; " \
+                      f"evidence in {where}"
+            self.fail("NonFiniteWeights", message, retryable=False)
+            raise JobError(EXIT_NONFINITE, f"NonFiniteWeights: {message}")
+        self.state.step += 1
+        self.state.samples += len(samples)
+        if m["optimizer_steps"]:
+            self.state.weight_version += 1
+            self.publish()
+        row: dict[str, Any] = {
+            "step": self.state.step,
+            **{k: v for k, v in m.items() if k not in ("step_skipped", "nonfinite", "skipped")},
+            "tokens_per_second": rstats["tokens_per_second"],
+            "rollout_seconds": rstats["rollout_seconds"],
+            "train_seconds": t2 - t1,
+            "step_seconds": time.monotonic() - t0,
+            "weight_version": self.state.weight_version,
+            "total_skipped_steps": self.state.skipped_steps,
+        }
+        interval = self.spec.data.eval_interval
+        if self.spec.data.eval_dataset and interval and self.state.step % interval == 0:
+            row["eval_reward"] = ray.get(self.rollout.evaluate.remote())
+        metrics_log.append(self.metrics_path, row)
+        self.reporter.progress(Progress(
+            rollout_step=self.state.step, train_step=self.state.train_step,
+            total_steps=self.spec.algorithm.total_steps, samples=self.state.samples,
+            mean_reward=m["reward"], tokens_per_second=rstats["tokens_per_second"],
+            weight_version=self.state.weight_version, skipped_steps=self.state.skipped_steps,
+            updated_at=now()))
+        bar.update(self.state.step, m["reward"], rstats["tokens_per_second"])
+
+    def summary(self, rows: list[dict[str, Any]], seconds: float, code: int) -> None:
+        rewards = [float(r["reward"]) for r in rows if isinstance(r.get("reward"), int | float)]
+        head = rewards[:5]
+        tail = rewards[-5:]
+        latest = self.store.latest()
+        lines = [
+            "interrupted; state saved" if code == EXIT_INTERRUPTED else "done",
+            f"  steps        {self.state.step}/{self.spec.algorithm.total_steps} "
+            f"({self.state.train_step} optimizer steps, {self.state.skipped_steps} skipped)",
+        ]
+        if rewards:
+            lines.append(f"  mean reward  first {len(head)} steps {np.mean(head):.3f} → "
+                         f"last {len(tail)} steps {np.mean(tail):.3f}")
+        lines += [
+            f"  wall time    {seconds:.1f}s this run",
+            f"  checkpoint   {latest.path if latest else '-'}",
+            f"  metrics      {self.metrics_path}",
+            f"  curves       {self.workdir / metrics_log.PLOT_FILE}",
+        ]
+        print("\n".join(lines), flush=True)
+
+    def shutdown(self) -> None:
+        """Stop engines and trainers, free the slots; stop Ray if this run started it."""
+        for handle, method in [*((e, "stop") for e in self.engines),
+                               *((t, "shutdown") for t in self.trainers)]:
+            with contextlib.suppress(ray.exceptions.RayError):  # already dead: nothing to stop
+                ray.get(getattr(handle, method).remote(), timeout=30)
+        for handle in [*self.engines, *self.trainers, *([self.rollout] if self.rollout else [])]:
+            ray.kill(handle)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:
+    """Run `spec` to its end (or max_steps); return the process exit code."""
+    job = Job(name, spec, options, reporter)
+    try:
+        return job.run()
+    except JobError as err:
+        print(f"rljob run: {err}", file=sys.stderr, flush=True)
+        if err.code == EXIT_FAILED:
+            job.fail(str(err).split(":", 1)[0], str(err), retryable=True)
+        return err.code
+    except ray.exceptions.RayError as err:
+        # A worker or engine died or raised: a restart from the checkpoint may help.
+        print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
+        job.fail("WorkerFailed", str(err)[:4000], retryable=True)
+        return EXIT_FAILED
+    finally:
+        job.shutdown()

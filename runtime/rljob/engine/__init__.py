@@ -1,0 +1,1 @@
+"""Rollout engines: the built-in `hf` server, the one client for it and SGLang, and the launcher."""

@@ -1,0 +1,311 @@
+"""The `hf` rollout engine: SGLang's HTTP subset over a transformers model, for CPU runs.
+
+It exists so the loop, the client and the weight updates run for real without SGLang or
+a GPU. Generation and weight installs take turns under one lock, so a version is swapped
+in whole, between requests, and every response names the version that produced it.
+Requests are served one at a time (rows of one request are batched); that keeps sampling
+reproducible: a request with a `sampling_seed` gives the same tokens every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rljob.engine.serialize import NamedTensors, deserialize
+from rljob.text_codec import TextCodec, load_codec
+from rljob.tiny_model import torch_dtype
+
+
+class UpdateRejected(ValueError):
+    """A weight update that does not fit the model; the previous version keeps serving."""
+
+
+def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    probs = torch.softmax(scaled, dim=-1)
+    if 0 < top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(-1, keepdim=True)
+
+
+class HFEngine:
+    """A transformers model that samples with log-probs and installs new weights atomically."""
+
+    def __init__(self, model_path: str, dtype: str, device: str, weight_version: str) -> None:
+        self.model_path = model_path
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        torch.nn.Module.to(model, self.device)
+        self.model: PreTrainedModel = model.eval()
+        self.codec: TextCodec = load_codec(Path(model_path))
+        self.weight_version = weight_version
+        self.lock = threading.Lock()
+        self.generated_tokens = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                "is_generation": True, "weight_version": self.weight_version}
+
+    @torch.no_grad()
+    def generate(self, rows: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        with self.lock:
+            version = self.weight_version
+            out: list[dict[str, Any]] = [{} for _ in rows]
+            by_length: dict[int, list[int]] = {}
+            for i, row in enumerate(rows):
+                by_length.setdefault(len(row), []).append(i)
+            for indices in by_length.values():
+                results = self._generate_same_length([rows[i] for i in indices],
+                                                     [params[i] for i in indices])
+                for i, result in zip(indices, results, strict=True):
+                    result["meta_info"]["weight_version"] = version
+                    out[i] = result
+            return out
+
+    def _generate_same_length(
+        self, rows: list[list[int]], params: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        p0 = params[0]
+        max_new = int(p0.get("max_new_tokens", 128))
+        temperature = float(p0.get("temperature", 1.0))
+        top_k = int(p0.get("top_k", -1))
+        top_p = float(p0.get("top_p", 1.0))
+        stop_ids = {int(t) for t in p0.get("stop_token_ids") or []}
+        if not p0.get("ignore_eos", False):
+            stop_ids.add(self.codec.eos_id)
+        stops = [s for s in (p0.get("stop") or []) if s]
+        generators = []
+        for i, p in enumerate(params):
+            g = torch.Generator(device=self.device)
+            seed = p.get("sampling_seed")
+            g.manual_seed(int(seed) if seed is not None else torch.seed() + i)
+            generators.append(g)
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        step = self.model(input_ids=ids, use_cache=True)
+        logits = step.logits[:, -1].float()
+        outputs: list[list[int]] = [[] for _ in rows]
+        logps: list[list[float]] = [[] for _ in rows]
+        finish: list[dict[str, Any] | None] = [None] * len(rows)
+        for _ in range(max_new):
+            if not torch.isfinite(logits).all():
+                raise FloatingPointError("the model produced non-finite logits")
+            if temperature > 0:
+                scaled = logits / temperature
+                logp_all = torch.log_softmax(scaled, dim=-1)
+                probs = _filtered_probs(scaled, top_k, top_p)
+                chosen = [int(torch.multinomial(probs[i], 1, generator=generators[i]))
+                          for i in range(len(rows))]
+            else:
+                logp_all = torch.log_softmax(logits, dim=-1)
+                chosen = [int(t) for t in logits.argmax(-1)]
+            for i, token in enumerate(chosen):
+                if finish[i] is not None:
+                    continue
+                outputs[i].append(token)
+                logps[i].append(float(logp_all[i, token]))
+                if token in stop_ids:
+                    finish[i] = {"type": "stop", "matched": token}
+                elif stops:
+                    text = self.codec.decode(outputs[i])
+                    hit = next((s for s in stops if text.endswith(s)), None)
+                    if hit is not None:
+                        finish[i] = {"type": "stop", "matched": hit}
+            if all(f is not None for f in finish):
+                break
+            nxt = torch.tensor(chosen, dtype=torch.long, device=self.device).unsqueeze(1)
+            step = self.model(input_ids=nxt, past_key_values=step.past_key_values, use_cache=True)
+            logits = step.logits[:, -1].float()
+        results = []
+        for i, row in enumerate(rows):
+            text = self.codec.decode(outputs[i])
+            reason = finish[i] or {"type": "length", "length": len(outputs[i])}
+            if isinstance(reason.get("matched"), str):
+                text = text[: len(text) - len(reason["matched"])]
+            self.generated_tokens += len(outputs[i])
+            results.append({
+                "text": text,
+                "output_ids": outputs[i],
+                "meta_info": {
+                    "output_token_logprobs": [[lp, t, None]
+                                              for lp, t in zip(logps[i], outputs[i], strict=True)],
+                    "finish_reason": reason,
+                    "prompt_tokens": len(row),
+                    "completion_tokens": len(outputs[i]),
+                },
+            })
+        return results
+
+    def install(self, named: NamedTensors, version: str) -> None:
+        """Check every tensor, then copy all of them in; on any problem change nothing."""
+        current = self.model.state_dict()
+        problems = []
+        for name, tensor in named:
+            if name not in current:
+                problems.append(f"{name}: not a parameter of this model")
+            elif tensor.shape != current[name].shape:
+                problems.append(f"{name}: shape {tuple(tensor.shape)}, "
+                                f"expected {tuple(current[name].shape)}")
+            elif tensor.dtype != current[name].dtype:
+                problems.append(f"{name}: dtype {tensor.dtype}, expected {current[name].dtype}")
+            elif not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{name}: contains NaN/Inf")
+        if not named:
+            problems.append("no tensors sent")
+        if problems:
+            raise UpdateRejected("; ".join(problems[:8]))
+        with self.lock, torch.no_grad():
+            for name, tensor in named:
+                current[name].copy_(tensor.to(self.device))
+            self.weight_version = version
+
+    def install_from_disk(self, directory: str, version: str) -> None:
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise UpdateRejected(f"{directory} holds no .safetensors files")
+        named: NamedTensors = []
+        for f in files:
+            named += list(load_file(str(f)).items())
+        self.install(named, version)
+
+
+def build_app(engine: HFEngine) -> web.Application:
+    """The aiohttp application; model work runs on one worker thread, off the event loop."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+    running = asyncio.Event()
+    running.set()
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response(engine.info())
+
+    async def weight_version(_: web.Request) -> web.Response:
+        return web.json_response({"weight_version": engine.weight_version})
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids:
+            return web.json_response({"error": "input_ids must be a non-empty list"}, status=400)
+        single = not isinstance(ids[0], list)
+        rows: list[list[int]] = [ids] if single else ids
+        params = body.get("sampling_params") or {}
+        per_row = params if isinstance(params, list) else [params] * len(rows)
+        if len(per_row) != len(rows):
+            return web.json_response({"error": "one sampling_params per prompt"}, status=400)
+        await running.wait()
+        try:
+            out = await run(engine.generate, rows, per_row)
+        except FloatingPointError as err:
+            return web.json_response({"error": str(err)}, status=500)
+        return web.json_response(out[0] if single else out)
+
+    async def pause(_: web.Request) -> web.Response:
+        running.clear()
+        return web.json_response({"success": True})
+
+    async def resume(_: web.Request) -> web.Response:
+        running.set()
+        return web.json_response({"success": True})
+
+    async def flush(_: web.Request) -> web.Response:
+        # No prefix cache survives a request here, so there is nothing to drop.
+        return web.json_response({"success": True, "message": "nothing cached"})
+
+    async def update_tensor(request: web.Request) -> web.Response:
+        body = await request.json()
+        version = str(body.get("weight_version", engine.weight_version))
+        try:
+            named: NamedTensors = []
+            for text in body.get("serialized_named_tensors") or []:
+                named += deserialize(text)
+            await run(engine.install, named, version)
+        except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
+            return web.json_response({"success": False, "message": str(err)})
+        return web.json_response({"success": True, "message": f"installed {version}"})
+
+    async def update_disk(request: web.Request) -> web.Response:
+        body = await request.json()
+        version = str(body.get("weight_version", engine.weight_version))
+        try:
+            await run(engine.install_from_disk, str(body["model_path"]), version)
+        except (UpdateRejected, KeyError, OSError, RuntimeError) as err:
+            return web.json_response({"success": False, "message": str(err)})
+        return web.json_response({"success": True, "message": f"installed {version}"})
+
+    app = web.Application(client_max_size=1 << 30)
+    app.add_routes([
+        web.get("/health", health),
+        web.get("/get_model_info", model_info),
+        web.get("/get_weight_version", weight_version),
+        web.post("/generate", generate),
+        web.post("/pause_generation", pause),
+        web.post("/continue_generation", resume),
+        web.post("/flush_cache", flush),
+        web.post("/update_weights_from_tensor", update_tensor),
+        web.post("/update_weights_from_disk", update_disk),
+    ])
+    app.on_cleanup.append(lambda _: asyncio.to_thread(executor.shutdown))
+    return app
+
+
+class ServerThread:
+    """The engine's HTTP server on a background thread of the calling process."""
+
+    def __init__(self, engine: HFEngine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(build_app(engine))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        # Set up on the server's own loop: the caller may already run one (Ray actors do).
+        self.port = asyncio.run_coroutine_threadsafe(self._start(host, port), self.loop).result(60)
+        self.url = f"http://{host}:{self.port}"
+
+    async def _start(self, host: str, port: int) -> int:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        return int(self.runner.addresses[0][1])
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="rljob's hf rollout engine (SGLang HTTP subset)")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--weight-version", default="0")
+    args = parser.parse_args(argv)
+    engine = HFEngine(args.model_path, args.dtype, args.device, args.weight_version)
+    web.run_app(build_app(engine), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Where the trainer ranks and rollout engines go: one Ray placement group, slime's layout.
+
+Colocated: trainer and engines share the same slots (each actor takes half a slot);
+disaggregated: trainer slots first, engine slots after them. A slot is a GPU on a GPU
+cluster and a CPU when the job runs on CPUs (a laptop, the tests), so the same spec
+places the same way everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rljob_api.spec import RLJobSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    slots: int
+    trainer_slots: tuple[int, ...]  # one per trainer rank
+    engine_slots: tuple[int, ...]  # first slot of each engine
+    share: float  # fraction of a slot each actor requests
+
+    def bundles(self, use_gpu: bool) -> list[dict[str, float]]:
+        return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}] * self.slots
+
+
+def trainer_world(spec: RLJobSpec) -> int:
+    """Trainer ranks: one per GPU, or one per replica when replicas train on CPU."""
+    return spec.trainer.replicas * max(spec.trainer.gpus_per_replica, 1)
+
+
+def plan(spec: RLJobSpec) -> Layout:
+    world = trainer_world(spec)
+    per_engine = spec.rollout.gpus_per_engine
+    engines = spec.rollout.gpus // per_engine
+    if spec.placement == "colocated":
+        return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
+                      tuple(i * per_engine for i in range(engines)), 0.5)
+    return Layout(world + spec.rollout.gpus, tuple(range(world)),
+                  tuple(world + i * per_engine for i in range(engines)), 1.0)

@@ -1,0 +1,150 @@
+"""The rollout worker: prompts → samples with rewards, through the user's hooks.
+
+It owns the data source (cursor and buffer) and the engine clients, and runs as a Ray
+actor so user hooks execute in a worker process. Each sample gets a sampling seed fixed
+by (job seed, rollout step, group, index), so a resumed run regenerates exactly what an
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from rljob_api.spec import RLJobSpec
+
+from rljob import metrics
+from rljob.data_source import DataSource
+from rljob.engine.client import EngineClient
+from rljob.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
+from rljob.sample import Sample, Status
+from rljob.tasks import DatasetError, Prompt, load_task
+from rljob.text_codec import load_codec
+
+CONCURRENCY_PER_ENGINE = 64
+MAX_REFILLS = 8
+
+
+class NotEnoughSamples(RuntimeError):
+    """Too many generations were aborted to fill one rollout batch."""
+
+
+def sample_seed(seed: int, step: int, group: int, index: int) -> int:
+    return (seed * 1_000_003 + step * 10_007 + group * 101 + index) % (2**63 - 1)
+
+
+class RolloutWorker:
+    def __init__(self, spec_json: str, model_dir: str, engine_urls: list[str]) -> None:
+        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.model_dir = model_dir
+        self.engine_urls = engine_urls
+
+    def setup(self) -> list[str]:
+        """Load data and hooks here, in the worker; return the problems instead of raising."""
+        data = self.spec.data
+        try:
+            self.task = load_task(data.dataset, data.prompt_key, data.label_key)
+            self.eval_task = (load_task(data.eval_dataset, data.prompt_key, data.label_key)
+                              if data.eval_dataset else None)
+            self.generate_fn = load_generate(self.spec.generate.function)
+            self.reward_fn = load_reward(self.spec.reward.function)
+        except (DatasetError, HookError) as err:
+            return [str(err)]
+        self.source = DataSource(self.task.prompts, self.spec.algorithm.seed, data.shuffle)
+        self.codec = load_codec(Path(self.model_dir))
+        self.metrics_port = metrics.serve()
+        return []
+
+    def _sampling(self) -> dict[str, Any]:
+        s = self.spec.rollout.sampling
+        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens, "stop": list(s.stop)}
+
+    async def _run_group(
+        self, args: HookArgs, prompt: Prompt, group: int, step: int, sem: asyncio.Semaphore
+    ) -> list[Sample]:
+        n = self.spec.algorithm.n_samples_per_prompt
+
+        async def one(index: int) -> Sample:
+            sample = Sample(prompt=prompt.prompt, label=prompt.label, group_index=group,
+                            index=index, prompt_tokens=self.codec.encode(prompt.prompt),
+                            seed=sample_seed(self.spec.algorithm.seed, step, group, index))
+            async with sem:
+                sample = await self.generate_fn(args, sample, self._sampling())
+                if sample.status in (Status.completed, Status.truncated):
+                    path = self.spec.reward.function
+                    sample.reward = as_reward(await self.reward_fn(args, sample), path)
+            return sample
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    async def generate(self, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """One rollout step: rolloutBatchSize complete groups, as JSON-able sample dicts."""
+        started = time.monotonic()
+        want = self.spec.algorithm.rollout_batch_size
+        done: list[list[Sample]] = []
+        engines = [EngineClient(u) for u in self.engine_urls]
+        try:
+            args = HookArgs(self.spec, engines, self.codec, self.task)
+            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
+            for _ in range(MAX_REFILLS):
+                prompts = self.source.take(want - len(done))
+                groups = await asyncio.gather(*(
+                    self._run_group(args, p, len(done) + i, step, sem)
+                    for i, p in enumerate(prompts)))
+                aborted = [p for p, g in zip(prompts, groups, strict=True)
+                           if any(s.status not in (Status.completed, Status.truncated)
+                                  for s in g)]
+                self.source.give_back(aborted)
+                done += [g for g in groups if all(
+                    s.status in (Status.completed, Status.truncated) for s in g)]
+                for index, g in enumerate(done):
+                    for s in g:
+                        s.group_index = index
+                if len(done) == want:
+                    break
+            else:
+                raise NotEnoughSamples(
+                    f"step {step}: only {len(done)}/{want} groups finished after {MAX_REFILLS} "
+                    "attempts; the generate function keeps aborting samples")
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+        samples = [s for g in done for s in g]
+        seconds = time.monotonic() - started
+        tokens = sum(s.response_length for s in samples)
+        metrics.record_rollout(len(samples), tokens)
+        stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
+                 "tokens_per_second": tokens / seconds if seconds > 0 else 0.0}
+        return [s.to_json() for s in samples], stats
+
+    async def evaluate(self) -> float:
+        """Mean reward over the eval set (one sample per prompt, fixed seeds)."""
+        if self.eval_task is None:
+            raise ValueError("no spec.data.evalDataset configured")
+        engines = [EngineClient(u) for u in self.engine_urls]
+        try:
+            args = HookArgs(self.spec, engines, self.codec, self.eval_task)
+            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
+
+            async def one(i: int, p: Prompt) -> float:
+                sample = Sample(prompt=p.prompt, label=p.label, group_index=i,
+                                prompt_tokens=self.codec.encode(p.prompt),
+                                seed=sample_seed(self.spec.algorithm.seed, -1, i, 0))
+                async with sem:
+                    sample = await self.generate_fn(args, sample, self._sampling())
+                    return as_reward(await self.reward_fn(args, sample),
+                                     self.spec.reward.function)
+
+            rewards = await asyncio.gather(*(one(i, p)
+                                             for i, p in enumerate(self.eval_task.prompts)))
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+        return sum(rewards) / len(rewards)
+
+    def state(self) -> dict[str, Any]:
+        return self.source.state()
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.source.load(state)

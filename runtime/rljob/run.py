@@ -1,0 +1,50 @@
+"""`rljob run FILE`: validate, then run the job on this machine or a given Ray cluster.
+
+Exit codes: 0 finished; 1 runtime failure (worker or engine failed, weight sync refused);
+2 invalid job (spec, dataset, model source or hooks); 3 stopped on non-finite loss,
+gradients or weights (evidence saved under the workdir); 130 interrupted by Ctrl-C after
+saving a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rljob_api.validate import InvalidJob, load_job
+
+from rljob.report import PrintReporter, Reporter, StatusReporter
+
+DEFAULT_WORKDIR = Path("runs")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("run", help="run an RLJob here (embedded Ray) or on --ray-address",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="stop after N more rollout steps (the job's totalSteps still bounds it)")
+    p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                   help="checkpoints, metrics.jsonl and curves.png (default runs/<job name>); "
+                        "an existing one is resumed")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster instead of starting a local one")
+    p.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    try:
+        doc, spec = load_job(args.file)
+    except InvalidJob as err:
+        print(err, file=sys.stderr)
+        return 2
+    if args.max_steps is not None and args.max_steps < 1:
+        print("--max-steps must be at least 1", file=sys.stderr)
+        return 2
+    from rljob.driver import RunOptions, run_job
+
+    name = str(doc["metadata"]["name"])
+    reporter: Reporter = StatusReporter.from_env() or PrintReporter()
+    workdir = args.workdir or DEFAULT_WORKDIR / name
+    return run_job(name, spec, RunOptions(workdir, args.max_steps, args.ray_address), reporter)

@@ -1,0 +1,362 @@
+"""The `torch` trainer: plain PyTorch on CPU or one GPU per rank, data parallel over gloo/NCCL.
+
+Per rollout step it computes the old-policy, reference and (PPO) value estimates of all
+samples, the advantages, then `stepsPerRollout` optimizer steps over consecutive
+`globalBatchSize` slices. Ranks split each slice; gradients are summed across ranks and
+every loss is normalised by the slice's total response tokens, so any rank count or
+micro-batch size gives the same update. A step whose loss or gradient norm is NaN/Inf
+is skipped (nothing is replaced) and reported.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rljob_api.spec import RLJobSpec
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
+
+from rljob import metrics
+from rljob.algo import advantages as adv_fns
+from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
+from rljob.algo.losses import policy_loss, value_loss
+from rljob.engine.serialize import NamedTensors
+from rljob.publish import DiskPublisher, TensorPublisher, WeightPublisher
+from rljob.sample import Sample
+from rljob.tiny_model import torch_dtype
+from rljob.trainer.batch import Batch, collate
+
+VALUE_CLIP = 0.2
+
+
+class InitialKLMismatch(AssertionError):
+    """Reference and actor log-probs differ before any update: the two models differ."""
+
+
+@dataclass
+class Sums:
+    """Per-optimizer-step figures summed over micro-batches (already token-normalised)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl_loss: float = 0.0
+    entropy: float = 0.0
+    clipfrac: float = 0.0
+    value_loss: float = 0.0
+
+    def as_tensor(self) -> Tensor:
+        return torch.tensor([self.loss, self.pg_loss, self.kl_loss, self.entropy, self.clipfrac,
+                             self.value_loss], dtype=torch.float64)
+
+
+@dataclass
+class Inference:
+    """Per-sample tensors [N, T] computed once per rollout step without gradients."""
+
+    old_logp: Tensor
+    ref_logp: Tensor
+    values: Tensor | None
+    rollout_logp: Tensor
+    mask: Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def response_logprobs(
+    model: PreTrainedModel, batch: Batch, chunk_tokens: int, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """Padded [B, T] log-probs and entropies of the response tokens, chunked."""
+    hidden = model.get_decoder()(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask
+    ).last_hidden_state
+    rows, cols = response_index(batch.prompt_lengths, batch.response_lengths)
+    rows, cols = rows.to(hidden.device), cols.to(hidden.device)
+    head = model.get_output_embeddings()
+    logp, ent = chunked_logprobs(
+        hidden[rows, cols], head.weight, batch.input_ids[rows, cols + 1],
+        chunk_tokens=chunk_tokens, temperature=temperature, bias=head.bias,
+    )
+    return pad_responses(logp, batch.response_lengths), pad_responses(ent, batch.response_lengths)
+
+
+def response_values(critic: PreTrainedModel, batch: Batch) -> Tensor:
+    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0]
+    rows, cols = response_index(batch.prompt_lengths, batch.response_lengths)
+    return pad_responses(out[rows.to(out.device), cols.to(out.device)].float(),
+                         batch.response_lengths)
+
+
+def _widen(t: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+class TorchTrainer:
+    def __init__(
+        self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
+        device: str,
+    ) -> None:
+        self.spec = RLJobSpec.model_validate_json(spec_json)
+        self.rank, self.world = rank, world
+        self.device = torch.device(device)
+        algo = self.spec.algorithm
+        torch.manual_seed(algo.seed + rank)
+        if world > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=world)
+        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32)
+        torch.nn.Module.to(self.model, self.device)
+        self.model.train()
+        self.ref: PreTrainedModel = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algo.lr,
+                                           weight_decay=algo.weight_decay)
+        self.critic: PreTrainedModel | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if algo.estimator == "ppo":
+            self.critic = AutoModelForTokenClassification.from_pretrained(
+                model_dir, num_labels=1, dtype=torch.float32)
+            torch.nn.Module.to(self.critic, self.device)
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
+                                                      lr=algo.critic_lr)
+        self.serve_dtype = torch_dtype(self.spec.model.dtype)
+        self.publisher: WeightPublisher | None = None
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.metrics_port = metrics.serve()
+
+    # ---- forward helpers -------------------------------------------------------------
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.serve_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.serve_dtype)
+
+    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
+        mbs = self.spec.algorithm.micro_batch_size
+        return [indices[i : i + mbs] for i in range(0, len(indices), mbs)]
+
+    @torch.no_grad()
+    def _infer(self, samples: list[Sample]) -> Inference:
+        algo = self.spec.algorithm
+        temp = self.spec.rollout.sampling.temperature
+        width = max(s.response_length for s in samples)
+        parts: dict[str, list[Tensor]] = {"old": [], "ref": [], "val": [], "roll": [], "mask": []}
+        for mb in self._micro_batches(list(range(len(samples)))):
+            batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
+            with self._autocast():
+                old, _ = response_logprobs(self.model, batch, algo.logprob_chunk_tokens, temp)
+                ref, _ = response_logprobs(self.ref, batch, algo.logprob_chunk_tokens, temp)
+                if self.critic is not None:
+                    parts["val"].append(_widen(response_values(self.critic, batch), width))
+            parts["old"].append(_widen(old, width))
+            parts["ref"].append(_widen(ref, width))
+            parts["roll"].append(_widen(batch.rollout_logp, width))
+            parts["mask"].append(_widen(batch.loss_mask, width))
+        return Inference(
+            old_logp=torch.cat(parts["old"]), ref_logp=torch.cat(parts["ref"]),
+            values=torch.cat(parts["val"]) if parts["val"] else None,
+            rollout_logp=torch.cat(parts["roll"]), mask=torch.cat(parts["mask"]),
+        )
+
+    def _advantages(self, samples: list[Sample], inf: Inference) -> tuple[Tensor, Tensor | None]:
+        algo = self.spec.algorithm
+        rewards = torch.tensor([float("nan") if s.reward is None else s.reward for s in samples],
+                               dtype=torch.float32, device=self.device)
+        mask = inf.mask
+        kl_tok = (inf.old_logp - inf.ref_logp) * mask
+        in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
+        if algo.estimator == "grpo":
+            if in_reward:
+                rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
+            per_sample = adv_fns.group_normalized(rewards, algo.n_samples_per_prompt)
+            return per_sample.unsqueeze(1) * mask, None
+        token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
+                                             algo.kl_coef)
+        if algo.estimator == "reinforce++":
+            return adv_fns.reinforce_pp(token_reward, mask, algo.gamma), None
+        assert inf.values is not None
+        return adv_fns.gae(token_reward, inf.values, mask, algo.gamma, algo.lam)
+
+    # ---- training ----------------------------------------------------------------------
+
+    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+        """Train on one rollout step's samples; return its metrics (same on every rank)."""
+        algo = self.spec.algorithm
+        temp = self.spec.rollout.sampling.temperature
+        samples = [Sample.from_json(d) for d in sample_dicts]
+        inf = self._infer(samples)
+        if check_initial_kl and not torch.equal(inf.ref_logp, inf.old_logp):
+            gap = float((inf.ref_logp - inf.old_logp).abs().max())
+            raise InitialKLMismatch(
+                f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
+                "the reference must be the initial policy")
+        advantages, returns = self._advantages(samples, inf)
+        mask = inf.mask
+        kl_coef_loss = algo.kl_coef if algo.kl_mode == "loss" else 0.0
+        clip_high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
+        step_metrics: list[dict[str, float]] = []
+        skipped: list[str] = []
+        for k in range(algo.steps_per_rollout):
+            idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
+            denominator = float(mask[idx].sum())
+            sums = Sums()
+            for mb in self._micro_batches(idx[self.rank :: self.world]):
+                batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
+                t = max(batch.response_lengths)
+                with self._autocast():
+                    logp, ent = response_logprobs(self.model, batch, algo.logprob_chunk_tokens,
+                                                  temp)
+                terms = policy_loss(
+                    logp, inf.old_logp[mb, :t], inf.ref_logp[mb, :t], advantages[mb, :t],
+                    ent, mask[mb, :t], denominator=max(denominator, 1.0),
+                    clip_low=algo.clip_eps, clip_high=clip_high, kl_coef=kl_coef_loss,
+                    entropy_coef=algo.entropy_coef,
+                )
+                torch.autograd.backward(terms.loss)
+                sums.loss += float(terms.loss)
+                sums.pg_loss += float(terms.pg_loss)
+                sums.kl_loss += float(terms.kl)
+                sums.entropy += float(terms.entropy)
+                sums.clipfrac += float(terms.clipfrac)
+                if self.critic is not None and inf.values is not None and returns is not None:
+                    with self._autocast():
+                        values = response_values(self.critic, batch)
+                    vloss = value_loss(values, inf.values[mb, :t], returns[mb, :t],
+                                       mask[mb, :t], clip=VALUE_CLIP,
+                                       denominator=max(denominator, 1.0))
+                    torch.autograd.backward(vloss)
+                    sums.value_loss += float(vloss)
+            step_metrics.append(self._optimizer_step(sums, skipped, k))
+        return self._summary(samples, inf, step_metrics, skipped)
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def _optimizer_step(self, sums: Sums, skipped: list[str], k: int) -> dict[str, float]:
+        totals = self._all_reduce(sums.as_tensor())
+        models: list[tuple[PreTrainedModel, torch.optim.Optimizer]] = [
+            (self.model, self.optimizer)]
+        if self.critic is not None and self.critic_optimizer is not None:
+            models.append((self.critic, self.critic_optimizer))
+        norms = []
+        for model, _ in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    self._all_reduce(p.grad)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(
+                model.parameters(), self.spec.algorithm.max_grad_norm)))
+        reason = None
+        if not bool(torch.isfinite(totals).all()):
+            reason = f"optimizer step {k}: non-finite loss ({float(totals[0])})"
+        elif not all(np.isfinite(norms)):
+            reason = f"optimizer step {k}: non-finite gradient norm ({norms})"
+        for _, optimizer in models:
+            if reason is None:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        metrics.record_train_step(float(totals[0]), norms[0], skipped=reason is not None)
+        if reason is not None:
+            skipped.append(reason)
+        names = ("loss", "pg_loss", "kl_loss", "entropy", "clipfrac", "value_loss")
+        out = {n: float(v) for n, v in zip(names, totals.tolist(), strict=True)}
+        out["grad_norm"] = norms[0]
+        out["skipped"] = float(reason is not None)
+        return out
+
+    def _summary(
+        self, samples: list[Sample], inf: Inference, steps: list[dict[str, float]],
+        skipped: list[str],
+    ) -> dict[str, Any]:
+        mask = inf.mask
+        tokens = float(mask.sum())
+        rewards = [float("nan") if s.reward is None else s.reward for s in samples]
+        out: dict[str, Any] = {
+            key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
+        }
+        out.update({
+            "reward": float(np.mean(rewards)),
+            "kl": float(((inf.old_logp - inf.ref_logp) * mask).sum()) / max(tokens, 1.0),
+            "logprob_gap": float(((inf.rollout_logp - inf.old_logp).abs() * mask).sum())
+            / max(tokens, 1.0),
+            "response_length": float(np.mean([s.response_length for s in samples])),
+            "step_skipped": [bool(s["skipped"]) for s in steps],
+            "optimizer_steps": len(steps) - len(skipped),
+            "skipped_steps": len(skipped),
+            "nonfinite": skipped,
+        })
+        return out
+
+    # ---- weights ---------------------------------------------------------------------
+
+    def named_weights(self) -> NamedTensors:
+        return [(n, t.detach().to(self.serve_dtype).clone())
+                for n, t in self.model.state_dict().items()]
+
+    def nonfinite_weights(self) -> list[str]:
+        return [n for n, t in self.model.state_dict().items() if not bool(torch.isfinite(t).all())]
+
+    def set_publisher(self, urls: list[str], mode: str, disk_root: str) -> None:
+        sync = self.spec.weight_sync
+        if mode == "disk":
+            self.publisher = DiskPublisher(urls, Path(disk_root), sync.ack_timeout_seconds)
+        else:
+            self.publisher = TensorPublisher(urls, sync.bucket_size_mb << 20,
+                                             sync.ack_timeout_seconds)
+
+    def publish(self, version: int) -> list[str]:
+        """Send the current weights as `version`; NonFiniteWeights if any is NaN/Inf."""
+        assert self.publisher is not None, "set_publisher first"
+        acked = self.publisher.publish(version, self.named_weights())
+        metrics.WEIGHT_VERSION.set(version)
+        return acked
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def save(self, directory: str, hf_export: bool) -> None:
+        d = Path(directory)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   d / f"trainer_rng_rank{self.rank}.pt")
+        if self.rank != 0:
+            return
+        save_file(self.model.state_dict(), str(d / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), d / "optimizer.pt")
+        if self.critic is not None and self.critic_optimizer is not None:
+            save_file(self.critic.state_dict(), str(d / "critic.safetensors"))
+            torch.save(self.critic_optimizer.state_dict(), d / "critic_optimizer.pt")
+        if hf_export:
+            self.model.save_pretrained(d / "hf", safe_serialization=True)
+
+    def load(self, directory: str) -> None:
+        d = Path(directory)
+        self.model.load_state_dict(load_file(str(d / "model.safetensors"),
+                                             device=str(self.device)))
+        self.optimizer.load_state_dict(torch.load(d / "optimizer.pt", weights_only=False))
+        if self.critic is not None and self.critic_optimizer is not None:
+            self.critic.load_state_dict(load_file(str(d / "critic.safetensors"),
+                                                  device=str(self.device)))
+            self.critic_optimizer.load_state_dict(
+                torch.load(d / "critic_optimizer.pt", weights_only=False))
+        rng_file = d / f"trainer_rng_rank{self.rank}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            if rng["cuda"]:
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def shutdown(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,44 @@
+"""Ray for the runtime tests: started per test with 2 CPU slots, always shut down."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from rljob.driver import worker_env
+from rljob_api.status import CheckpointStatus, Progress, RuntimeFailure
+
+
+@pytest.fixture
+def ray_local() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": worker_env()})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class RecordingReporter:
+    """A reporter that keeps what the loop reported, for assertions."""
+
+    def __init__(self) -> None:
+        self.progresses: list[Progress] = []
+        self.checkpoints: list[CheckpointStatus] = []
+        self.failures: list[RuntimeFailure] = []
+
+    def progress(self, progress: Progress) -> None:
+        self.progresses.append(progress)
+
+    def checkpoint(self, checkpoint: CheckpointStatus) -> None:
+        self.checkpoints.append(checkpoint)
+
+    def failure(self, failure: RuntimeFailure) -> None:
+        self.failures.append(failure)
+
+
+@pytest.fixture
+def reporter() -> Any:
+    return RecordingReporter()

@@ -1,0 +1,105 @@
+"""The hf engine and the client speak the engine contract over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from rljob.engine.client import EngineClient, EngineError
+from rljob.engine.hf_server import HFEngine, ServerThread
+from rljob.engine.serialize import serialize
+from rljob.publish import NonFiniteWeights, TensorPublisher
+from rljob.tiny_model import write_tiny
+from rljob_api.spec import TinyModel
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerThread]:
+    model = write_tiny(tmp_path / "m", TinyModel(), "0123456789+=", 1, "float32")
+    srv = ServerThread(HFEngine(str(model), "float32", "cpu", "0"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_generate_shape_seeding_and_stop(server: ServerThread) -> None:
+    async def go() -> None:
+        async with EngineClient(server.url) as c:
+            await c.wait_healthy(30)
+            info = await c.model_info()
+            assert info["is_generation"] is True and info["weight_version"] == "0"
+            params = {"max_new_tokens": 6, "sampling_seed": 11, "temperature": 1.0}
+            a = await c.generate([4, 5, 6], params)
+            b = await c.generate([4, 5, 6], params)
+            assert a == b  # same seed, same weights → same tokens and log-probs
+            meta = a["meta_info"]
+            assert meta["completion_tokens"] == len(a["output_ids"])
+            assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
+            assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+            assert meta["finish_reason"]["type"] in ("stop", "length")
+            greedy = await c.generate([4, 5, 6], {"max_new_tokens": 3, "temperature": 0,
+                                                  "ignore_eos": True})
+            assert greedy["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+    asyncio.run(go())
+
+
+def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: Path) -> None:
+    state = server.engine.model.state_dict()
+    halved = [(k, v.detach().clone() * 0.5) for k, v in state.items()]
+
+    async def go() -> None:
+        async with EngineClient(server.url) as c:
+            await c.update_weights_from_tensor([serialize(halved)], "1")
+            assert await c.weight_version() == "1"
+            name = halved[0][0]
+            bad = [(halved[1][0], halved[1][1] + 1),
+                   (name, torch.full_like(halved[0][1], float("nan")))]
+            with pytest.raises(EngineError, match="NaN"):
+                await c.update_weights_from_tensor([serialize(bad)], "2")
+            with pytest.raises(EngineError, match="shape"):
+                await c.update_weights_from_tensor([serialize([(name, torch.zeros(2))])], "2")
+            assert await c.weight_version() == "1"
+            # nothing of the rejected update was installed, not even its valid tensor
+            assert torch.equal(server.engine.model.state_dict()[halved[1][0]], halved[1][1])
+            disk = tmp_path / "v3"
+            disk.mkdir()
+            save_file({k: v * 2 for k, v in halved}, str(disk / "model.safetensors"))
+            await c.update_weights_from_disk(str(disk), "3")
+            assert await c.weight_version() == "3"
+            out = await c.generate([4], {"max_new_tokens": 1})
+            assert out["meta_info"]["weight_version"] == "3"
+
+    asyncio.run(go())
+    assert torch.equal(server.engine.model.state_dict()[halved[0][0]], state[halved[0][0]])
+
+
+def test_pause_holds_generation_until_continue(server: ServerThread) -> None:
+    async def go() -> None:
+        async with EngineClient(server.url) as c:
+            await c.pause()
+            pending = asyncio.ensure_future(c.generate([4], {"max_new_tokens": 1}))
+            done, _ = await asyncio.wait({pending}, timeout=0.5)
+            assert not done  # held while paused
+            await c.resume()
+            assert (await pending)["meta_info"]["completion_tokens"] == 1
+
+    asyncio.run(go())
+
+
+def test_publisher_refuses_nonfinite_and_reports_acks(server: ServerThread) -> None:
+    named = [(k, v.detach().clone()) for k, v in server.engine.model.state_dict().items()]
+    publisher = TensorPublisher([server.url, "http://127.0.0.1:9"], bucket_bytes=4096,
+                                timeout_s=10)
+    assert publisher.publish(5, named) == [server.url]  # the dead engine did not ack
+    assert server.engine.weight_version == "5"
+    with pytest.raises(NonFiniteWeights):
+        publisher.publish(6, [(named[0][0], named[0][1] * float("inf"))])
+    assert server.engine.weight_version == "5"
