@@ -174,10 +174,11 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec) -> Obj:
     }
 
 
-def _ray_resources(slot: str) -> str:
-    """rayStartParams `resources` in KubeRay's quoted-JSON form: a custom Ray resource the
-    runtime uses to place trainer and rollout actors on their own pods."""
-    return json.dumps(json.dumps({slot: 1}))
+def _ray_resources(slot: str, count: int) -> str:
+    """rayStartParams `resources` in KubeRay's quoted-JSON form: a custom Ray resource, one
+    unit per placement slot of the pod (a GPU, or the pod itself on CPU), that the runtime
+    requests so trainer and rollout actors land on their own group's pods."""
+    return json.dumps(json.dumps({slot: count}))
 
 
 def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
@@ -216,7 +217,7 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         "replicas": replicas,
         "minReplicas": replicas,
         "maxReplicas": replicas,
-        "rayStartParams": {"resources": _ray_resources(f"rljob_{group}")},
+        "rayStartParams": {"resources": _ray_resources(f"rljob_{group}", max(gpus, 1))},
         "template": _pod_template(job, spec, group, containers, gpus),
     }
 

@@ -3,7 +3,10 @@
 Colocated: trainer and engines share the same slots (each actor takes half a slot);
 disaggregated: trainer slots first, engine slots after them. A slot is a GPU on a GPU
 cluster and a CPU when the job runs on CPUs (a laptop, the tests), so the same spec
-places the same way everywhere.
+places the same way everywhere. On a Kubernetes cluster every bundle also asks for one unit
+of the custom resource the operator gives its worker group's pods (`rljob_trainer`,
+`rljob_rollout`, `rljob_colocated`: one unit per slot), so trainer ranks land on trainer pods
+and engines on rollout pods.
 """
 
 from __future__ import annotations
@@ -19,9 +22,19 @@ class Layout:
     trainer_slots: tuple[int, ...]  # one per trainer rank
     engine_slots: tuple[int, ...]  # first slot of each engine
     share: float  # fraction of a slot each actor requests
+    colocated: bool = False
 
-    def bundles(self, use_gpu: bool) -> list[dict[str, float]]:
-        return [{"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}] * self.slots
+    def slot_resource(self, slot: int) -> str:
+        """The operator's custom Ray resource of the worker group that holds `slot`."""
+        if self.colocated:
+            return "rljob_colocated"
+        return "rljob_trainer" if slot < len(self.trainer_slots) else "rljob_rollout"
+
+    def bundles(self, use_gpu: bool, on_cluster: bool = False) -> list[dict[str, float]]:
+        device = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+        if not on_cluster:
+            return [dict(device) for _ in range(self.slots)]
+        return [{**device, self.slot_resource(i): 1.0} for i in range(self.slots)]
 
 
 def trainer_world(spec: RLJobSpec) -> int:
@@ -35,6 +48,6 @@ def plan(spec: RLJobSpec) -> Layout:
     engines = spec.rollout.gpus // per_engine
     if spec.placement == "colocated":
         return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
-                      tuple(i * per_engine for i in range(engines)), 0.5)
+                      tuple(i * per_engine for i in range(engines)), 0.5, colocated=True)
     return Layout(world + spec.rollout.gpus, tuple(range(world)),
                   tuple(world + i * per_engine for i in range(engines)), 1.0)
