@@ -12,7 +12,6 @@ from collections import defaultdict
 from typing import Any
 
 from rljob.report import now
-
 from tests.controlplane import ControlPlane
 
 Obj = dict[str, Any]

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
-from rljob.report import StatusReporter, now
-from rljob_api.status import CheckpointStatus, Progress
 
 from e2e.sim.kubectl_view import RLJobsView
+from rljob.report import StatusReporter, now
+from rljob_api.status import CheckpointStatus, Progress
 from tests.controlplane import REPO, ControlPlane
 from tests.operator.jobs import patch_pod_phase
 from tests.operator_process import POOL_LABEL, NodePool, Operator
@@ -158,8 +158,9 @@ def test_apply_watch_kill_recover_succeed_delete(
         described
 
     # Deleting the job removes every child through owner references.
+    rbac = "rbac.authorization.k8s.io"
     support = [f"configmap/{name}-spec", f"serviceaccount/{name}-runtime",
-               f"role/{name}-status-writer", f"rolebinding/{name}-status-writer"]
+               f"role.{rbac}/{name}-status-writer", f"rolebinding.{rbac}/{name}-status-writer"]
     assert kubectl("get", *support, "-o", "name").split() == support
     assert kubectl("delete", "rljob", name).startswith(f'rljob.rljob.io "{name}" deleted')
     print(view.get() or "(kubectl get rljobs: no resources)\n", flush=True)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
-
 from rljob_operator import names
 
 Obj = dict[str, Any]
@@ -159,6 +159,15 @@ def _ray_container(job: JobRef, spec: RLJobSpec, name: str, component: str, imag
     return container
 
 
+def _field_env(name: str, field_path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def weight_sync_store(job: JobRef) -> str:
+    """HOST:PORT of the weight-sync store: on the Ray head, behind its stable Service."""
+    return f"{names.head_service(job.name, job.namespace)}:{names.WEIGHT_SYNC_PORT}"
+
+
 def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec) -> Obj:
     _, mounts = _data_volumes(spec)
     return {
@@ -168,7 +177,12 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec) -> Obj:
         "env": [
             *_env(job, "weight-sync"),
             {"name": "RLJOB_ENGINE_URL", "value": f"http://127.0.0.1:{names.ENGINE_PORT}"},
+            {"name": "RLJOB_WEIGHT_SYNC_TRAINER", "value": weight_sync_store(job)},
+            # The engine's name in the group, and where the trainer probes its /health.
+            _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_IP", "status.podIP"),
         ],
+        "ports": [{"containerPort": names.WEIGHT_SYNC_HEALTH_PORT, "name": "weight-sync"}],
         "resources": SIDECAR_RESOURCES,
         "volumeMounts": mounts,
     }
@@ -224,8 +238,11 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
 
 def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
     """The RayCluster: a CPU-only head and the trainer/rollout (or one colocated) groups."""
+    # KubeRay's head Service exposes exactly the head container's ports.
+    head_ports = [{"containerPort": names.RAY_GCS_PORT, "name": "gcs"},
+                  {"containerPort": names.WEIGHT_SYNC_PORT, "name": "weight-sync"}]
     head = _ray_container(job, spec, "ray-head", names.HEAD, spec.trainer.image,
-                          HEAD_RESOURCES, [{"containerPort": names.RAY_GCS_PORT, "name": "gcs"}])
+                          HEAD_RESOURCES, head_ports)
     return {
         "apiVersion": names.RAY_API_VERSION,
         "kind": "RayCluster",
@@ -272,7 +289,15 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
         "name": "driver",
         "image": spec.trainer.image,
         "command": driver_command(job, spec),
-        "env": [*_env(job, names.DRIVER), {"name": "RLJOB_RESTARTS", "value": str(restarts)}],
+        "env": [
+            *_env(job, names.DRIVER),
+            {"name": "RLJOB_RESTARTS", "value": str(restarts)},
+            # Weight sync: the rollout pods run the sidecars, engines listen where those
+            # sidecars look, and the store takes the port the head Service exposes.
+            {"name": "RLJOB_WEIGHT_SYNC_SIDECARS", "value": "pods"},
+            {"name": "RLJOB_ENGINE_PORT", "value": str(names.ENGINE_PORT)},
+            {"name": "RLJOB_WEIGHT_SYNC_PORT", "value": str(names.WEIGHT_SYNC_PORT)},
+        ],
         "resources": DRIVER_RESOURCES,
         "volumeMounts": [
             {"name": "spec", "mountPath": names.SPEC_DIR, "readOnly": True},

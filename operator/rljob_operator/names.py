@@ -28,6 +28,10 @@ RAY_VERSION = "v1"
 RAY_PLURAL = "rayclusters"
 RAY_GCS_PORT = 6379
 ENGINE_PORT = 30000
+# The weight-sync store runs on the Ray head node (the driver starts it there), so every pod
+# reaches it through the head Service; the sidecars serve /health and /metrics on their port.
+WEIGHT_SYNC_PORT = 29600
+WEIGHT_SYNC_HEALTH_PORT = 8090
 SPEC_FILE = "rljob.yaml"
 SPEC_DIR = "/etc/rljob"
 

@@ -27,8 +27,6 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-from rljob_api.spec import RLJobSpec
-from rljob_api.status import CheckpointRecord, CheckpointStatus, Progress, RuntimeFailure
 
 from rljob import metrics_log
 from rljob.checkpoint import CheckpointStore, Verified
@@ -39,7 +37,11 @@ from rljob.report import Reporter, now
 from rljob.rollout import RolloutWorker
 from rljob.tasks import DatasetError, load_task
 from rljob.tiny_model import BUILTIN_TINY, write_tiny
-from rljob.trainer.torch_backend import TorchTrainer
+from rljob.trainer.select import trainer_class
+from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
+from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
+from rljob_api.spec import RLJobSpec
+from rljob_api.status import CheckpointRecord, CheckpointStatus, Progress, RuntimeFailure
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -50,6 +52,8 @@ PLACEMENT_TIMEOUT_S = 300.0
 STATE_FILE = "state.json"
 ROLLOUT_FILE = "rollout_state.json"
 DRIVER_RNG_FILE = "driver_rng.pt"
+WEIGHT_SYNC_LOG = "weight_sync.jsonl"
+ENGINE_JOIN_TIMEOUT_S = 300.0
 
 
 class JobError(Exception):
@@ -130,6 +134,8 @@ class Job:
         self.rollout: Any = None
         self.urls: list[str] = []
         self.started_ray = False
+        self.sync_settings = SyncSettings()
+        self.weight_sync = WeightSyncActors(self.sync_settings)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -171,7 +177,8 @@ class Job:
         self.start_ray(layout)
         use_gpu = (spec.trainer.gpus_per_replica > 0
                    and ray.cluster_resources().get("GPU", 0) >= layout.slots)
-        pg = self.pg = placement_group(layout.bundles(use_gpu), strategy="PACK")
+        on_cluster = bool(self.options.ray_address)
+        pg = self.pg = placement_group(layout.bundles(use_gpu, on_cluster), strategy="PACK")
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             have = ray.cluster_resources()
@@ -189,16 +196,21 @@ class Job:
 
         engine_cls = ray.remote(EngineProcess)
         host = "127.0.0.1" if not self.options.ray_address else ray.util.get_node_ip_address()
+        bind = "127.0.0.1" if not self.options.ray_address else "0.0.0.0"
         self.engines = [
             engine_cls.options(**at(slot)).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
-                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), host)
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind,
+                self.sync_settings.engine_port)
             for slot in layout.engine_slots
         ]
         world = trainer_world(spec)
         port = 29500 + random.Random(os.getpid()).randrange(10000)
         init = f"tcp://{host}:{port}"
-        trainer_cls = ray.remote(TorchTrainer)
+        try:
+            trainer_cls = ray.remote(trainer_class(spec, use_gpu))
+        except ValueError as err:
+            raise JobError(EXIT_INVALID, str(err)) from None
         spec_json = spec.model_dump_json(by_alias=True)
         self.trainers = [
             trainer_cls.options(**at(slot)).remote(spec_json, str(model_dir), rank, world, init,
@@ -211,9 +223,6 @@ class Job:
         problems = ray.get(self.rollout.setup.remote())
         if problems:
             raise JobError(EXIT_INVALID, "\n".join(problems))
-        sync = spec.weight_sync
-        ray.get(self.trainers[0].set_publisher.remote(
-            self.urls, str(sync.mode), str(self.workdir / "weights")))
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -260,25 +269,62 @@ class Job:
 
     # ---- the loop ----------------------------------------------------------------------
 
-    def publish(self) -> None:
-        from rljob.publish import NonFiniteWeights
-
+    def start_weight_sync(self) -> None:
+        """The store on the Ray head, a sidecar per engine (unless the pods run them), and
+        trainer rank 0 joined as the publisher; versions continue from the checkpoint."""
+        store = self.weight_sync.start_store()
+        self.weight_sync.start_sidecars(self.engines, self.urls, store,
+                                        loopback=not self.options.ray_address)
+        trainer = self.trainers[0]
+        ray.get(trainer.set_publisher.remote(*store, str(self.workdir / "weights"),
+                                             self.state.weight_version))
         try:
-            acked = ray.get(self.trainers[0].publish.remote(self.state.weight_version))
+            ray.get(trainer.wait_for_engines.remote(len(self.engines), ENGINE_JOIN_TIMEOUT_S))
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, TimeoutError):
+                raise JobError(EXIT_FAILED, f"WeightSyncFailed: {err.cause}; every engine needs "
+                               "its weight-sync sidecar (in a pod: the weight-sync container)"
+                               ) from None
+            raise
+
+    def publish(self) -> None:
+        """Deliver `state.weight_version` to every engine, or stop the run.
+
+        Engines that reject a version keep serving the previous one and are resynced by
+        the publisher within the deadline; one still stale after that fails the run
+        (retryable: a restart resyncs every engine from the checkpoint).
+        """
+        version = self.state.weight_version
+        try:
+            result: SyncResult = ray.get(self.trainers[0].publish.remote(version))
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, NonFiniteWeights):
-                raise JobError(EXIT_NONFINITE, f"NonFiniteWeights: {err.cause}") from None
+                message = f"{err.cause}; nothing was sent to the engines"
+                self.fail("NonFiniteWeights", message, retryable=False)
+                raise JobError(EXIT_NONFINITE, f"NonFiniteWeights: {message}") from None
             raise
-        missing = sorted(set(self.urls) - set(acked))
-        if missing:
-            raise JobError(EXIT_FAILED, f"WeightSyncFailed: engines {missing} did not install "
-                           f"weight version {self.state.weight_version}")
+        metrics_log.append(self.workdir / WEIGHT_SYNC_LOG, {
+            "version": result.version, "acked": result.acked, "stale": result.stale,
+            "attempts": result.attempts, "seconds": result.seconds,
+            "bytes_per_engine": result.bytes_per_engine, "rejections": list(result.rejections),
+        })
+        for rejection in result.rejections:
+            print(f"weight sync: version {version}: {rejection}", file=sys.stderr, flush=True)
+        if result.stale:
+            reasons = "; ".join(f"{name}: {why}" for name, why in sorted(result.stale.items()))
+            raise JobError(EXIT_FAILED, f"WeightSyncFailed: engines did not install weight "
+                           f"version {version}: {reasons}")
 
     def fail(self, reason: str, message: str, retryable: bool) -> None:
         self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
                                              step=self.state.step, time=now()))
 
     def run(self) -> int:
+        try:  # set by the operator on a cluster; defaults for `rljob run` on one machine
+            self.sync_settings = SyncSettings.from_env(os.environ)
+        except ValueError as err:
+            raise JobError(EXIT_INVALID, str(err)) from None
+        self.weight_sync = WeightSyncActors(self.sync_settings)
         self.workdir.mkdir(parents=True, exist_ok=True)
         model_dir = self.model_dir()
         self.place(model_dir)
@@ -286,6 +332,7 @@ class Job:
         if resumed is not None:
             print(f"resumed from {resumed.path} (step {resumed.step}, weight version "
                   f"{self.state.weight_version})", file=sys.stderr, flush=True)
+        self.start_weight_sync()
         self.publish()
         algo = self.spec.algorithm
         end = algo.total_steps
@@ -390,7 +437,8 @@ class Job:
         print("\n".join(lines), flush=True)
 
     def shutdown(self) -> None:
-        """Stop engines and trainers, free the slots; stop Ray if this run started it."""
+        """Stop sidecars, engines and trainers, free the slots; stop Ray if this run started it."""
+        self.weight_sync.shutdown()
         for handle, method in [*((e, "stop") for e in self.engines),
                                *((t, "shutdown") for t in self.trainers)]:
             with contextlib.suppress(ray.exceptions.RayError):  # already dead: nothing to stop

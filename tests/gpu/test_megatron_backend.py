@@ -9,9 +9,15 @@ from __future__ import annotations
 import importlib.util
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from rljob.megatron_backend.trainer import MegatronTrainer, PolicyMicroBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +29,7 @@ pytestmark = [
     ),
 ]
 
-SMALL = {
+SMALL: dict[str, Any] = {
     "vocab_size": 1000,  # not a multiple of 128: exercises vocab padding
     "hidden_size": 128,
     "intermediate_size": 352,
@@ -43,34 +49,37 @@ def parallel() -> None:
     init_parallel(1, 1, 1, seed=0)
 
 
-def _hf_model(kind: str, tied: bool) -> torch.nn.Module:
+def _hf_model(kind: str, tied: bool) -> PreTrainedModel:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(1)
     if kind == "qwen2":
-        model: torch.nn.Module = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=tied))
+        model: PreTrainedModel = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=tied))
         with torch.no_grad():  # HF initialises biases to zero; make them matter
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.02)
     else:
         model = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=tied))
-    return model.cuda().float()
+    torch.nn.Module.to(model, device="cuda", dtype=torch.float32)
+    return model
 
 
-def _hf_state(model: torch.nn.Module, tied: bool) -> dict[str, torch.Tensor]:
+def _hf_state(model: PreTrainedModel, tied: bool) -> dict[str, torch.Tensor]:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if tied:
         state.pop("lm_head.weight", None)
     return state
 
 
-def _trainer(model: torch.nn.Module, tied: bool, dtype: torch.dtype = torch.float32) -> object:
+def _trainer(
+    model: PreTrainedModel, tied: bool, dtype: torch.dtype = torch.float32
+) -> MegatronTrainer:
     from rljob.megatron_backend.shape import ModelShape
     from rljob.megatron_backend.trainer import MegatronTrainer, PolicyLossConfig
 
     return MegatronTrainer(
-        ModelShape.from_hf(model.config),  # type: ignore[arg-type]
+        ModelShape.from_hf(model.config),
         _hf_state(model, tied),
         dtype=dtype,
         lr=1e-3,
@@ -80,7 +89,7 @@ def _trainer(model: torch.nn.Module, tied: bool, dtype: torch.dtype = torch.floa
     )
 
 
-def _batches(seed: int, n: int = 2, batch: int = 3) -> list[object]:
+def _batches(seed: int, n: int = 2, batch: int = 3) -> list[PolicyMicroBatch]:
     from rljob.megatron_backend.trainer import PolicyMicroBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -109,38 +118,38 @@ def _batches(seed: int, n: int = 2, batch: int = 3) -> list[object]:
     return out
 
 
-def _torch_path(model: torch.nn.Module, batches: list[object]) -> tuple[float, float]:
+def _torch_path(model: PreTrainedModel, batches: list[PolicyMicroBatch]) -> tuple[float, float]:
     """The torch backend's computation: HF model, chunked log-probs, the shared policy loss."""
     from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
     from rljob.algo.losses import policy_loss
 
     model.zero_grad()
-    total_tokens = sum(float(b.loss_mask.sum()) for b in batches)  # type: ignore[attr-defined]
+    total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
     loss_value = 0.0
     for b in batches:
-        tokens = b.tokens.cuda()  # type: ignore[attr-defined]
-        hidden = model.model(input_ids=tokens).last_hidden_state  # type: ignore[attr-defined]
-        rows, cols = response_index(b.prompt_lengths, b.response_lengths)  # type: ignore[attr-defined]
+        tokens = b.tokens.cuda()
+        hidden = model.model(input_ids=tokens).last_hidden_state
+        rows, cols = response_index(b.prompt_lengths, b.response_lengths)
         rows, cols = rows.cuda(), cols.cuda()
         lp, ent = chunked_logprobs(
-            hidden[rows, cols], model.lm_head.weight, tokens[rows, cols + 1], chunk_tokens=16  # type: ignore[attr-defined]
+            hidden[rows, cols], model.lm_head.weight, tokens[rows, cols + 1], chunk_tokens=16
         )
-        rl = b.response_lengths  # type: ignore[attr-defined]
+        rl = b.response_lengths
         terms = policy_loss(
             pad_responses(lp, rl),
-            b.old_logp.cuda(),  # type: ignore[attr-defined]
-            b.ref_logp.cuda(),  # type: ignore[attr-defined]
-            b.advantages.cuda(),  # type: ignore[attr-defined]
+            b.old_logp.cuda(),
+            None if b.ref_logp is None else b.ref_logp.cuda(),
+            b.advantages.cuda(),
             pad_responses(ent, rl),
-            b.loss_mask.cuda(),  # type: ignore[attr-defined]
+            b.loss_mask.cuda(),
             denominator=total_tokens,
             clip_low=0.2,
             clip_high=0.28,
             kl_coef=0.05,
             entropy_coef=0.01,
         )
-        terms.loss.backward()
-        loss_value += float(terms.loss)
+        torch.autograd.backward(terms.loss)
+        loss_value += float(terms.loss.detach())
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     grad_norm = math.sqrt(sum(float(g.norm()) ** 2 for g in grads))
     return loss_value, grad_norm
@@ -150,7 +159,7 @@ def _torch_path(model: torch.nn.Module, batches: list[object]) -> tuple[float, f
 def test_hf_megatron_hf_round_trip_is_bit_exact(kind: str, tied: bool) -> None:
     model = _hf_model(kind, tied)
     trainer = _trainer(model, tied)
-    exported = dict(trainer.export_hf())  # type: ignore[attr-defined]
+    exported = dict(trainer.export_hf())
     original = _hf_state(model, tied)
     assert set(exported) == set(original)
     for name, tensor in original.items():
@@ -164,49 +173,64 @@ def test_same_loss_and_grad_norm_as_torch_path(kind: str, tied: bool) -> None:
     trainer = _trainer(model, tied)
     batches = _batches(seed=7)
     ref_loss, ref_norm = _torch_path(model, batches)
-    metrics = trainer.train_step(batches)  # type: ignore[attr-defined]
+    metrics = trainer.train_step(batches)
     print(f"{kind}: loss {metrics['loss']:.8f} vs {ref_loss:.8f}; "
           f"grad norm {metrics['grad_norm']:.8f} vs {ref_norm:.8f}")
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="megatron-core 0.19.2 DistributedOptimizer.sharded_state_dict (dp_reshardable and "
-    "fully_reshardable) maps an optimizer state of the wrong size to a parameter range here",
-)
 @pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True)])
 def test_resume_from_distributed_checkpoint_is_exact(kind: str, tied: bool, tmp_path: Path) -> None:
+    """Save after two steps inside the atomic checkpoint contract, keep training, then load into
+    a fresh trainer and repeat the same steps: same weights, same per-step figures. Two steps
+    before the save make Adam's step count (2) differ from a freshly allocated state's (1)."""
+    import torch.distributed as dist
+
+    from rljob.checkpoint import CheckpointStore
+
     model = _hf_model(kind, tied)
     first = _trainer(model, tied, dtype=torch.bfloat16)
-    first.train_step(_batches(seed=1))  # type: ignore[attr-defined]
-    first.save(tmp_path / "megatron")  # type: ignore[attr-defined]
-    saved = dict(first.export_hf())  # type: ignore[attr-defined]
-    after_save = first.train_step(_batches(seed=2))  # type: ignore[attr-defined]
+    for seed in (1, 3):
+        first.train_step(_batches(seed=seed))
+    store = CheckpointStore(tmp_path / "checkpoints", keep_last=2)
+    staging = store.begin(2)
+    first.save(staging / "megatron")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        store.commit(staging, 2)
+    dist.barrier()
+    # export_hf yields views of the live parameters: copy before training on.
+    saved = {k: v.clone() for k, v in first.export_hf()}
+    uninterrupted = [first.train_step(_batches(seed=s)) for s in (2, 4)]
     del first
 
+    latest = store.latest()
+    assert latest is not None and latest.step == 2
     resumed = _trainer(model, tied, dtype=torch.bfloat16)  # the untrained weights
-    resumed.load(tmp_path / "megatron")  # type: ignore[attr-defined]
-    for name, tensor in resumed.export_hf():  # type: ignore[attr-defined]
+    resumed.load(latest.path / "megatron")
+    for name, tensor in resumed.export_hf():
         assert torch.equal(tensor, saved[name]), name
-    again = resumed.train_step(_batches(seed=2))  # type: ignore[attr-defined]
-    # Same weights, optimizer moments and batch; only kernel reduction order may differ.
-    for key, value in after_save.items():
-        assert again[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    continued = [resumed.train_step(_batches(seed=s)) for s in (2, 4)]
+    for step, (want, got) in enumerate(zip(uninterrupted, continued, strict=True)):
+        print(f"{kind} step {step + 3}: loss {got['loss']!r} vs uninterrupted {want['loss']!r}; "
+              f"grad norm {got['grad_norm']!r} vs {want['grad_norm']!r}")
+        # Same weights, optimizer state (Adam's step count included) and batch, same kernels:
+        # the figures are bit-identical (measured on an H200), not merely close.
+        assert got == want, step
 
 
 def test_old_logprobs_match_training_forward() -> None:
     model = _hf_model("llama", False)
     trainer = _trainer(model, False)
     batches = _batches(seed=3, n=1)
-    (logp,) = trainer.logprobs(batches)  # type: ignore[attr-defined]
+    (logp,) = trainer.logprobs(batches)
     from rljob.algo.logprobs import naive_logprobs
 
     b = batches[0]
-    tokens = b.tokens.cuda()  # type: ignore[attr-defined]
+    tokens = b.tokens.cuda()
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     ref = naive_logprobs(logits[:, :-1], tokens[:, 1:])
-    for i, (p, r) in enumerate(zip(b.prompt_lengths, b.response_lengths, strict=True)):  # type: ignore[attr-defined]
+    for i, (p, r) in enumerate(zip(b.prompt_lengths, b.response_lengths, strict=True)):
         torch.testing.assert_close(logp[i, :r], ref[i, p - 1 : p - 1 + r], atol=1e-4, rtol=0)

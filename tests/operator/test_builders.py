@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import spec_problems
 from rljob_operator import builders
@@ -60,13 +61,41 @@ def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     assert engine["image"] == "r:1"
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert sidecar["command"] == ["rljob-weight-sync"]
-    env = {e["name"]: e["value"] for e in sidecar["env"]}
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:30000"
     assert env["RLJOB_NAME"] == "rl" and env["RLJOB_NAMESPACE"] == "team-a"
 
     head = containers(rc["spec"]["headGroupSpec"])[0]
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     assert rc["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_weight_sync_rendezvous_goes_through_the_head_service(placement: str) -> None:
+    s = spec(placement=placement, trainer={"replicas": 1, "gpusPerReplica": 2},
+             rollout={"gpus": 2, "gpusPerEngine": 2})
+    rc = builders.build_raycluster(JOB, s)
+    head = containers(rc["spec"]["headGroupSpec"])[0]
+    # KubeRay's head Service exposes exactly these ports: GCS and the weight-sync store.
+    assert head["ports"] == [{"containerPort": 6379, "name": "gcs"},
+                             {"containerPort": 29600, "name": "weight-sync"}]
+    group = next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] != "trainer")
+    engine, sidecar = containers(group)
+    assert {"containerPort": 30000, "name": "engine"} in engine["ports"]
+    assert sidecar["ports"] == [{"containerPort": 8090, "name": "weight-sync"}]
+    env = env_of(sidecar)
+    assert env["RLJOB_WEIGHT_SYNC_TRAINER"] == "rl-head-svc.team-a.svc:29600"
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # The driver keeps its hands off sidecars and puts the store and engines where they look.
+    (driver,) = builders.build_driver(JOB, s, 0, [])["spec"]["containers"]
+    denv = env_of(driver)
+    assert denv["RLJOB_WEIGHT_SYNC_SIDECARS"] == "pods"
+    assert (denv["RLJOB_WEIGHT_SYNC_PORT"], denv["RLJOB_ENGINE_PORT"]) == ("29600", "30000")
 
 
 def test_colocated_uses_one_shared_group_with_the_sidecar() -> None:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.engine.serialize import serialize
-from rljob.publish import NonFiniteWeights, TensorPublisher
 from rljob.tiny_model import write_tiny
+from rljob.weightsync.tensor_payload import encode_named_tensors
 from rljob_api.spec import TinyModel
-from safetensors.torch import save_file
 
 pytestmark = pytest.mark.runtime
 
@@ -57,15 +57,16 @@ def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: P
 
     async def go() -> None:
         async with EngineClient(server.url) as c:
-            await c.update_weights_from_tensor([serialize(halved)], "1")
+            await c.update_weights_from_tensor([encode_named_tensors(halved)], "1")
             assert await c.weight_version() == "1"
             name = halved[0][0]
             bad = [(halved[1][0], halved[1][1] + 1),
                    (name, torch.full_like(halved[0][1], float("nan")))]
-            with pytest.raises(EngineError, match="NaN"):
-                await c.update_weights_from_tensor([serialize(bad)], "2")
+            with pytest.raises(EngineError, match="non-finite"):
+                await c.update_weights_from_tensor([encode_named_tensors(bad)], "2")
             with pytest.raises(EngineError, match="shape"):
-                await c.update_weights_from_tensor([serialize([(name, torch.zeros(2))])], "2")
+                wrong = [(name, torch.zeros(2))]
+                await c.update_weights_from_tensor([encode_named_tensors(wrong)], "2")
             assert await c.weight_version() == "1"
             # nothing of the rejected update was installed, not even its valid tensor
             assert torch.equal(server.engine.model.state_dict()[halved[1][0]], halved[1][1])
@@ -94,12 +95,25 @@ def test_pause_holds_generation_until_continue(server: ServerThread) -> None:
     asyncio.run(go())
 
 
-def test_publisher_refuses_nonfinite_and_reports_acks(server: ServerThread) -> None:
-    named = [(k, v.detach().clone()) for k, v in server.engine.model.state_dict().items()]
-    publisher = TensorPublisher([server.url, "http://127.0.0.1:9"], bucket_bytes=4096,
-                                timeout_s=10)
-    assert publisher.publish(5, named) == [server.url]  # the dead engine did not ack
-    assert server.engine.weight_version == "5"
-    with pytest.raises(NonFiniteWeights):
-        publisher.publish(6, [(named[0][0], named[0][1] * float("inf"))])
-    assert server.engine.weight_version == "5"
+def test_weights_by_name_reads_parameters_back_exactly(server: ServerThread) -> None:
+    state = server.engine.model.state_dict()
+    name = next(iter(state))
+
+    async def go() -> tuple[object, object, str]:
+        async with EngineClient(server.url) as c:
+            session = c.session
+            async with session.post(server.url + "/get_weights_by_name",
+                                    json={"name": name, "truncate_size": 10**6}) as r:
+                full = await r.json()
+            async with session.post(server.url + "/get_weights_by_name",
+                                    json={"name": name, "truncate_size": 2}) as r:
+                head = await r.json()
+            async with session.post(server.url + "/get_weights_by_name",
+                                    json={"name": "no.such.weight"}) as r:
+                missing = f"{r.status} {await r.text()}"
+        return full, head, missing
+
+    full, head, missing = asyncio.run(go())
+    assert torch.equal(torch.tensor(full, dtype=state[name].dtype), state[name])
+    assert torch.equal(torch.tensor(head, dtype=state[name].dtype), state[name][:2])
+    assert missing.startswith("400") and "no.such.weight" in missing

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from rljob import metrics_log
 from rljob.driver import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, RunOptions, run_job
-
 from tests.polling import wait_for
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_file, job_spec
@@ -74,7 +74,12 @@ def test_colocated_ppo_with_disk_weight_sync(
     rows = metrics_log.read(workdir / "metrics.jsonl")
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert rows[0]["value_loss"] > 0 and "eval_reward" in rows[1]
-    assert [p.name for p in (workdir / "weights").iterdir()] == ["weight_v00000002"]
+    # versions as verified safetensors directories, the newest two kept, installed by the
+    # sidecar from disk
+    assert sorted(p.name for p in (workdir / "weights").iterdir()) == ["v00000001", "v00000002"]
+    assert (workdir / "weights" / "v00000002" / "model.safetensors.index.json").exists()
+    synced = metrics_log.read(workdir / "weight_sync.jsonl")
+    assert [(r["version"], r["acked"]) for r in synced] == [(v, ["engine-0"]) for v in range(3)]
     final = workdir / "checkpoints" / "step_00000002"
     assert (final / "critic.safetensors").exists() and (final / "hf" / "config.json").exists()
 

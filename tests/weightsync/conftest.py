@@ -1,6 +1,7 @@
 """A weight-sync cluster on one machine: the trainer's publisher in the test process, and
-three engines, each a real transformers model served over HTTP in its own process with its
-own `rljob-weight-sync` sidecar process. Everything started here is killed at teardown.
+three engines, each the real `hf` rollout engine (a transformers model behind the engine
+HTTP contract) in its own process with its own `rljob-weight-sync` sidecar process.
+Everything started here is killed at teardown.
 """
 
 from __future__ import annotations
@@ -18,12 +19,26 @@ from typing import Any
 
 import pytest
 import torch
-from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+from transformers import PreTrainedModel
 
+from rljob.tiny_model import build_tiny, write_tiny
+from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+from rljob_api.spec import TinyModel
 from tests.controlplane import REPO
 from tests.polling import wait_for
 
 ENGINES = ("e0", "e1", "e2")
+SHAPE = TinyModel.model_validate(
+    {"hiddenSize": 32, "numLayers": 2, "numHeads": 4, "intermediateSize": 64}
+)
+ALPHABET = "0123456789+-=abcdefgh"
+SERVING = "hf engine serving on "
+
+
+def tiny_model(seed: int) -> PreTrainedModel:
+    """The test architecture; different seeds give different (random) weights."""
+    model: PreTrainedModel = build_tiny(SHAPE, ALPHABET, seed)[0]
+    return model.eval()  # type: ignore[no-any-return]
 
 
 def _env() -> dict[str, str]:
@@ -50,25 +65,28 @@ class Cluster:
 
     def start_engine(self, name: str) -> None:
         self.seeds += 1
-        port_file = self.workdir / f"{name}-{self.seeds}.port"
-        log = open(self.workdir / f"{name}-engine.log", "ab")  # noqa: SIM115 - owned by the child
+        model = write_tiny(self.workdir / f"model-{self.seeds}", SHAPE, ALPHABET, self.seeds,
+                           "float32")
+        log_path = self.workdir / f"{name}-engine-{self.seeds}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self.engines[name] = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.weightsync.mini_engine",
-                "--seed",
-                str(self.seeds),
-                "--port-file",
-                str(port_file),
-            ],
+            [sys.executable, "-m", "rljob.engine.hf_server", "--model-path", str(model),
+             "--port", "0"],
             cwd=REPO,
             env=_env(),
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        wait_for(port_file.exists, timeout=60, what=f"engine {name} to listen")
-        self.urls[name] = f"http://127.0.0.1:{port_file.read_text()}"
+
+        def serving() -> str | None:
+            lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith(SERVING)]
+            return lines[-1].removeprefix(SERVING) if lines else None
+
+        wait_for(lambda: serving() is not None, timeout=90, what=f"engine {name} to listen",
+                 describe=self.logs)
+        url = serving()
+        assert url is not None
+        self.urls[name] = url
 
     def start_sidecar(self, name: str) -> None:
         log = open(self.workdir / f"{name}-sidecar.log", "ab")  # noqa: SIM115
@@ -111,8 +129,12 @@ class Cluster:
     def weights(self, name: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
             n: torch.tensor(
-                http_json(self.urls[name] + "/get_weights_by_name", {"name": n}), dtype=t.dtype
-            ).view(t.shape)
+                http_json(
+                    self.urls[name] + "/get_weights_by_name",
+                    {"name": n, "truncate_size": t.shape[0]},
+                ),
+                dtype=t.dtype,
+            )
             for n, t in like.items()
         }
 

@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
-
 from tests.polling import wait_for
-from tests.weightsync.conftest import ENGINES, Cluster, http_json
-from tests.weightsync.mini_engine import tiny_model
+from tests.weightsync.conftest import ENGINES, Cluster, http_json, tiny_model
 
 pytestmark = pytest.mark.runtime
 
@@ -146,7 +145,7 @@ def http_json_text(url: str) -> str:
     import urllib.request
 
     with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
+        return str(resp.read().decode())
 
 
 def test_engine_killed_mid_sync_is_left_behind_then_resynced(

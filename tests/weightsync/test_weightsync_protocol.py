@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rljob.engine.sglang_launcher import (
     EngineStartError,
     ReservedArgumentError,
@@ -35,6 +36,7 @@ from rljob.weightsync.tensor_payload import (
     encode_named_tensors,
     update_problems,
 )
+from rljob.weightsync.wiring import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 from rljob_api.spec import WeightSyncSpec
 
@@ -208,3 +210,14 @@ def test_health_polling_gives_up_at_its_deadline_and_on_exit() -> None:
     proc.wait(timeout=60)
     with pytest.raises(EngineStartError, match="exited with code 3"):
         wait_healthy("http://127.0.0.1:9", deadline_s=30, process=proc)
+
+
+def test_driver_settings_come_from_the_operator_env_with_clear_errors() -> None:
+    assert SyncSettings.from_env({}) == SyncSettings(pod_sidecars=False, store_port=0,
+                                                     engine_port=0)
+    pods = {SIDECARS_ENV: "pods", PORT_ENV: "29600", ENGINE_PORT_ENV: "30000"}
+    assert SyncSettings.from_env(pods) == SyncSettings(True, 29600, 30000)
+    with pytest.raises(ValueError, match=f"{SIDECARS_ENV} must be 'local' or 'pods'"):
+        SyncSettings.from_env({SIDECARS_ENV: "pod"})
+    with pytest.raises(ValueError, match=f"{ENGINE_PORT_ENV} must be a port number"):
+        SyncSettings.from_env({ENGINE_PORT_ENV: "70000"})

@@ -21,9 +21,9 @@ from aiohttp import web
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rljob.engine.serialize import NamedTensors, deserialize
 from rljob.text_codec import TextCodec, load_codec
 from rljob.tiny_model import torch_dtype
+from rljob.weightsync.tensor_payload import NamedTensors, decode_named_tensors, update_problems
 
 
 class UpdateRejected(ValueError):
@@ -154,25 +154,26 @@ class HFEngine:
     def install(self, named: NamedTensors, version: str) -> None:
         """Check every tensor, then copy all of them in; on any problem change nothing."""
         current = self.model.state_dict()
-        problems = []
-        for name, tensor in named:
-            if name not in current:
-                problems.append(f"{name}: not a parameter of this model")
-            elif tensor.shape != current[name].shape:
-                problems.append(f"{name}: shape {tuple(tensor.shape)}, "
-                                f"expected {tuple(current[name].shape)}")
-            elif tensor.dtype != current[name].dtype:
-                problems.append(f"{name}: dtype {tensor.dtype}, expected {current[name].dtype}")
-            elif not bool(torch.isfinite(tensor).all()):
-                problems.append(f"{name}: contains NaN/Inf")
-        if not named:
-            problems.append("no tensors sent")
+        problems = update_problems(current, named) if named else ["no tensors sent"]
         if problems:
             raise UpdateRejected("; ".join(problems[:8]))
         with self.lock, torch.no_grad():
             for name, tensor in named:
                 current[name].copy_(tensor.to(self.device))
             self.weight_version = version
+
+    def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
+        """The first `truncate_size` rows of parameter `name` as float32 nested lists.
+
+        SGLang's `/get_weights_by_name` answer; float32 holds every value of the serving
+        dtypes exactly, so a reader can compare bit for bit.
+        """
+        with self.lock:
+            current = self.model.state_dict()
+            if name not in current:
+                raise UpdateRejected(f"{name}: not a parameter of this model")
+            value: list[Any] = current[name][:truncate_size].detach().float().cpu().tolist()
+        return value
 
     def install_from_disk(self, directory: str, version: str) -> None:
         files = sorted(Path(directory).glob("*.safetensors"))
@@ -238,7 +239,7 @@ def build_app(engine: HFEngine) -> web.Application:
         try:
             named: NamedTensors = []
             for text in body.get("serialized_named_tensors") or []:
-                named += deserialize(text)
+                named += decode_named_tensors(text)
             await run(engine.install, named, version)
         except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
             return web.json_response({"success": False, "message": str(err)})
@@ -253,6 +254,15 @@ def build_app(engine: HFEngine) -> web.Application:
             return web.json_response({"success": False, "message": str(err)})
         return web.json_response({"success": True, "message": f"installed {version}"})
 
+    async def weights_by_name(request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            value = await run(engine.weights_by_name, str(body["name"]),
+                              int(body.get("truncate_size", 100)))
+        except (UpdateRejected, KeyError, ValueError) as err:
+            return web.json_response({"success": False, "message": str(err)}, status=400)
+        return web.json_response(value)
+
     app = web.Application(client_max_size=1 << 30)
     app.add_routes([
         web.get("/health", health),
@@ -264,6 +274,7 @@ def build_app(engine: HFEngine) -> web.Application:
         web.post("/flush_cache", flush),
         web.post("/update_weights_from_tensor", update_tensor),
         web.post("/update_weights_from_disk", update_disk),
+        web.post("/get_weights_by_name", weights_by_name),
     ])
     app.on_cleanup.append(lambda _: asyncio.to_thread(executor.shutdown))
     return app
@@ -294,17 +305,29 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
+async def _serve(engine: HFEngine, host: str, port: int) -> None:
+    runner = web.AppRunner(build_app(engine))
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    # The bound port, so `--port 0` callers learn where to connect.
+    print(f"hf engine serving on http://{host}:{runner.addresses[0][1]}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="rljob's hf rollout engine (SGLang HTTP subset)")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--weight-version", default="0")
     args = parser.parse_args(argv)
     engine = HFEngine(args.model_path, args.dtype, args.device, args.weight_version)
-    web.run_app(build_app(engine), host=args.host, port=args.port)
+    asyncio.run(_serve(engine, args.host, args.port))
 
 
 if __name__ == "__main__":

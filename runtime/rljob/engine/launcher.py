@@ -1,16 +1,22 @@
-"""Starts one rollout engine inside a Ray actor: the built-in hf server or SGLang."""
+"""Starts one rollout engine inside a Ray actor: the built-in hf server or SGLang.
+
+SGLang is started through `sglang_launcher`, the one place that owns its command line.
+The engine binds `bind_host:port` (port 0 picks a free one); in a pod the port is the one
+the pod's weight-sync sidecar is told about, so the sidecar finds its engine on localhost.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
 import sys
 
+import ray
+
 from rljob import metrics
-from rljob.engine.client import EngineClient
 from rljob.engine.hf_server import HFEngine, ServerThread
+from rljob.engine.sglang_launcher import SGLangServer, launch
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -21,43 +27,40 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def sglang_command(
-    model_dir: str, host: str, port: int, dtype: str, tp: int, args: dict[str, str]
-) -> list[str]:
-    """`python -m sglang.launch_server` with rljob's wiring and the user's passed-through args."""
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
-           "--host", host, "--port", str(port), "--tp-size", str(tp), "--dtype", dtype]
-    for key, value in args.items():
-        cmd.append(f"--{key}")
-        if value != "true":
-            cmd.append(value)
-    return cmd
-
-
 class EngineProcess:
     def __init__(
         self, backend: str, model_dir: str, dtype: str, device: str, weight_version: str,
-        tp: int, sglang_args: dict[str, str], host: str,
+        tp: int, sglang_args: dict[str, str], bind_host: str, port: int = 0,
     ) -> None:
+        self.device = device
         self.server: ServerThread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
+        advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
         if backend == "hf":
-            self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version), host)
-            self.url = self.server.url
+            self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version),
+                                       bind_host, port)
+            port = self.server.port
         else:
-            port = _free_port(host)
-            self.proc = subprocess.Popen(
-                sglang_command(model_dir, host, port, dtype, tp, sglang_args), env=os.environ)
-            self.url = f"http://{host}:{port}"
-            asyncio.run(self._wait())
+            port = port or _free_port(bind_host)
+            server = SGLangServer(
+                model_path=model_dir, host=bind_host, port=port, tp_size=tp,
+                nccl_port=_free_port(bind_host), weight_version=weight_version,
+                python=sys.executable)
+            # dtype follows spec.model.dtype unless the user passed one through.
+            self.proc = launch(server, {"dtype": dtype, **sglang_args}, env=os.environ,
+                               startup_deadline_s=STARTUP_TIMEOUT_S)
+        self.url = f"http://{advertise}:{port}"
         self.metrics_port = metrics.serve()
-
-    async def _wait(self) -> None:
-        async with EngineClient(self.url) as client:
-            await client.wait_healthy(STARTUP_TIMEOUT_S)
 
     def address(self) -> str:
         return self.url
+
+    def locality(self) -> dict[str, str]:
+        """Where this engine runs: its sidecar must run there too (shared memory, same GPU)."""
+        return {"node_id": str(ray.get_runtime_context().get_node_id()),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")
+                if self.device.startswith("cuda") else ""}
 
     def stop(self) -> None:
         if self.server is not None:

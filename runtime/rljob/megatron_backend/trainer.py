@@ -142,7 +142,12 @@ class MegatronTrainer:
                 f"vocab {shape.vocab_size} is too small for tensor parallel size {tp}: the last "
                 "rank would hold only padding"
             )
-        model = build_model(shape, self.config).cuda()
+        # Every parameter in the training dtype, as Megatron-LM's Float16Module leaves them
+        # (megatron-core's norms are created in fp32 otherwise). The distributed optimizer
+        # needs it: within a parameter group it orders fp32 shards before 16-bit ones, while
+        # its checkpoint index keeps buffer order, so a group mixing the two (Qwen2's q/k/v
+        # biases with the norms) saves and loads each state under another parameter.
+        model = build_model(shape, self.config).to(device="cuda", dtype=dtype)
         load_hf_weights(model, hf_weights, shape)
         ddp_config = DistributedDataParallelConfig(
             **{
@@ -254,12 +259,17 @@ class MegatronTrainer:
         ).detach()
         return terms.loss, n_tokens.int(), {"sums": sums, "logp": output[0].detach()}
 
-    def _run(self, micro_batches: Sequence[PolicyMicroBatch], forward_only: bool) -> list[Any]:
+    def _run(
+        self,
+        micro_batches: Sequence[PolicyMicroBatch],
+        forward_only: bool,
+        model: torch.nn.Module | None = None,
+    ) -> list[Any]:
         fb = get_forward_backward_func()
         result: list[Any] = fb(
             forward_step_func=self._forward_step,
             data_iterator=iter(micro_batches),
-            model=[self.model],
+            model=[self.model if model is None else model],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
             micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
@@ -270,11 +280,15 @@ class MegatronTrainer:
     # -- public ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logprobs(self, micro_batches: Sequence[PolicyMicroBatch]) -> list[torch.Tensor]:
+    def logprobs(
+        self, micro_batches: Sequence[PolicyMicroBatch], model: torch.nn.Module | None = None
+    ) -> list[torch.Tensor]:
         """Response log-probs `[batch, max response]` per micro-batch (last pipeline stage;
-        other stages get an empty list). Used for old-policy and reference log-probs."""
+        other stages get an empty list) of the policy, or of `model` (a GPTModel of the same
+        shape and config, e.g. the frozen reference). Only tokens, lengths and the mask of
+        the micro-batches are read."""
         self.model.eval()
-        out = self._run(micro_batches, forward_only=True)
+        out = self._run(micro_batches, forward_only=True, model=model)
         self.model.train()
         return [d["logp"] for d in out]
 
@@ -307,6 +321,52 @@ class MegatronTrainer:
         what weight sync broadcasts to the rollout engines."""
         return export_hf_weights(self.model.module, self.shape)
 
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        chained = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [opt.optimizer for opt in chained]
+
+    def _adam_step(self) -> int:
+        """Adam's step count (torch's AdamW keeps one per parameter; all are equal)."""
+        steps = {
+            int(state["step"])
+            for inner in self._inner_optimizers()
+            for state in inner.state.values()
+            if "step" in state
+        }
+        if len(steps) > 1:
+            raise RuntimeError(f"optimizer parameters disagree on Adam's step count: {steps}")
+        return steps.pop() if steps else 0
+
+    def _allocate_optimizer_state(self) -> None:
+        """Give a fresh optimizer its state tensors so a checkpoint can be loaded into them.
+
+        With PyTorch's AdamW (no Apex / Transformer Engine) megatron-core reads the step count
+        from the existing state when it builds the sharded state dict, and asserts on an empty
+        one. A step on zero gradients allocates every tensor; the load overwrites all of them
+        (master weights, moments, step count) and the model weights.
+        """
+        for inner in self._inner_optimizers():
+            if inner.state:
+                continue
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    param.grad = torch.zeros_like(param)
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+
+    def _set_adam_step(self, step: int) -> None:
+        """Restore the step count after a load, one tensor per parameter as AdamW keeps it.
+
+        megatron-core 0.19's `dp_reshardable` load hands the per-parameter `step` back as a
+        local non-persistent value (the pre-load tensor) and copies it over the loaded one,
+        which torch's `load_state_dict` also left shared between all parameters (AdamW
+        increments it in place, once per parameter). So the count is checkpointed on its own.
+        """
+        for inner in self._inner_optimizers():
+            for state in inner.state.values():
+                if "step" in state:
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
     def _sharded_state(self, is_loading: bool) -> dict[str, Any]:
         model_sd = self.model.module.sharded_state_dict()
         # 'dp_reshardable': each rank writes its own optimizer shard in parallel, no gathering;
@@ -317,16 +377,39 @@ class MegatronTrainer:
             "optimizer": self.optimizer.sharded_state_dict(
                 model_sd, is_loading=is_loading, metadata=metadata
             ),
+            "adam_step": self._adam_step(),
         }
+
+    def _rng_file(self, directory: Path) -> Path:
+        return directory / f"rng_rank{dist.get_rank()}.pt"
 
     def save(self, directory: Path) -> None:
         """Megatron distributed checkpoint (model + distributed optimizer) into `directory`,
-        an empty folder inside the caller's atomic checkpoint staging dir. Collective."""
+        an empty folder inside the caller's atomic checkpoint staging dir, plus each rank's
+        RNG states (dropout, if `megatronArgs` turns it on). Collective; returns on every rank
+        once all have written (the caller's commit may follow at once)."""
         directory.mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(),
+                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            },
+            self._rng_file(directory),
+        )
+        dist.barrier()
 
     def load(self, directory: Path) -> None:
-        """Restore what `save` wrote, resharding if the parallel layout changed. Collective."""
+        """Restore what `save` wrote, resharding over data-parallel ranks. Collective."""
+        self._allocate_optimizer_state()
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(directory))
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._set_adam_step(int(state["adam_step"]))
+        rng_file = self._rng_file(directory)
+        if rng_file.exists():  # absent when the data-parallel size changed
+            rng = torch.load(rng_file, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            torch.cuda.set_rng_state(rng["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from rljob_api.spec import RLJobSpec
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
@@ -29,11 +28,12 @@ from rljob import metrics
 from rljob.algo import advantages as adv_fns
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
-from rljob.engine.serialize import NamedTensors
-from rljob.publish import DiskPublisher, TensorPublisher, WeightPublisher
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
 from rljob.trainer.batch import Batch, collate
+from rljob.trainer.weight_sync import TrainerSync, WeightPublishing
+from rljob.weightsync.tensor_payload import NamedTensors
+from rljob_api.spec import RLJobSpec
 
 VALUE_CLIP = 0.2
 
@@ -98,7 +98,7 @@ def _widen(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-class TorchTrainer:
+class TorchTrainer(WeightPublishing):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -128,7 +128,8 @@ class TorchTrainer:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(),
                                                       lr=algo.critic_lr)
         self.serve_dtype = torch_dtype(self.spec.model.dtype)
-        self.publisher: WeightPublisher | None = None
+        self.sync = TrainerSync(self.spec.weight_sync, cuda=self.device.type == "cuda",
+                                config_json=self.model.config.to_json_string())
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.metrics_port = metrics.serve()
 
@@ -305,21 +306,6 @@ class TorchTrainer:
     def nonfinite_weights(self) -> list[str]:
         return [n for n, t in self.model.state_dict().items() if not bool(torch.isfinite(t).all())]
 
-    def set_publisher(self, urls: list[str], mode: str, disk_root: str) -> None:
-        sync = self.spec.weight_sync
-        if mode == "disk":
-            self.publisher = DiskPublisher(urls, Path(disk_root), sync.ack_timeout_seconds)
-        else:
-            self.publisher = TensorPublisher(urls, sync.bucket_size_mb << 20,
-                                             sync.ack_timeout_seconds)
-
-    def publish(self, version: int) -> list[str]:
-        """Send the current weights as `version`; NonFiniteWeights if any is NaN/Inf."""
-        assert self.publisher is not None, "set_publisher first"
-        acked = self.publisher.publish(version, self.named_weights())
-        metrics.WEIGHT_VERSION.set(version)
-        return acked
-
     # ---- checkpoints -----------------------------------------------------------------
 
     def save(self, directory: str, hf_export: bool) -> None:
@@ -358,5 +344,6 @@ class TorchTrainer:
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
     def shutdown(self) -> None:
+        self.sync.close()
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

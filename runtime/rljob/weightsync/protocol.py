@@ -7,9 +7,10 @@ bucket layout before sending, and publishes the per-version digest after the las
 every receiver recomputes the digest from what it received and scans for non-finite
 values before anything reaches its engine.
 
-Coordination runs through the trainer's TCP store (a plain key/value server every sidecar
-can reach): registrations, announcements, digests and acknowledgements are JSON values
-under the keys built here, so both ends agree on names in one place.
+Coordination runs through one TCP store (a plain key/value server every sidecar can reach:
+in a job the driver hosts it on the Ray head, see `wiring`): registrations, announcements,
+digests and acknowledgements are JSON values under the keys built here, so both ends agree
+on names in one place.
 """
 
 from __future__ import annotations

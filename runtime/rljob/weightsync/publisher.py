@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key
@@ -42,6 +41,7 @@ from rljob.weightsync.protocol import (
     plan_buckets,
     version_digest,
 )
+from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class SyncResult:
     attempts: int
     seconds: float
     bytes_per_engine: int
+    # Every failed delivery of this call, repaired later or not: "engine: reason".
+    rejections: tuple[str, ...] = ()
 
 
 @dataclass
@@ -70,6 +72,9 @@ class EngineRecord:
 @dataclass(frozen=True)
 class PublisherConfig:
     port: int
+    # Empty: this publisher hosts the coordination store. Otherwise the store runs elsewhere
+    # (e.g. where every pod can reach it) and the publisher joins it as a client.
+    store_host: str = ""
     transport: Transport = "broadcast"
     backend: str = "gloo"
     bucket_bytes: int = 512 << 20
@@ -85,11 +90,20 @@ class PublisherConfig:
 
     @classmethod
     def from_spec(
-        cls, spec: WeightSyncSpec, *, port: int, backend: str, disk_dir: Path | None
+        cls,
+        spec: WeightSyncSpec,
+        *,
+        port: int,
+        backend: str,
+        disk_dir: Path | None,
+        store_host: str = "",
+        config_json: str | None = None,
     ) -> PublisherConfig:
         """The publisher settings `spec.weightSync` asks for."""
         return cls(
             port=port,
+            store_host=store_host,
+            config_json=config_json,
             transport="disk" if spec.mode == WeightSyncMode.disk.value else "broadcast",
             backend=backend,
             bucket_bytes=spec.bucket_size_mb << 20,
@@ -101,23 +115,30 @@ class PublisherConfig:
 
 
 class WeightPublisher:
-    """Hosts the coordination store and acts as rank 0 of the broadcast group."""
+    """Rank 0 of the broadcast group; hosts the coordination store unless told where it is."""
 
     def __init__(self, config: PublisherConfig, *, start_version: int = 0) -> None:
         if config.transport == "disk" and config.disk_dir is None:
             raise ValueError("weightSync.mode disk needs a directory for the versions (disk_dir)")
         self.config = config
         self.version = start_version
+        hosted = not config.store_host
         self._store = open_store(
-            "0.0.0.0", config.port, server=True, timeout_s=config.join_timeout_s
+            "0.0.0.0" if hosted else config.store_host,
+            config.port,
+            server=hosted,
+            timeout_s=config.join_timeout_s,
         )
         self.port = int(self._store.port)
         self._store.set(Keys.trainer, uuid.uuid4().hex)
         self._store.add(Keys.members, 0)
         self._members_seen = 0
         self._engines: dict[str, EngineRecord] = {}
-        self._seq = 0
-        self._epoch = 0
+        # A store that outlived an earlier publisher keeps its announcements: continue after.
+        self._seq = (
+            int(self._store.get(Keys.latest_seq)) if self._store.check([Keys.latest_seq]) else 0
+        )
+        self._epoch = self._seq  # epochs never outnumber announcements: prefixes stay fresh
         self._group: BroadcastGroup | None = None
         self._group_roster: dict[str, str] = {}
         self._send_buffers: dict[int, tuple[BucketMeta, torch.Tensor]] = {}
@@ -203,6 +224,7 @@ class WeightPublisher:
         deadline = start + self.config.ack_timeout_s
         plan = plan_buckets(named, self.config.bucket_bytes)
         reasons: dict[str, str] = {}
+        rejections: list[str] = []
         acked: list[str] = []
         attempts = 0
         self._refresh_members()
@@ -227,6 +249,7 @@ class WeightPublisher:
                     reasons.pop(name, None)
                 else:
                     reasons[name] = reason
+                    rejections.append(f"{name}: {reason}")
             if all(ok for ok, _ in outcome.values()):
                 break
         stale: dict[str, str] = {}
@@ -245,6 +268,7 @@ class WeightPublisher:
             attempts=attempts,
             seconds=time.monotonic() - start,
             bytes_per_engine=sum(b.nbytes for b in plan),
+            rejections=tuple(rejections),
         )
 
     def _attempt(
@@ -352,7 +376,10 @@ class WeightPublisher:
             for name in sorted(pending):
                 if self._store.check([Keys.ack(seq, name)]):
                     ack = decode_ack(self._store.get(Keys.ack(seq, name)))
-                    outcome[name] = (ack.ok, ack.reason)
+                    reason = ack.reason
+                    if not ack.ok and ack.serving_version:
+                        reason = f"{reason} (still serving version {ack.serving_version})"
+                    outcome[name] = (ack.ok, reason)
                     pending.discard(name)
             now = time.monotonic()
             if not pending:

@@ -1,0 +1,257 @@
+"""`trainer.backend: megatron` behind the driver's trainer-actor interface.
+
+The driver talks to every trainer rank the same way whatever the backend (`train`,
+`named_weights`, `nonfinite_weights`, `set_publisher`, `publish`, `save`, `load`,
+`shutdown`; see `rljob.trainer.torch_backend.TorchTrainer`). This actor turns one rollout
+step's samples into `PolicyMicroBatch`es for `MegatronTrainer`: old-policy and reference
+log-probs first (the reference is a frozen GPTModel of the initial weights), then the
+advantages, then `stepsPerRollout` optimizer steps over consecutive `globalBatchSize` slices,
+each data-parallel rank taking every n-th sample of a slice.
+
+Weight sync (`rljob.trainer.weight_sync.TrainerSync`, shared with the torch backend) and
+the non-finite scan run on trainer rank 0 alone, so this actor keeps all of
+a rank's weights on it: tensor, pipeline and context parallel sizes must be 1 (data parallel
+over several GPUs is fine). Checkpoints are Megatron distributed checkpoints in a
+`megatron/` folder of the driver's atomic checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors.torch import save_file
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from rljob import metrics
+from rljob.algo import advantages as adv_fns
+from rljob.megatron_backend.model import build_model, load_hf_weights
+from rljob.megatron_backend.shape import ModelShape
+from rljob.megatron_backend.trainer import (
+    MegatronTrainer,
+    NonFiniteError,
+    PolicyLossConfig,
+    PolicyMicroBatch,
+    init_parallel,
+)
+from rljob.sample import Sample
+from rljob.tiny_model import torch_dtype
+from rljob.trainer.batch import Batch, collate
+from rljob.trainer.torch_backend import InitialKLMismatch
+from rljob.trainer.weight_sync import TrainerSync
+from rljob.weightsync.publisher import SyncResult
+from rljob.weightsync.tensor_payload import NamedTensors
+from rljob_api.spec import RLJobSpec
+
+CHECKPOINT_DIR = "megatron"
+TORCH_KEYS = {"loss": "loss", "pg_loss": "pg_loss", "kl": "kl_loss", "entropy": "entropy",
+              "clipfrac": "clipfrac"}
+
+
+def check_supported(spec: RLJobSpec) -> None:
+    """What this actor cannot run yet, as errors naming the field and the way out."""
+    par = spec.trainer.parallelism
+    if (par.tensor, par.pipeline, par.context) != (1, 1, 1):
+        raise ValueError(
+            "spec.trainer.parallelism: `rljob run` publishes weights from trainer rank 0 alone, "
+            "so the megatron backend needs tensor = pipeline = context = 1 here (data parallel "
+            f"over more GPUs works); got tensor {par.tensor}, pipeline {par.pipeline}, "
+            f"context {par.context}"
+        )
+    if spec.algorithm.estimator == "ppo":
+        raise ValueError(
+            "spec.algorithm.estimator: ppo needs a critic, which the megatron backend does not "
+            "train; use grpo or reinforce++, or spec.trainer.backend: torch"
+        )
+
+
+def _widen(t: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+class MegatronTrainerActor:
+    def __init__(
+        self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
+        device: str,
+    ) -> None:
+        self.spec = RLJobSpec.model_validate_json(spec_json)
+        check_supported(self.spec)
+        if device != "cuda" or not torch.cuda.is_available():
+            raise ValueError("spec.trainer.backend megatron needs a CUDA GPU per trainer rank; "
+                             "use spec.trainer.backend: torch on CPU")
+        self.rank, self.world = rank, world
+        self.model_dir = Path(model_dir)
+        algo = self.spec.algorithm
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
+        par = self.spec.trainer.parallelism
+        init_parallel(par.tensor, par.pipeline, par.context, seed=algo.seed)
+        torch.manual_seed(algo.seed + rank)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.pad_id = int(hf.config.pad_token_id or 0)
+        self.sync = TrainerSync(self.spec.weight_sync, cuda=True,
+                                config_json=hf.config.to_json_string())
+        shape = ModelShape.from_hf(hf.config)
+        weights = {k: v for k, v in hf.state_dict().items()
+                   if not (shape.tie_word_embeddings and k == "lm_head.weight")}
+        dtype = torch_dtype(self.spec.model.dtype)
+        self.serve_dtype = dtype
+        kl_coef = algo.kl_coef if algo.kl_mode == "loss" else 0.0
+        self.trainer = MegatronTrainer(
+            shape, weights, dtype=dtype, lr=algo.lr, weight_decay=algo.weight_decay,
+            max_grad_norm=algo.max_grad_norm,
+            loss=PolicyLossConfig(
+                clip_low=algo.clip_eps,
+                clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
+                kl_coef=kl_coef, entropy_coef=algo.entropy_coef,
+                temperature=self.spec.rollout.sampling.temperature),
+            megatron_args=self.spec.trainer.megatron_args,
+        )
+        # The reference policy: the initial weights, frozen, same forward as the policy
+        # (forward only: no gradient hooks in its config).
+        ref_config = copy.copy(self.trainer.config)
+        ref_config.no_sync_func = None
+        ref_config.finalize_model_grads_func = None
+        reference = build_model(shape, ref_config)
+        reference = reference.to(device="cuda", dtype=dtype)
+        load_hf_weights(reference, weights, shape)
+        self.reference = reference.eval().requires_grad_(False)
+        del hf, weights
+        self.metrics_port = metrics.serve()
+
+    # ---- batches -----------------------------------------------------------------------
+
+    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
+        mbs = self.spec.algorithm.micro_batch_size
+        return [indices[i : i + mbs] for i in range(0, len(indices), mbs)]
+
+    def _policy_batch(self, batch: Batch, old: Tensor, ref: Tensor, adv: Tensor
+                      ) -> PolicyMicroBatch:
+        t = max(batch.response_lengths)
+        return PolicyMicroBatch(
+            tokens=batch.input_ids, prompt_lengths=batch.prompt_lengths,
+            response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
+            old_logp=old[:, :t], advantages=adv[:, :t], ref_logp=ref[:, :t])
+
+    def _infer(self, batches: list[Batch], width: int) -> tuple[Tensor, Tensor]:
+        """Old-policy and reference log-probs `[N, width]` of all samples (every rank)."""
+        zeros = [torch.zeros(len(b.prompt_lengths), width) for b in batches]
+        inputs = [self._policy_batch(b, z, z, z) for b, z in zip(batches, zeros, strict=True)]
+        old = self.trainer.logprobs(inputs)
+        ref = self.trainer.logprobs(inputs, model=self.reference)
+        return (torch.cat([_widen(t.float().cpu(), width) for t in old]),
+                torch.cat([_widen(t.float().cpu(), width) for t in ref]))
+
+    def _advantages(self, rewards: Tensor, old: Tensor, ref: Tensor, mask: Tensor) -> Tensor:
+        algo = self.spec.algorithm
+        kl_tok = (old - ref) * mask
+        in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
+        if algo.estimator == "grpo":
+            if in_reward:
+                rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
+            return adv_fns.group_normalized(rewards, algo.n_samples_per_prompt).unsqueeze(1) * mask
+        token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
+                                             algo.kl_coef)
+        return adv_fns.reinforce_pp(token_reward, mask, algo.gamma)
+
+    # ---- training ----------------------------------------------------------------------
+
+    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+        """Train on one rollout step's samples; return its metrics (same on every rank)."""
+        algo = self.spec.algorithm
+        samples = [Sample.from_json(d) for d in sample_dicts]
+        width = max(s.response_length for s in samples)
+        groups = self._micro_batches(list(range(len(samples))))
+        batches = [collate([samples[i] for i in mb], self.pad_id) for mb in groups]
+        old, ref = self._infer(batches, width)
+        mask = torch.cat([_widen(b.loss_mask, width) for b in batches])
+        rollout_logp = torch.cat([_widen(b.rollout_logp, width) for b in batches])
+        if check_initial_kl and not torch.equal(ref, old):
+            gap = float((ref - old).abs().max())
+            raise InitialKLMismatch(
+                f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
+                "the reference must be the initial policy")
+        rewards = torch.tensor([float("nan") if s.reward is None else s.reward for s in samples])
+        adv = self._advantages(rewards, old, ref, mask)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_world_size()
+        steps: list[dict[str, float]] = []
+        skipped: list[str] = []
+        for k in range(algo.steps_per_rollout):
+            idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
+            mbs = [self._policy_batch(collate([samples[i] for i in mb], self.pad_id),
+                                      old[mb], ref[mb], adv[mb])
+                   for mb in self._micro_batches(idx[dp_rank::dp_size])]
+            try:
+                m = self.trainer.train_step(mbs)
+                row = {TORCH_KEYS[key]: m[key] for key in TORCH_KEYS}
+                row.update(value_loss=0.0, grad_norm=m["grad_norm"], skipped=0.0)
+            except NonFiniteError as err:
+                skipped.append(f"optimizer step {k}: {err}")
+                row = {**{v: float("nan") for v in TORCH_KEYS.values()}, "value_loss": 0.0,
+                       "grad_norm": float("nan"), "skipped": 1.0}
+            metrics.record_train_step(row["loss"], row["grad_norm"], skipped=bool(row["skipped"]))
+            steps.append(row)
+        tokens = float(mask.sum())
+        out: dict[str, Any] = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+        out.update({
+            "reward": float(np.mean(rewards.numpy())),
+            "kl": float(((old - ref) * mask).sum()) / max(tokens, 1.0),
+            "logprob_gap": float(((rollout_logp - old).abs() * mask).sum()) / max(tokens, 1.0),
+            "response_length": float(np.mean([s.response_length for s in samples])),
+            "step_skipped": [bool(s["skipped"]) for s in steps],
+            "optimizer_steps": len(steps) - len(skipped),
+            "skipped_steps": len(skipped),
+            "nonfinite": skipped,
+        })
+        return out
+
+    # ---- weights -----------------------------------------------------------------------
+
+    def named_weights(self) -> NamedTensors:
+        """HF-named weights in the serving dtype, on the CPU (what the engines load)."""
+        return [(n, t.detach().to(device="cpu", dtype=self.serve_dtype))
+                for n, t in self.trainer.export_hf()]
+
+    def nonfinite_weights(self) -> list[str]:
+        return [n for n, t in self.trainer.export_hf() if not bool(torch.isfinite(t).all())]
+
+    def set_publisher(
+        self, store_host: str, store_port: int, disk_dir: str, start_version: int
+    ) -> None:
+        self.sync.join(store_host, store_port, disk_dir, start_version)
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        return self.sync.wait_for_engines(count, timeout_s)
+
+    def publish(self, version: int) -> SyncResult:
+        return self.sync.publish(version, self.named_weights())
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def save(self, directory: str, hf_export: bool) -> None:
+        """Collective: every rank writes its shards; returns once all have (the driver then
+        commits). `hf_export` adds an HF-format copy of the policy under `hf/`."""
+        d = Path(directory)
+        self.trainer.save(d / CHECKPOINT_DIR)
+        if hf_export and self.rank == 0:
+            hf_dir = d / "hf"
+            shutil.copytree(self.model_dir, hf_dir, ignore=shutil.ignore_patterns(
+                "*.safetensors", "*.bin", "*.safetensors.index.json"))
+            save_file({k: v.contiguous() for k, v in self.named_weights()},
+                      str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    def load(self, directory: str) -> None:
+        self.trainer.load(Path(directory) / CHECKPOINT_DIR)
+
+    def shutdown(self) -> None:
+        self.sync.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Trainer rank 0's side of weight sync, the same for every trainer backend.
+
+A trainer class inherits `WeightPublishing` (the methods the driver calls) and sets
+`self.sync`; the backend only supplies its weights in HF names (`named_weights`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from rljob import metrics
+from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
+from rljob.weightsync.tensor_payload import NamedTensors
+from rljob_api.spec import WeightSyncMode, WeightSyncSpec
+
+
+class TrainerSync:
+    def __init__(self, spec: WeightSyncSpec, *, cuda: bool, config_json: str) -> None:
+        self.spec = spec
+        self.backend = "nccl" if cuda else "gloo"
+        self.config_json = config_json  # written into disk versions, so they load as models
+        self.publisher: WeightPublisher | None = None
+
+    def join(self, store_host: str, store_port: int, disk_dir: str, start_version: int) -> None:
+        """Join the weight-sync store as rank 0; versions continue after `start_version`."""
+        config = PublisherConfig.from_spec(
+            self.spec, port=store_port, store_host=store_host, backend=self.backend,
+            disk_dir=Path(disk_dir) if self.spec.mode == WeightSyncMode.disk else None,
+            config_json=self.config_json,
+        )
+        self.publisher = WeightPublisher(config, start_version=start_version)
+
+    def _joined(self) -> WeightPublisher:
+        if self.publisher is None:
+            raise RuntimeError("weight sync: set_publisher must be called before publishing")
+        return self.publisher
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        return self._joined().wait_for_engines(count, timeout_s)
+
+    def publish(self, version: int, named: NamedTensors) -> SyncResult:
+        """Deliver `named` as `version` to every engine.
+
+        The version a run starts or resumes at is already the publisher's: it is delivered
+        again as a resync, since engines start from the initial model, not from it.
+        Raises `NonFiniteWeights` (nothing sent) when a weight is NaN/Inf.
+        """
+        publisher = self._joined()
+        if version > publisher.version:
+            result = publisher.publish(version, named)
+        else:
+            result = publisher.resync(named)
+        metrics.WEIGHT_VERSION.set(version)
+        return result
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+
+class WeightPublishing(ABC):
+    """What the driver calls on trainer rank 0 to publish weights."""
+
+    sync: TrainerSync
+
+    @abstractmethod
+    def named_weights(self) -> NamedTensors:
+        """The weights the engines serve: HF names, serving dtype."""
+
+    def set_publisher(
+        self, store_host: str, store_port: int, disk_dir: str, start_version: int
+    ) -> None:
+        self.sync.join(store_host, store_port, disk_dir, start_version)
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        return self.sync.wait_for_engines(count, timeout_s)
+
+    def publish(self, version: int) -> SyncResult:
+        return self.sync.publish(version, self.named_weights())

@@ -1,0 +1,155 @@
+"""Weight sync inside a Ray job: where the coordination store runs, and who runs sidecars.
+
+The store needs an address every pod can reach. On a cluster the driver is a pod of its
+own, but the Ray head pod sits behind KubeRay's stable Service `<job>-head-svc` (whose
+ports are the head container's ports), so the driver starts the store as an actor pinned
+to the Ray head node on a fixed port. The actor is the driver's: it ends with the driver,
+and the sidecars notice and register again with the next driver. Locally the head is this
+machine and the port is any free one.
+
+Sidecars: on a cluster the operator runs one `weight-sync` container in every rollout pod
+(`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one sidecar per engine as
+an actor on the engine's node (the handoff to the engine goes through that node's shared
+memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rljob.weightsync.group import open_store
+from rljob.weightsync.sidecar import Sidecar, SidecarConfig
+
+SIDECARS_ENV = "RLJOB_WEIGHT_SYNC_SIDECARS"
+PORT_ENV = "RLJOB_WEIGHT_SYNC_PORT"
+ENGINE_PORT_ENV = "RLJOB_ENGINE_PORT"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node 1 of it
+BIND_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """What the environment says about the pods: the operator sets these on the driver."""
+
+    pod_sidecars: bool = False
+    store_port: int = 0  # 0: any free port
+    engine_port: int = 0  # 0: any free port
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SyncSettings:
+        mode = env.get(SIDECARS_ENV, "local")
+        if mode not in ("local", "pods"):
+            raise ValueError(f"{SIDECARS_ENV} must be 'local' or 'pods', got {mode!r}")
+
+        def port(name: str) -> int:
+            raw = env.get(name, "0")
+            if not raw.isdigit() or int(raw) > 65535:
+                raise ValueError(f"{name} must be a port number (0 for any), got {raw!r}")
+            return int(raw)
+
+        return cls(mode == "pods", port(PORT_ENV), port(ENGINE_PORT_ENV))
+
+
+class StoreHost:
+    """The weight-sync coordination store, served from this actor's process."""
+
+    def __init__(self, port: int, bind_timeout_s: float) -> None:
+        deadline = time.monotonic() + bind_timeout_s
+        while True:
+            try:
+                self.store = open_store("0.0.0.0", port, server=True, timeout_s=30.0)
+                break
+            except RuntimeError:
+                # The previous driver's store may hold the fixed port until Ray reaps it.
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def address(self) -> tuple[str, int]:
+        return str(ray.util.get_node_ip_address()), int(self.store.port)
+
+
+class SidecarActor:
+    """`rljob-weight-sync` as a Ray actor: the sidecar loop on a thread of this process."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        if not config.advertise_host:
+            config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
+        self.sidecar = Sidecar(config)
+        threading.Thread(target=self.sidecar.run, name="weight-sync", daemon=True).start()
+
+    def health(self) -> dict[str, Any]:
+        return self.sidecar.health()
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+
+
+class WeightSyncActors:
+    """The store actor and (for local runs) the sidecar actors of one driver."""
+
+    def __init__(self, settings: SyncSettings) -> None:
+        self.settings = settings
+        self.store: Any = None
+        self.sidecars: list[Any] = []
+
+    def start_store(self) -> tuple[str, int]:
+        """Start the store on the Ray head node; returns the address the trainer joins."""
+        self.store = (
+            ray.remote(StoreHost)
+            .options(num_cpus=0, resources={HEAD_RESOURCE: 0.001})
+            .remote(self.settings.store_port, BIND_TIMEOUT_S)
+        )
+        host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
+        return str(host), int(port)
+
+    def start_sidecars(
+        self, engines: list[Any], urls: list[str], store: tuple[str, int], loopback: bool
+    ) -> None:
+        """One sidecar per engine on the engine's node, named `engine-<i>` (not on pods)."""
+        if self.settings.pod_sidecars:
+            return
+        where = ray.get([e.locality.remote() for e in engines])
+        cls = ray.remote(SidecarActor)
+        for i, (url, loc) in enumerate(zip(urls, where, strict=True)):
+            config = SidecarConfig(
+                engine_name=f"engine-{i}",
+                engine_url=url,
+                trainer_host=store[0],
+                trainer_port=store[1],
+                listen_host="127.0.0.1" if loopback else "0.0.0.0",
+                listen_port=0,
+                advertise_host="127.0.0.1" if loopback else "",
+                device="cuda:0" if loc["cuda_visible_devices"] else "cpu",
+            )
+            # The engine's GPU, and Ray must not hide it (the sidecar holds no GPU share).
+            env = {"CUDA_VISIBLE_DEVICES": loc["cuda_visible_devices"],
+                   "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+            self.sidecars.append(cls.options(
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(loc["node_id"], soft=False),
+                runtime_env={"env_vars": env} if loc["cuda_visible_devices"] else None,
+            ).remote(config))
+
+    def health(self) -> list[dict[str, Any]]:
+        """Each local sidecar's `/health` answer (empty when the pods run them)."""
+        return list(ray.get([s.health.remote() for s in self.sidecars]))
+
+    def shutdown(self) -> None:
+        for sidecar in self.sidecars:
+            # One already gone needs no stopping: killing it below is all that is left.
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(sidecar.stop.remote(), timeout=STOP_TIMEOUT_S)
+        for handle in [*self.sidecars, *([self.store] if self.store is not None else [])]:
+            ray.kill(handle)
+        self.sidecars, self.store = [], None
