@@ -28,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -49,6 +51,7 @@ OWN_AGENT = "rljob-sim-scale"  # this script's client: never counted as the oper
 # The operator's clients: kopf's watches (aiohttp) and the kubernetes client's calls.
 OPERATOR_AGENTS = ("kopf/", "OpenAPI-Generator/")
 POLL = 0.25
+NODE_LEASE_SECONDS = 40  # kwok renews a node's Lease well within this
 
 # Node heartbeats and leases (kwok's and the components') are left out: the operator touches
 # neither. A watch is counted when its response starts, any other request when it completes
@@ -67,8 +70,14 @@ rules:
 
 
 class AuditedControlPlane(ControlPlane):
-    """The harness's control plane, with the API server writing an audit log: the only
-    place that sees every request of every client, tagged with its user agent."""
+    """The harness's control plane, with the API server writing an audit log (the only
+    place that sees every request of every client, tagged with its user agent) and kwok
+    heartbeating its nodes through Leases.
+
+    Without leases kwok refreshes a node's status about once a minute, longer than the node
+    controller's 50 s grace period, so every node flaps NotReady for a few seconds each
+    minute and the operator rightly restarts jobs as NodeLost.
+    """
 
     @property
     def audit_log(self) -> Path:
@@ -81,6 +90,8 @@ class AuditedControlPlane(ControlPlane):
             args = [*args, f"--audit-policy-file={policy}",
                     f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
                     "--audit-log-maxsize=0"]
+        elif name == "kwok":
+            args = [*args, f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}"]
         return super()._spawn(name, args, env)
 
 
@@ -171,6 +182,9 @@ def main() -> None:
                 f"{args.nodes * args.gpus_per_node}: add --nodes or lower --jobs")
 
     from kubernetes import client, config
+
+    # A plain SIGTERM would skip `finally` and leave the control plane running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     cp = AuditedControlPlane(k8s_bin_dir())
     operator: Operator | None = None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 from torch import Tensor
+from torch._C._distributed_c10d import HashStore
 from transformers import AutoModelForCausalLM
 
 from rljob import metrics
@@ -89,7 +90,11 @@ class MegatronTrainerActor:
         self.rank, self.world = rank, world
         self.model_dir = Path(model_dir)
         algo = self.spec.algorithm
-        if not dist.is_initialized():
+        if not dist.is_initialized() and world == 1:
+            # Megatron needs a process group even for one rank; an in-process store binds no
+            # port, so nothing else on the machine can have taken it.
+            dist.init_process_group("nccl", store=HashStore(), rank=0, world_size=1)
+        elif not dist.is_initialized():
             dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world)
         par = self.spec.trainer.parallelism
         init_parallel(par.tensor, par.pipeline, par.context, seed=algo.seed)
