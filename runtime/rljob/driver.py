@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -118,6 +119,14 @@ class Interrupt:
         signal.signal(signal.SIGINT, self._previous)
 
 
+def rendezvous_address() -> str:
+    """`tcp://<this node's IP>:<free port>`, run where trainer rank 0 will run."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+
 class Job:
     def __init__(self, name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter):
         self.name = name
@@ -195,7 +204,6 @@ class Job:
                 pg, placement_group_bundle_index=slot), **res}
 
         engine_cls = ray.remote(EngineProcess)
-        host = "127.0.0.1" if not self.options.ray_address else ray.util.get_node_ip_address()
         bind = "127.0.0.1" if not self.options.ray_address else "0.0.0.0"
         self.engines = [
             engine_cls.options(**at(slot)).remote(
@@ -205,10 +213,12 @@ class Job:
             for slot in layout.engine_slots
         ]
         world = trainer_world(spec)
-        port = 29500 + random.Random(os.getpid()).randrange(10000)
-        init = f"tcp://{host}:{port}"
+        # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
+        init = "" if world == 1 else ray.get(ray.remote(rendezvous_address).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=layout.trainer_slots[0]), num_cpus=0).remote())
         try:
-            trainer_cls = ray.remote(trainer_class(spec, use_gpu))
+            trainer_cls: Any = ray.remote(trainer_class(spec, use_gpu))
         except ValueError as err:
             raise JobError(EXIT_INVALID, str(err)) from None
         spec_json = spec.model_dump_json(by_alias=True)
