@@ -51,7 +51,6 @@ OWN_AGENT = "rljob-sim-scale"  # this script's client: never counted as the oper
 # The operator's clients: kopf's watches (aiohttp) and the kubernetes client's calls.
 OPERATOR_AGENTS = ("kopf/", "OpenAPI-Generator/")
 POLL = 0.25
-NODE_LEASE_SECONDS = 40  # kwok renews a node's Lease well within this
 
 # Node heartbeats and leases (kwok's and the components') are left out: the operator touches
 # neither. A watch is counted when its response starts, any other request when it completes
@@ -70,14 +69,8 @@ rules:
 
 
 class AuditedControlPlane(ControlPlane):
-    """The harness's control plane, with the API server writing an audit log (the only
-    place that sees every request of every client, tagged with its user agent) and kwok
-    heartbeating its nodes through Leases.
-
-    Without leases kwok refreshes a node's status about once a minute, longer than the node
-    controller's 50 s grace period, so every node flaps NotReady for a few seconds each
-    minute and the operator rightly restarts jobs as NodeLost.
-    """
+    """The harness's control plane, with the API server writing an audit log: the only
+    place that sees every request of every client, tagged with its user agent."""
 
     @property
     def audit_log(self) -> Path:
@@ -90,19 +83,21 @@ class AuditedControlPlane(ControlPlane):
             args = [*args, f"--audit-policy-file={policy}",
                     f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
                     "--audit-log-maxsize=0"]
-        elif name == "kwok":
-            args = [*args, f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}"]
         return super()._spawn(name, args, env)
 
 
 def job_manifest(name: str) -> dict[str, Any]:
     """The production example under another name, minus what kwok cannot provide: PVCs (no
-    volume binder runs), the PriorityClass, and the H200 node selector."""
+    volume binder runs), the PriorityClass, and the H200 node selector. The trainer asks for
+    half of a fake node's 512 GiB instead of all of it: with all of it, a trainer fits only
+    on a node nothing else runs on, and once rollout pods are spread over every node the
+    last trainers stay Pending (the operator then reports them Unschedulable, correctly)."""
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"] = {"name": name}
     spec = doc["spec"]
     for section in ("model", "data", "checkpoint"):
         spec[section].pop("pvc", None)
+    spec["trainer"]["resources"]["requests"]["memory"] = "256Gi"
     spec["scheduling"] = {"tolerations": spec["scheduling"]["tolerations"]}
     return doc
 

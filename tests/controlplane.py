@@ -415,6 +415,10 @@ class ControlPlane:
                 "--cidr=10.244.0.1/16",
                 "--node-ip=10.0.0.2",
                 f"--server-address=127.0.0.1:{free_port()}",
+                # Heartbeat through Leases: kwok's status refresh alone (about once a
+                # minute) is slower than the node controller's 50 s grace period, so nodes
+                # would flap NotReady every minute and jobs be restarted as NodeLost.
+                "--node-lease-duration-seconds=40",
             ],
         )
         self.add_fake_nodes(nodes, gpus_per_node, prefix)

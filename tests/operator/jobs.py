@@ -8,7 +8,6 @@ from typing import Any
 
 from rljob.report import StatusReporter, now
 from rljob_api.status import CheckpointStatus, Progress
-
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+
 from rljob_operator.config import parse_args
 from rljob_operator.controller import Controller
 

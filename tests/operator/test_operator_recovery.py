@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from rljob.report import StatusReporter, now
 from rljob_api.status import RuntimeFailure
-
 from tests.controlplane import ControlPlane
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, report, status, wait_phase

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+
 from rljob_operator.observe import FailureHint, observe
 from rljob_operator.status import (
     Decision,
