@@ -22,7 +22,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -44,10 +43,9 @@ from rljob.megatron_backend.trainer import (
 )
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
-from rljob.trainer.batch import Batch, collate
+from rljob.trainer.batch import Batch, collate, rollout_summary
 from rljob.trainer.torch_backend import InitialKLMismatch
-from rljob.trainer.weight_sync import TrainerSync
-from rljob.weightsync.publisher import SyncResult
+from rljob.trainer.weight_sync import TrainerSync, WeightPublishing
 from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
 
@@ -77,7 +75,7 @@ def _widen(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-class MegatronTrainerActor:
+class MegatronTrainerActor(WeightPublishing):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -204,19 +202,7 @@ class MegatronTrainerActor:
                        "grad_norm": float("nan"), "skipped": 1.0}
             metrics.record_train_step(row["loss"], row["grad_norm"], skipped=bool(row["skipped"]))
             steps.append(row)
-        tokens = float(mask.sum())
-        out: dict[str, Any] = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
-        out.update({
-            "reward": float(np.mean(rewards.numpy())),
-            "kl": float(((old - ref) * mask).sum()) / max(tokens, 1.0),
-            "logprob_gap": float(((rollout_logp - old).abs() * mask).sum()) / max(tokens, 1.0),
-            "response_length": float(np.mean([s.response_length for s in samples])),
-            "step_skipped": [bool(s["skipped"]) for s in steps],
-            "optimizer_steps": len(steps) - len(skipped),
-            "skipped_steps": len(skipped),
-            "nonfinite": skipped,
-        })
-        return out
+        return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped)
 
     # ---- weights -----------------------------------------------------------------------
 
@@ -227,17 +213,6 @@ class MegatronTrainerActor:
 
     def nonfinite_weights(self) -> list[str]:
         return [n for n, t in self.trainer.export_hf() if not bool(torch.isfinite(t).all())]
-
-    def set_publisher(
-        self, store_host: str, store_port: int, disk_dir: str, start_version: int
-    ) -> None:
-        self.sync.join(store_host, store_port, disk_dir, start_version)
-
-    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
-        return self.sync.wait_for_engines(count, timeout_s)
-
-    def publish(self, version: int) -> SyncResult:
-        return self.sync.publish(version, self.named_weights())
 
     # ---- checkpoints -------------------------------------------------------------------
 

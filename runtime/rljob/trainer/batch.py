@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,3 +42,25 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
             rollout[row, : s.response_length] = torch.tensor(s.rollout_log_probs)
     return Batch(ids, attn, [len(s.tokens) - s.response_length for s in samples],
                  [s.response_length for s in samples], mask, rollout)
+
+
+def rollout_summary(
+    samples: list[Sample], old: Tensor, ref: Tensor, rollout_logp: Tensor, mask: Tensor,
+    steps: list[dict[str, float]], skipped: list[str],
+) -> dict[str, Any]:
+    """One rollout step's metrics, the same for every trainer backend: step means, reward,
+    KL to the reference and the rollout-vs-trainer log-prob gap per response token."""
+    tokens = max(float(mask.sum()), 1.0)
+    rewards = [float("nan") if s.reward is None else s.reward for s in samples]
+    out: dict[str, Any] = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+    out.update({
+        "reward": float(np.mean(rewards)),
+        "kl": float(((old - ref) * mask).sum()) / tokens,
+        "logprob_gap": float(((rollout_logp - old).abs() * mask).sum()) / tokens,
+        "response_length": float(np.mean([s.response_length for s in samples])),
+        "step_skipped": [bool(s["skipped"]) for s in steps],
+        "optimizer_steps": len(steps) - len(skipped),
+        "skipped_steps": len(skipped),
+        "nonfinite": skipped,
+    })
+    return out

@@ -30,7 +30,7 @@ from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
-from rljob.trainer.batch import Batch, collate
+from rljob.trainer.batch import Batch, collate, rollout_summary
 from rljob.trainer.weight_sync import TrainerSync, WeightPublishing
 from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
@@ -236,7 +236,8 @@ class TorchTrainer(WeightPublishing):
                     torch.autograd.backward(vloss)
                     sums.value_loss += float(vloss)
             step_metrics.append(self._optimizer_step(sums, skipped, k))
-        return self._summary(samples, inf, step_metrics, skipped)
+        return rollout_summary(samples, inf.old_logp, inf.ref_logp, inf.rollout_logp, inf.mask,
+                               step_metrics, skipped)
 
     def _all_reduce(self, t: Tensor) -> Tensor:
         if self.world > 1:
@@ -272,29 +273,6 @@ class TorchTrainer(WeightPublishing):
         out = {n: float(v) for n, v in zip(names, totals.tolist(), strict=True)}
         out["grad_norm"] = norms[0]
         out["skipped"] = float(reason is not None)
-        return out
-
-    def _summary(
-        self, samples: list[Sample], inf: Inference, steps: list[dict[str, float]],
-        skipped: list[str],
-    ) -> dict[str, Any]:
-        mask = inf.mask
-        tokens = float(mask.sum())
-        rewards = [float("nan") if s.reward is None else s.reward for s in samples]
-        out: dict[str, Any] = {
-            key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
-        }
-        out.update({
-            "reward": float(np.mean(rewards)),
-            "kl": float(((inf.old_logp - inf.ref_logp) * mask).sum()) / max(tokens, 1.0),
-            "logprob_gap": float(((inf.rollout_logp - inf.old_logp).abs() * mask).sum())
-            / max(tokens, 1.0),
-            "response_length": float(np.mean([s.response_length for s in samples])),
-            "step_skipped": [bool(s["skipped"]) for s in steps],
-            "optimizer_steps": len(steps) - len(skipped),
-            "skipped_steps": len(skipped),
-            "nonfinite": skipped,
-        })
         return out
 
     # ---- weights ---------------------------------------------------------------------
