@@ -476,5 +476,11 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
         job.fail("WorkerFailed", str(err)[:4000], retryable=True)
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        # Ctrl-C before the loop installed its handler (start-up): nothing trained, nothing
+        # to save; the latest checkpoint, if any, is untouched.
+        print("rljob run: interrupted during start-up; nothing was trained", file=sys.stderr,
+              flush=True)
+        return EXIT_INTERRUPTED
     finally:
         job.shutdown()
