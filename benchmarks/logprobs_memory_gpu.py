@@ -67,8 +67,8 @@ def time_ms(fn: Callable[[], object], repeat: int) -> float:
         fn()
     times = []
     for _ in range(repeat):
-        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()

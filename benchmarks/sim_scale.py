@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -233,9 +233,9 @@ def main() -> None:
         # Idle: nothing changes; count what the operator still asks the API server.
         reconciles0 = operator.metric("rljob_operator_reconciles_total")
         writes0 = operator.metric("rljob_operator_status_writes_total")
-        start = datetime.now(timezone.utc)
+        start = datetime.now(UTC)
         time.sleep(args.idle_seconds)  # the measurement window itself, not a synchronisation
-        end = datetime.now(timezone.utc)
+        end = datetime.now(UTC)
         idle = proc_stats(pid)
         reconciles = operator.metric("rljob_operator_reconciles_total") - reconciles0
         writes = operator.metric("rljob_operator_status_writes_total") - writes0

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 
 HERE = Path(__file__).resolve().parent

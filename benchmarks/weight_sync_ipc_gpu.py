@@ -28,6 +28,7 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
     os.environ[_var] = "0" if _var == "NCCL_NVLS_ENABLE" else "1"
 
 import torch  # noqa: E402
+
 from rljob.weightsync.engine_http import EngineHTTP  # noqa: E402
 from rljob.weightsync.protocol import pack_bucket, plan_buckets, unpack_bucket  # noqa: E402
 from rljob.weightsync.tensor_payload import encode_named_tensors  # noqa: E402

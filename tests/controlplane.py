@@ -11,6 +11,7 @@ Python clients accept. `stop()` kills every process even after a failed test.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import shutil
@@ -162,11 +163,13 @@ class ControlPlane:
         self.processes[name] = proc
         return proc
 
-    def _alive_or_raise(self, proc: Process) -> None:
+    def _alive(self, proc: Process) -> bool:
+        """True while `proc` runs; a component that died fails the wait with its log."""
         if proc.popen.poll() is not None:
             raise RuntimeError(
                 f"{proc.name} exited with {proc.popen.returncode}; log tail:\n{proc.tail()}"
             )
+        return True
 
     def stop_process(self, name: str) -> None:
         proc = self.processes.pop(name, None)
@@ -241,8 +244,8 @@ class ControlPlane:
         self._write_kubeconfig()
 
         def ready() -> bool:
-            self._alive_or_raise(etcd)
-            self._alive_or_raise(api)
+            self._alive(etcd)
+            self._alive(api)
             return self._get("/readyz") == "ok"
 
         wait_for(
@@ -283,7 +286,7 @@ class ControlPlane:
             self.server + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
         )
         with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
-            return resp.read().decode()
+            return str(resp.read().decode())
 
     # -- kubectl ---------------------------------------------------------------------------
 
@@ -315,24 +318,24 @@ class ControlPlane:
         """Apply CRD files (server-side: big schemas exceed the last-applied annotation)."""
         self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
         docs = [path] if path.is_file() else sorted(path.glob("*.yaml"))
-        for doc in docs:
-            for crd in yaml.safe_load_all(doc.read_text()):
-                if crd:
-                    name = crd["metadata"]["name"]
-                    wait_for(
-                        lambda n=name: (
-                            self.kubectl(
-                                "wait",
-                                "--for=condition=Established",
-                                f"crd/{n}",
-                                "--timeout=5s",
-                                check=False,
-                            ).returncode
-                            == 0
-                        ),
-                        timeout=timeout,
-                        what=f"CRD {name} Established",
-                    )
+        names = [
+            crd["metadata"]["name"]
+            for doc in docs
+            for crd in yaml.safe_load_all(doc.read_text())
+            if crd
+        ]
+        for name in names:
+            wait_for(
+                functools.partial(self._established, name),
+                timeout=timeout,
+                what=f"CRD {name} Established",
+            )
+
+    def _established(self, crd: str) -> bool:
+        wait = self.kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=5s", check=False
+        )
+        return wait.returncode == 0
 
     # -- optional components ---------------------------------------------------------------
 
@@ -340,7 +343,7 @@ class ControlPlane:
         """A component's own /healthz (self-signed serving cert, so unverified)."""
         import ssl
 
-        self._alive_or_raise(proc)
+        self._alive(proc)
         ctx = ssl._create_unverified_context()
         with urllib.request.urlopen(
             f"https://127.0.0.1:{port}/healthz", context=ctx, timeout=5
@@ -423,7 +426,7 @@ class ControlPlane:
         )
         self.add_fake_nodes(nodes, gpus_per_node, prefix)
         wait_for(
-            lambda: self._alive_or_raise(proc) or self._nodes_ready(prefix, nodes),
+            lambda: self._alive(proc) and self._nodes_ready(prefix, nodes),
             timeout=60,
             what=f"{nodes} kwok nodes Ready",
             describe=proc.tail,
@@ -465,8 +468,8 @@ class ControlPlane:
         )
         wait_for(
             lambda: (
-                self._alive_or_raise(proc)
-                or "Starting workers" in proc.log.read_text(errors="replace")
+                self._alive(proc)
+                and "Starting workers" in proc.log.read_text(errors="replace")
             ),
             timeout=60,
             what="KubeRay operator to start its workers",

@@ -7,12 +7,12 @@ two implementations of every rule are checked against each other.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from rljob_api.rules import RULES, TRANSITION_RULES
 
+from rljob_api.rules import RULES, TRANSITION_RULES, Rule, TransitionRule
 from tests.controlplane import REPO
 
 BASE_FILE = REPO / "examples" / "tiny-cpu.yaml"
@@ -26,7 +26,8 @@ def base_job(name: str = "tiny") -> dict[str, Any]:
 
 def rule_message(cel_fragment: str) -> str:
     """The message of the one rule whose CEL contains `cel_fragment`."""
-    (msg,) = [r.message for r in (*RULES, *TRANSITION_RULES) if cel_fragment in r.cel]
+    rules: list[Rule | TransitionRule] = [*RULES, *TRANSITION_RULES]
+    (msg,) = [r.message for r in rules if cel_fragment in r.cel]
     return msg
 
 
@@ -36,7 +37,6 @@ class BadSpec:
     changes: dict[str, Any]  # dotted path under spec -> value
     field: str  # the field every error must name
     message: str | None = None  # exact rule message, for CEL rules
-    removes: list[str] = field(default_factory=list)
 
     def apply_to(self, doc: dict[str, Any]) -> dict[str, Any]:
         doc = copy.deepcopy(doc)

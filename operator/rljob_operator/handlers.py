@@ -13,8 +13,8 @@ from typing import Any
 
 import kopf
 from kubernetes import client
-from rljob_api import GROUP, PLURAL, VERSION
 
+from rljob_api import GROUP, PLURAL, VERSION
 from rljob_operator import names
 from rljob_operator.config import OperatorConfig
 from rljob_operator.controller import Controller

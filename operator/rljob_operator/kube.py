@@ -12,13 +12,13 @@ import json
 import os
 import socket
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 
+from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_operator import names
 from rljob_operator.status import Event
 
@@ -151,7 +151,7 @@ class Kube:
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body: Any = {
             "apiVersion": "v1",
             "kind": "Event",

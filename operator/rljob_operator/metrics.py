@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
 from rljob_api.status import Phase
 
 Key = tuple[str, str]

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob_api.spec import FailureKind
-
 from rljob_operator import names
 
 Obj = dict[str, Any]

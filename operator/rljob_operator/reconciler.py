@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
@@ -47,7 +47,7 @@ class FailureHints:
 
 
 def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Reconciler:

@@ -14,14 +14,14 @@ only read here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
+
 from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
-
 from rljob_operator import names
 from rljob_operator.builders import worker_groups
 from rljob_operator.observe import Observed, PodView
@@ -33,13 +33,13 @@ MAX_LISTED_PODS = 5
 
 
 def iso(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(text: str | None) -> datetime | None:
     if not text:
         return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)

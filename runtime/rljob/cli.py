@@ -6,11 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from rljob import run
 from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
 from rljob_api.docs import DOCS_FILE, render_reference
 from rljob_api.validate import InvalidJob, load_job
-
-from rljob import run
 
 
 def _validate(args: argparse.Namespace) -> int:

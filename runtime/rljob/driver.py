@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -94,7 +94,7 @@ def worker_env() -> dict[str, str]:
 
 
 def _mtime(path: Path) -> str:
-    stamp = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc)
+    stamp = datetime.fromtimestamp(path.stat().st_mtime, UTC)
     return stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

@@ -16,12 +16,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rljob_api.spec import RLJobSpec
-
 from rljob.engine.client import EngineClient
 from rljob.sample import Sample, Status
 from rljob.tasks import Task
 from rljob.text_codec import TextCodec
+from rljob_api.spec import RLJobSpec
 
 RewardFn = Callable[["HookArgs", Sample], Awaitable[float]]
 GenerateFn = Callable[["HookArgs", Sample, dict[str, Any]], Awaitable[Sample]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
@@ -24,7 +24,7 @@ ENV_NAMESPACE = "RLJOB_NAMESPACE"
 
 def now() -> str:
     """RFC 3339 UTC time, the format Kubernetes uses."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def finite_progress(progress: Progress) -> dict[str, Any]:

@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rljob_api.spec import RLJobSpec
-
 from rljob import metrics
 from rljob.data_source import DataSource
 from rljob.engine.client import EngineClient
@@ -22,6 +20,7 @@ from rljob.hooks import HookArgs, HookError, as_reward, load_generate, load_rewa
 from rljob.sample import Sample, Status
 from rljob.tasks import DatasetError, Prompt, load_task
 from rljob.text_codec import load_codec
+from rljob_api.spec import RLJobSpec
 
 CONCURRENCY_PER_ENGINE = 64
 MAX_REFILLS = 8

@@ -12,9 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rljob_api.validate import InvalidJob, load_job
-
 from rljob.report import PrintReporter, Reporter, StatusReporter
+from rljob_api.validate import InvalidJob, load_job
 
 DEFAULT_WORKDIR = Path("runs")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rljob_api.spec import TinyModel
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -24,6 +23,7 @@ from transformers.utils import logging as transformers_logging
 
 from rljob.text_codec import TINY_MARKER
 from rljob.tokenizer import CharTokenizer
+from rljob_api.spec import TinyModel
 
 BUILTIN_TINY = "builtin:tiny"
 MAX_POSITIONS = 512

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import yaml
+
 from rljob.report import FIELD_MANAGER, StatusReporter
 from rljob_api.status import CheckpointStatus, Progress
-
 from tests.controlplane import REPO, ControlPlane
 from tests.specs import BAD_SPECS, BadSpec, base_job, rule_message
 

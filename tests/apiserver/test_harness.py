@@ -116,12 +116,14 @@ def test_kuberay_places_gpu_workers_on_fake_nodes(cluster: ControlPlane, namespa
         }
     )
 
-    def running_workers() -> list[str]:
+    def running_workers() -> list[str] | None:
+        """Nodes of the two GPU workers once both run, else None."""
         pods = cluster.get_json("pods", "-n", namespace, "-l", "ray.io/group=gpu")["items"]
-        return [p["spec"]["nodeName"] for p in pods if p["status"].get("phase") == "Running"]
+        nodes = [p["spec"]["nodeName"] for p in pods if p["status"].get("phase") == "Running"]
+        return nodes if len(nodes) == 2 else None
 
     nodes = wait_for(
-        lambda: (w := running_workers()) and len(w) == 2 and w,
+        running_workers,
         timeout=90,
         what="2 GPU worker pods Running on kwok nodes",
     )

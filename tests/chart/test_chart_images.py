@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rljob_api.spec import RLJobSpec
 
+from rljob_api.spec import RLJobSpec
 from tests.chart.helm import CHART, REPO
 
 pytestmark = pytest.mark.unit
@@ -79,3 +79,17 @@ def test_gpu_images_have_a_cpu_variant(name: str) -> None:
     assert _arg_defaults(text)["VARIANT"] == "cuda"
     assert "FROM ${CUDA_BASE} AS base-cuda" in text and "FROM ${CPU_BASE} AS base-cpu" in text
     assert "FROM base-${VARIANT}" in text
+
+
+def test_trainer_image_megatron_core_is_inside_the_extra() -> None:
+    """The image pins one megatron-core; the `megatron` extra bounds what rljob supports."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["megatron"]
+    (req,) = [Requirement(r) for r in extra if r.startswith("megatron-core")]
+    pinned = _arg_defaults((IMAGES / "trainer" / "Dockerfile").read_text())[
+        "MEGATRON_CORE_VERSION"]
+    assert req.specifier.contains(pinned), f"{pinned} is outside {req.specifier}"

@@ -8,8 +8,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from rljob_api.crd import CRD_FILE, render_crd
 
+from rljob_api.crd import CRD_FILE, render_crd
 from tests.chart.helm import CHART, CHART_CRD, REPO
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ from rljob_operator.status import (
 
 pytestmark = pytest.mark.unit
 Obj = dict[str, Any]
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SPEC: Obj = {
     "trainer": {"replicas": 1, "gpusPerReplica": 2},
     "rollout": {"gpus": 2, "gpusPerEngine": 1},

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job
-
 from tests.controlplane import REPO
 
 BASE = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())

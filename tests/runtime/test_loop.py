@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rljob import metrics_log
-from rljob.driver import EXIT_NONFINITE, EXIT_OK, RunOptions, run_job
 from safetensors.torch import load_file
 
+from rljob import metrics_log
+from rljob.driver import EXIT_NONFINITE, EXIT_OK, RunOptions, run_job
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import yaml
+
 from rljob_api.crd import CRD_FILE, build_crd, render_crd
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job, manifest_problems, update_problems
-
 from tests.controlplane import REPO
 from tests.specs import BAD_SPECS, BadSpec, base_job
 

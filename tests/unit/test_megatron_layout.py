@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
 from rljob.megatron_backend.layout import (
     fuse_qkv,
     hf_to_megatron,
@@ -14,7 +16,6 @@ from rljob.megatron_backend.layout import (
     tp_unshard,
 )
 from rljob.megatron_backend.shape import ModelShape, UnsupportedModel
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytestmark = pytest.mark.unit
 

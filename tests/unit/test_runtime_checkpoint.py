@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from rljob.checkpoint import PAUSE_ENV, PAUSE_MARKER, CheckpointStore, verify
 
+from rljob.checkpoint import PAUSE_ENV, PAUSE_MARKER, CheckpointStore, verify
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.unit

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rljob.algo.advantages import (
     discounted_returns,
     gae,

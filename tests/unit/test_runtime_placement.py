@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rljob.placement import plan
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import RLJobSpec, RolloutBackend
 from rljob_operator.builders import JobRef, build_raycluster
 
 pytestmark = pytest.mark.unit
@@ -41,7 +41,7 @@ def test_colocated_shares_slots() -> None:
 def test_operator_offers_the_units_the_runtime_asks_for(placement: str, rollout_gpus: int) -> None:
     """Every bundle the runtime requests fits the custom resources the operator's pods offer."""
     spec = _spec(placement, 8, rollout_gpus, 2)
-    spec.rollout.backend = "sglang"
+    spec.rollout.backend = RolloutBackend.sglang
     cluster = build_raycluster(JobRef("j", "ns", "uid"), spec)
     offered: dict[str, float] = {}
     for group in cluster["spec"]["workerGroupSpecs"]:

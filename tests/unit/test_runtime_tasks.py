@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from rljob.data_source import DataSource
 from rljob.tasks import (
     DatasetError,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
+
 from rljob.text_codec import load_codec
 from rljob.tiny_model import build_tiny, write_tiny
 from rljob.tokenizer import CharTokenizer
 from rljob_api.spec import TinyModel
-from tokenizers import Tokenizer
 
 pytestmark = pytest.mark.unit
 

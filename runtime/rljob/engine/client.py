@@ -77,14 +77,14 @@ class EngineClient:
                     return await resp.json(content_type=None)
                 except ValueError:
                     raise EngineError(self.url, path, f"not JSON: {text[:200]}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise EngineError(self.url, path, f"{type(err).__name__}: {err}") from None
 
     async def healthy(self) -> bool:
         try:
             async with self.session.get(self.url + "/health", timeout=self.control_timeout) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def wait_healthy(self, timeout_s: float) -> None:

@@ -324,7 +324,7 @@ class Sidecar:
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.config.device)
         if buf.device.type == "cpu":
-            buf.share_memory_()  # type: ignore[no-untyped-call]
+            buf.share_memory_()
         return buf
 
     def _verify(

@@ -22,7 +22,7 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 def use_file_system_sharing() -> None:
     """Shared CPU tensors must be addressable by name, since HTTP cannot pass descriptors."""
-    torch_mp.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
+    torch_mp.set_sharing_strategy("file_system")
 
 
 def encode_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
@@ -30,8 +30,8 @@ def encode_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     use_file_system_sharing()
     shared: NamedTensors = []
     for name, tensor in named:
-        if tensor.device.type == "cpu" and not tensor.is_shared():  # type: ignore[no-untyped-call]
-            tensor.share_memory_()  # type: ignore[no-untyped-call]
+        if tensor.device.type == "cpu" and not tensor.is_shared():
+            tensor.share_memory_()
         shared.append((name, tensor))
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(shared)
