@@ -350,20 +350,22 @@ class ControlPlane:
         ) as resp:
             return bool(resp.read() == b"ok")
 
+    def _component_args(self, name: str, port: int) -> list[str]:
+        """What kube-scheduler and kube-controller-manager share: the admin kubeconfig for
+        everything, no leader election, and /healthz on a private loopback port."""
+        return [
+            str(self.bins / name),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--authentication-kubeconfig={self.kubeconfig}",
+            f"--authorization-kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            f"--secure-port={port}",
+            "--bind-address=127.0.0.1",
+        ]
+
     def start_scheduler(self) -> None:
         port = free_port()
-        proc = self._spawn(
-            "kube-scheduler",
-            [
-                str(self.bins / "kube-scheduler"),
-                f"--kubeconfig={self.kubeconfig}",
-                f"--authentication-kubeconfig={self.kubeconfig}",
-                f"--authorization-kubeconfig={self.kubeconfig}",
-                "--leader-elect=false",
-                f"--secure-port={port}",
-                "--bind-address=127.0.0.1",
-            ],
-        )
+        proc = self._spawn("kube-scheduler", self._component_args("kube-scheduler", port))
         wait_for(
             lambda: self._healthy(proc, port),
             timeout=60,
@@ -377,13 +379,7 @@ class ControlPlane:
         proc = self._spawn(
             "kube-controller-manager",
             [
-                str(self.bins / "kube-controller-manager"),
-                f"--kubeconfig={self.kubeconfig}",
-                f"--authentication-kubeconfig={self.kubeconfig}",
-                f"--authorization-kubeconfig={self.kubeconfig}",
-                "--leader-elect=false",
-                f"--secure-port={port}",
-                "--bind-address=127.0.0.1",
+                *self._component_args("kube-controller-manager", port),
                 f"--service-account-private-key-file={self.pki / 'sa.key'}",
                 f"--root-ca-file={self.pki / 'ca.crt'}",
                 "--use-service-account-credentials=false",

@@ -11,8 +11,11 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from tests.controlplane import ControlPlane, free_port
 from tests.polling import wait_for
@@ -122,3 +125,14 @@ class NodePool:
         if self.made:
             self.cp.kubectl("delete", "node", *self.made, "--wait=false", "--ignore-not-found",
                             check=False)
+
+
+@pytest.fixture
+def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Operator]:
+    """The operator watching this test's namespace (tests read `operator.tail()` on failure)."""
+    op = Operator(cluster, namespace, tmp_path / "operator.log")
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()

@@ -9,27 +9,15 @@ copied; pytest instantiates them once for this directory.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import api_client, cluster, control_plane, k8s_bins, namespace
 from tests.controlplane import ControlPlane
-from tests.operator_process import NodePool, Operator
+from tests.operator_process import NodePool, operator
 
 __all__ = ["api_client", "cluster", "control_plane", "k8s_bins", "namespace", "node_pool",
            "operator"]
-
-
-@pytest.fixture
-def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    """The operator watching this test's namespace (tests read `operator.tail()` on failure)."""
-    op = Operator(cluster, namespace, tmp_path / "operator.log")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
 
 
 @pytest.fixture

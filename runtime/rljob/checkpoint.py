@@ -43,16 +43,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk (rename durability needs both)."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -110,7 +103,7 @@ class CheckpointStore:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         entries: dict[str, dict[str, int | str]] = {}
         for f in files:
-            _fsync_file(f)
+            fsync_path(f)
             entries[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "size": f.stat().st_size}
         self._pause_for_test(step)
         manifest = tmp / MANIFEST
@@ -118,14 +111,14 @@ class CheckpointStore:
             json.dump({"step": step, "files": entries}, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         final = self.root / f"{PREFIX}{step:08d}"
         if final.exists():
             # Only a checkpoint that failed verification can be here (resume starts past a
             # verified one); move it aside so the rename stays atomic.
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.root)
+        fsync_path(self.root)
         verified = verify(final)
         if verified is None:
             raise OSError(f"checkpoint {final} failed verification right after writing")

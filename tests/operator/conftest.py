@@ -8,22 +8,13 @@ its own operator process, which a test may kill and start again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.controlplane import ControlPlane
-from tests.operator_process import NodePool, Operator
+from tests.operator_process import NodePool, operator
 
-
-@pytest.fixture
-def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    op = Operator(cluster, namespace, tmp_path / "operator.log")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
+__all__ = ["gpu_pool", "operator"]
 
 
 @pytest.fixture

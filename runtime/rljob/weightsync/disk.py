@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rljob.checkpoint import fsync_path
 from rljob.weightsync.protocol import BucketMeta, layout_to_json, pack_bucket
 
 INDEX = "model.safetensors.index.json"
@@ -30,14 +31,6 @@ def version_dir(root: Path, version: int) -> Path:
 
 def shard_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_version(
@@ -62,7 +55,7 @@ def write_version(
         name = shard_name(bucket.index, len(buckets))
         shard = {m.name: tensors[m.name].detach().contiguous().cpu() for m in bucket.tensors}
         save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        _fsync(tmp / name)
+        fsync_path(tmp / name)
         for m in bucket.tensors:
             weight_map[m.name] = name
             total += m.nbytes
@@ -77,9 +70,9 @@ def write_version(
     (tmp / MANIFEST).write_text(json.dumps(manifest))
     if config_json is not None:
         (tmp / "config.json").write_text(config_json)
-    _fsync(tmp)
+    fsync_path(tmp)
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     return final
 
 
