@@ -99,6 +99,13 @@ BAD_SPECS: list[BadSpec] = [
         rule_message("self.placement != 'colocated'"),
     ),
     BadSpec(
+        "colocated-engine-spans-pods",
+        {"placement": "colocated", "trainer.replicas": 2, "trainer.gpusPerReplica": 2,
+         "rollout.gpus": 4, "rollout.gpusPerEngine": 4},
+        "spec",
+        rule_message("self.trainer.gpusPerReplica % self.rollout.gpusPerEngine"),
+    ),
+    BadSpec(
         "backoff",
         {"recovery.backoffSeconds": 60, "recovery.maxBackoffSeconds": 30},
         "spec.recovery",

@@ -13,12 +13,14 @@ from typing import Any
 import yaml
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL
+from rljob_api.layout import engines_per_pod
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
 from rljob_operator import names
 
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
 WEIGHT_SYNC_COMMAND = "rljob-weight-sync"
+ENGINE_INDEX_ENV = "RLJOB_ENGINE_INDEX"  # read by rljob-weight-sync
 SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor for CPU pods
 HEAD_RESOURCES: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
@@ -168,24 +170,41 @@ def weight_sync_store(job: JobRef) -> str:
     return f"{names.head_service(job.name, job.namespace)}:{names.WEIGHT_SYNC_PORT}"
 
 
-def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec) -> Obj:
+def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int) -> Obj:
+    """The sidecar of engine `index` of a pod holding `engines` engines."""
     _, mounts = _data_volumes(spec)
+    command = [WEIGHT_SYNC_COMMAND, "--listen",
+               f"0.0.0.0:{names.WEIGHT_SYNC_HEALTH_PORT + index}"]
+    identity: list[Obj] = []
+    if engines > 1:
+        # Registers as `<pod>-<index>`. Staged on CPU: which GPU Ray gave this sidecar's
+        # engine is not known here, and a CUDA IPC handle only opens on the engine's own GPU.
+        identity = [{"name": ENGINE_INDEX_ENV, "value": str(index)}]
+        command += ["--device", "cpu"]
     return {
-        "name": "weight-sync",
+        "name": names.per_engine(names.WEIGHT_SYNC, index, engines),
         "image": spec.rollout.image,
-        "command": [WEIGHT_SYNC_COMMAND],
+        "command": command,
         "env": [
-            *_env(job, "weight-sync"),
-            {"name": "RLJOB_ENGINE_URL", "value": f"http://127.0.0.1:{names.ENGINE_PORT}"},
+            *_env(job, names.WEIGHT_SYNC),
+            {"name": "RLJOB_ENGINE_URL",
+             "value": f"http://127.0.0.1:{names.ENGINE_PORT + index}"},
             {"name": "RLJOB_WEIGHT_SYNC_TRAINER", "value": weight_sync_store(job)},
             # The engine's name in the group, and where the trainer probes its /health.
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_IP", "status.podIP"),
+            *identity,
         ],
-        "ports": [{"containerPort": names.WEIGHT_SYNC_HEALTH_PORT, "name": "weight-sync"}],
+        "ports": [{"containerPort": names.WEIGHT_SYNC_HEALTH_PORT + index,
+                   "name": names.per_engine(names.WEIGHT_SYNC, index, engines)}],
         "resources": SIDECAR_RESOURCES,
         "volumeMounts": mounts,
     }
+
+
+def _engine_ports(engines: int) -> list[Obj]:
+    return [{"containerPort": names.ENGINE_PORT + i, "name": names.per_engine("engine", i, engines)}
+            for i in range(engines)]
 
 
 def _ray_resources(slot: str, count: int) -> str:
@@ -212,20 +231,17 @@ def worker_groups(spec: RLJobSpec) -> dict[str, int]:
 
 
 def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Obj:
-    engine_port = [{"containerPort": names.ENGINE_PORT, "name": "engine"}]
+    # Engines per pod: one in a rollout pod, gpusPerReplica / gpusPerEngine in a colocated one.
+    engines = {names.ROLLOUT: 1, names.COLOCATED: engines_per_pod(spec)}.get(group, 0)
     if group == names.ROLLOUT:
         gpus = rollout_gpus_per_pod(spec)
         main = _ray_container(job, spec, "ray-worker", group, spec.rollout.image,
-                              _resources(spec.rollout.resources, gpus), engine_port)
-        containers = [main, _weight_sync_sidecar(job, spec)]
+                              _resources(spec.rollout.resources, gpus), _engine_ports(engines))
     else:
         gpus = spec.trainer.gpus_per_replica
         main = _ray_container(job, spec, "ray-worker", group, spec.trainer.image,
-                              _resources(spec.trainer.resources, gpus),
-                              engine_port if group == names.COLOCATED else None)
-        containers = [main]
-        if group == names.COLOCATED:
-            containers.append(_weight_sync_sidecar(job, spec))
+                              _resources(spec.trainer.resources, gpus), _engine_ports(engines))
+    containers = [main, *(_weight_sync_sidecar(job, spec, i, engines) for i in range(engines))]
     return {
         "groupName": group,
         "replicas": replicas,

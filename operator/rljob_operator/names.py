@@ -27,11 +27,14 @@ RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
 RAY_PLURAL = "rayclusters"
 RAY_GCS_PORT = 6379
+# Engine i of a pod listens on ENGINE_PORT + i (the runtime binds it there, see
+# rljob_api.layout) and its sidecar serves /health and /metrics on WEIGHT_SYNC_HEALTH_PORT + i.
 ENGINE_PORT = 30000
 # The weight-sync store runs on the Ray head node (the driver starts it there), so every pod
-# reaches it through the head Service; the sidecars serve /health and /metrics on their port.
+# reaches it through the head Service.
 WEIGHT_SYNC_PORT = 29600
 WEIGHT_SYNC_HEALTH_PORT = 8090
+WEIGHT_SYNC = "weight-sync"
 SPEC_FILE = "rljob.yaml"
 SPEC_DIR = "/etc/rljob"
 
@@ -67,3 +70,9 @@ def role_name(job: str) -> str:
 def labels(job: str, component: str) -> dict[str, str]:
     """Labels every child carries: `kubectl get pods -l rljob.io/job=NAME` finds them all."""
     return {LABEL_JOB: job, LABEL_COMPONENT: component, LABEL_MANAGED_BY: FIELD_MANAGER}
+
+
+def per_engine(base: str, index: int, engines: int) -> str:
+    """Name of engine `index`'s container or port: `base` in a one-engine pod (a rollout
+    pod), `base-<index>` when the pod holds several (colocated); unique within the pod."""
+    return base if engines == 1 else f"{base}-{index}"

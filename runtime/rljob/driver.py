@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rljob import metrics_log
 from rljob.checkpoint import CheckpointStore, Verified
 from rljob.engine.launcher import EngineProcess
-from rljob.placement import Layout, plan, trainer_world
+from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter, now
 from rljob.rollout import RolloutWorker
@@ -205,12 +205,19 @@ class Job:
 
         engine_cls = ray.remote(EngineProcess)
         bind = "127.0.0.1" if not self.options.ray_address else "0.0.0.0"
+        ports = [engine_port(spec, self.sync_settings.engine_port, s)
+                 for s in layout.engine_slots]
+        if self.sync_settings.engine_port:
+            nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            clashes = port_clashes([nodes[s] for s in layout.engine_slots], ports)
+            if clashes:
+                raise JobError(EXIT_FAILED, "placement: " + "; ".join(clashes) + ": Ray did "
+                               "not keep each pod's slots together; retry the job")
         self.engines = [
             engine_cls.options(**at(slot)).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
-                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind,
-                self.sync_settings.engine_port)
-            for slot in layout.engine_slots
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port)
+            for slot, port in zip(layout.engine_slots, ports, strict=True)
         ]
         world = trainer_world(spec)
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
@@ -293,7 +300,7 @@ class Job:
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, TimeoutError):
                 raise JobError(EXIT_FAILED, f"WeightSyncFailed: {err.cause}; every engine needs "
-                               "its weight-sync sidecar (in a pod: the weight-sync container)"
+                               "its weight-sync sidecar (in a pod: a weight-sync container)"
                                ) from None
             raise
 

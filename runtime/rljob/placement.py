@@ -6,13 +6,15 @@ cluster and a CPU when the job runs on CPUs (a laptop, the tests), so the same s
 places the same way everywhere. On a Kubernetes cluster every bundle also asks for one unit
 of the custom resource the operator gives its worker group's pods (`rljob_trainer`,
 `rljob_rollout`, `rljob_colocated`: one unit per slot), so trainer ranks land on trainer pods
-and engines on rollout pods.
+and engines on rollout pods. Engine ports in pods follow `rljob_api.layout`, which the
+operator reads too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rljob_api.layout import engine_local_index
 from rljob_api.spec import RLJobSpec
 
 
@@ -51,3 +53,22 @@ def plan(spec: RLJobSpec) -> Layout:
                       tuple(i * per_engine for i in range(engines)), 0.5, colocated=True)
     return Layout(world + spec.rollout.gpus, tuple(range(world)),
                   tuple(world + i * per_engine for i in range(engines)), 1.0)
+
+
+def engine_port(spec: RLJobSpec, base: int, slot: int) -> int:
+    """Port of the engine whose first slot is `slot`: 0 (any free one) when `base` is 0, as on
+    one machine; in pods `base` + the engine's index within its pod, where the operator's
+    sidecar for that engine looks."""
+    return base + engine_local_index(spec, slot) if base else 0
+
+
+def port_clashes(nodes: list[str], ports: list[int]) -> list[str]:
+    """Engines that Ray put on one node with one port (engine i on nodes[i], ports[i]): the
+    pod layout assumes a pod's slots are consecutive bundles, which PACK normally gives."""
+    seen: dict[tuple[str, int], int] = {}
+    clashes = []
+    for i, key in enumerate(zip(nodes, ports, strict=True)):
+        if key in seen:
+            clashes.append(f"engines {seen[key]} and {i} on node {key[0]} both need port {key[1]}")
+        seen.setdefault(key, i)
+    return clashes

@@ -144,6 +144,19 @@ RULES: tuple[Rule, ...] = (
         field_path=".rollout.gpus",
     ),
     Rule(
+        at=(),
+        cel="self.placement == 'disaggregated' || "
+        "self.trainer.gpusPerReplica % self.rollout.gpusPerEngine == 0",
+        message="spec.placement colocated: spec.trainer.gpusPerReplica must be a multiple of "
+        "spec.rollout.gpusPerEngine (an engine cannot span two pods); change either, or use "
+        "placement disaggregated",
+        check=lambda s: (
+            s["placement"] == "disaggregated"
+            or s["trainer"]["gpusPerReplica"] % s["rollout"]["gpusPerEngine"] == 0
+        ),
+        field_path=".rollout.gpusPerEngine",
+    ),
+    Rule(
         at=("recovery",),
         cel="self.maxBackoffSeconds >= self.backoffSeconds",
         message="spec.recovery.maxBackoffSeconds must be >= backoffSeconds; raise it",

@@ -60,7 +60,7 @@ def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     engine, sidecar = containers(groups["rollout"])
     assert engine["image"] == "r:1"
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert sidecar["command"] == ["rljob-weight-sync"]
+    assert sidecar["command"] == ["rljob-weight-sync", "--listen", "0.0.0.0:8090"]
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:30000"
     assert env["RLJOB_NAME"] == "rl" and env["RLJOB_NAMESPACE"] == "team-a"
@@ -103,7 +103,29 @@ def test_colocated_uses_one_shared_group_with_the_sidecar() -> None:
              rollout={"gpus": 16, "gpusPerEngine": 2})
     groups = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("colocated", 2)]
-    assert [c["name"] for c in containers(groups[0])] == ["ray-worker", "weight-sync"]
+    # Each pod holds 8 / 2 = 4 engines: a port and a sidecar for each.
+    main, *sidecars = containers(groups[0])
+    assert main["ports"] == [{"containerPort": 30000 + i, "name": f"engine-{i}"}
+                             for i in range(4)]
+    assert [c["name"] for c in sidecars] == [f"weight-sync-{i}" for i in range(4)]
+    for i, sidecar in enumerate(sidecars):
+        env = env_of(sidecar)
+        assert env["RLJOB_ENGINE_URL"] == f"http://127.0.0.1:{30000 + i}"
+        assert env["RLJOB_ENGINE_INDEX"] == str(i)
+        assert sidecar["ports"] == [{"containerPort": 8090 + i, "name": f"weight-sync-{i}"}]
+        assert sidecar["command"] == ["rljob-weight-sync", "--listen", f"0.0.0.0:{8090 + i}",
+                                      "--device", "cpu"]
+
+
+def test_one_engine_pods_keep_the_single_weight_sync_container() -> None:
+    for placement, trainer_gpus in (("disaggregated", 4), ("colocated", 2)):
+        s = spec(placement=placement, trainer={"replicas": 2, "gpusPerReplica": trainer_gpus},
+                 rollout={"gpus": 4, "gpusPerEngine": 2})
+        group = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"][-1]
+        main, sidecar = containers(group)
+        assert main["ports"] == [{"containerPort": 30000, "name": "engine"}]
+        assert sidecar["name"] == "weight-sync"
+        assert "RLJOB_ENGINE_INDEX" not in env_of(sidecar)
 
 
 def test_hf_rollout_and_cpu_trainer_request_no_gpus() -> None:

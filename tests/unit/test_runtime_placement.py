@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from rljob.placement import plan
+from rljob.placement import engine_port, plan, port_clashes
+from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, SidecarConfig, parse_args
+from rljob.weightsync.wiring import SyncSettings
+from rljob_api.layout import slots_per_pod
 from rljob_api.spec import RLJobSpec, RolloutBackend
-from rljob_operator.builders import JobRef, build_raycluster
+from rljob_api.validate import spec_problems
+from rljob_operator.builders import JobRef, build_driver, build_raycluster
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +59,68 @@ def test_operator_offers_the_units_the_runtime_asks_for(placement: str, rollout_
             if name.startswith("rljob_"):
                 wanted[name] = wanted.get(name, 0) + count
     assert wanted == offered
+
+
+def _sidecar_view(container: dict[str, Any], pod: str,
+                  monkeypatch: pytest.MonkeyPatch) -> SidecarConfig:
+    """What `rljob-weight-sync` makes of the operator's container in pod `pod`."""
+    for name in ("POD_NAME", "POD_IP", ENGINE_INDEX_ENV, "RLJOB_ENGINE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for var in container["env"]:
+        monkeypatch.setenv(var["name"], var.get("value", ""))
+    monkeypatch.setenv("POD_NAME", pod)
+    return parse_args(container["command"][1:])
+
+
+@pytest.mark.parametrize(("placement", "replicas", "trainer_gpus", "rollout_gpus", "per_engine"), [
+    ("disaggregated", 1, 4, 6, 2),
+    ("colocated", 1, 8, 8, 1),
+    ("colocated", 2, 8, 16, 2),
+    ("colocated", 2, 2, 4, 2),
+])
+def test_engines_listen_where_the_operators_sidecars_look(
+    placement: str, replicas: int, trainer_gpus: int, rollout_gpus: int, per_engine: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every engine the runtime starts has exactly one sidecar in its pod pointing at its port,
+    declared by the pod, and every sidecar has an engine and a name of its own in the job."""
+    raw = {"placement": placement,
+           "trainer": {"replicas": replicas, "gpusPerReplica": trainer_gpus},
+           "rollout": {"gpus": rollout_gpus, "gpusPerEngine": per_engine}}
+    assert spec_problems(raw) == []
+    spec = RLJobSpec.model_validate(raw)
+    job = JobRef("j", "ns", "uid")
+    (driver,) = build_driver(job, spec, 0, [])["spec"]["containers"]
+    settings = SyncSettings.from_env({e["name"]: e["value"] for e in driver["env"]})
+    layout = plan(spec)
+    # Which pod holds a slot: the operator gives each pod one Ray resource unit per slot.
+    per_pod = slots_per_pod(spec) if layout.colocated else per_engine
+    first = 0 if layout.colocated else len(layout.trainer_slots)
+    group = "colocated" if layout.colocated else "rollout"
+    runtime = sorted((f"{group}-{(s - first) // per_pod}",
+                      engine_port(spec, settings.engine_port, s)) for s in layout.engine_slots)
+
+    (workers,) = [g for g in build_raycluster(job, spec)["spec"]["workerGroupSpecs"]
+                  if g["groupName"] == group]
+    operator: list[tuple[str, int]] = []
+    sync_names: list[str] = []
+    for replica in range(workers["replicas"]):
+        pod = f"{group}-{replica}"
+        main, *sidecars = workers["template"]["spec"]["containers"]
+        declared = {p["containerPort"] for p in main["ports"]}
+        for container in sidecars:
+            config = _sidecar_view(container, pod, monkeypatch)
+            port = int(config.engine_url.rsplit(":", 1)[1])
+            assert port in declared
+            assert [p["containerPort"] for p in container["ports"]] == [config.listen_port]
+            operator.append((pod, port))
+            sync_names.append(config.engine_name)
+        assert len({p["containerPort"] for c in sidecars for p in c["ports"]}) == len(sidecars)
+    assert runtime == sorted(operator)
+    assert len(set(sync_names)) == len(sync_names) == len(layout.engine_slots)
+
+
+def test_port_clashes_name_the_engines_ray_put_together() -> None:
+    assert port_clashes(["a", "a", "b"], [30000, 30001, 30000]) == []
+    assert port_clashes(["a", "b", "a"], [30000, 30000, 30000]) == [
+        "engines 0 and 2 on node a both need port 30000"]

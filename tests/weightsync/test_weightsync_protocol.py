@@ -30,7 +30,7 @@ from rljob.weightsync.protocol import (
     version_digest,
 )
 from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
-from rljob.weightsync.sidecar import parse_args
+from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, parse_args
 from rljob.weightsync.tensor_payload import (
     decode_named_tensors,
     encode_named_tensors,
@@ -175,6 +175,20 @@ def test_sidecar_arguments_are_checked_with_a_message() -> None:
         parse_args(["--trainer", "t:1", "--device", "tpu"])
     cfg = parse_args(["--trainer", "t:29600", "--device", "cpu", "--engine-name", "r0"])
     assert (cfg.trainer_host, cfg.trainer_port, cfg.engine_name) == ("t", 29600, "r0")
+
+
+def test_sidecar_of_a_multi_engine_pod_names_itself_after_pod_and_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("POD_NAME", "rl-colocated-abc")
+    monkeypatch.delenv(ENGINE_INDEX_ENV, raising=False)
+    assert parse_args(["--trainer", "t:1", "--device", "cpu"]).engine_name == "rl-colocated-abc"
+    monkeypatch.setenv(ENGINE_INDEX_ENV, "3")
+    cfg = parse_args(["--trainer", "t:1", "--device", "cpu", "--listen", "0.0.0.0:8093"])
+    assert (cfg.engine_name, cfg.listen_port) == ("rl-colocated-abc-3", 8093)
+    monkeypatch.setenv(ENGINE_INDEX_ENV, "x")
+    with pytest.raises(SystemExit, match=f"{ENGINE_INDEX_ENV} must be a number"):
+        parse_args(["--trainer", "t:1", "--device", "cpu"])
 
 
 SERVER = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=4, nccl_port=31000)

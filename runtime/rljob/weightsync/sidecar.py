@@ -54,9 +54,12 @@ from rljob.weightsync.protocol import (
     version_digest,
 )
 from rljob.weightsync.tensor_payload import encode_named_tensors, use_file_system_sharing
+from rljob_api import layout
 
 log = logging.getLogger("rljob.weightsync.sidecar")
 
+# Set by the operator in pods that hold several engines: which of them this sidecar serves.
+ENGINE_INDEX_ENV = "RLJOB_ENGINE_INDEX"
 # Test-only fault: "ENGINE:VERSION" makes that engine's sidecar put a NaN into the first
 # received copy of that version, as a corrupted transfer would, after the sender's checks.
 CORRUPT_ENV = "RLJOB_WEIGHT_SYNC_TEST_CORRUPT"
@@ -424,8 +427,9 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     )
     p.add_argument(
         "--engine-name",
-        default=env.get("POD_NAME", socket.gethostname()),
-        help="this engine's name in the group (POD_NAME)",
+        default="",
+        help="this engine's name in the group (default: POD_NAME, plus -RLJOB_ENGINE_INDEX "
+        "when a pod holds several engines)",
     )
     p.add_argument("--listen", default="0.0.0.0:8090", help="HOST:PORT for /health and /metrics")
     p.add_argument(
@@ -446,6 +450,12 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
         raise SystemExit(
             "rljob-weight-sync: --trainer HOST:PORT (or RLJOB_WEIGHT_SYNC_TRAINER) is required"
         )
+    index = env.get(ENGINE_INDEX_ENV)
+    if index is not None and not index.isdigit():
+        raise SystemExit(f"rljob-weight-sync: {ENGINE_INDEX_ENV} must be a number, got {index!r}")
+    engine_name = args.engine_name or layout.engine_name(
+        env.get("POD_NAME", socket.gethostname()), None if index is None else int(index)
+    )
     trainer_host, trainer_port = _host_port(args.trainer, "--trainer")
     listen_host, listen_port = _host_port(args.listen, "--listen")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -454,7 +464,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
         if getattr(args, name) <= 0:
             raise SystemExit(f"rljob-weight-sync: --{name.replace('_', '-')} must be > 0 seconds")
     return SidecarConfig(
-        engine_name=args.engine_name,
+        engine_name=engine_name,
         engine_url=args.engine_url,
         trainer_host=trainer_host,
         trainer_port=trainer_port,

@@ -7,10 +7,11 @@ to the Ray head node on a fixed port. The actor is the driver's: it ends with th
 and the sidecars notice and register again with the next driver. Locally the head is this
 machine and the port is any free one.
 
-Sidecars: on a cluster the operator runs one `weight-sync` container in every rollout pod
-(`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one sidecar per engine as
-an actor on the engine's node (the handoff to the engine goes through that node's shared
-memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a crash.
+Sidecars: on a cluster the operator runs one `weight-sync` container per engine in every pod
+that holds engines (`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one
+sidecar per engine as an actor on the engine's node (the handoff to the engine goes through
+that node's shared memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a
+crash.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class SyncSettings:
 
     pod_sidecars: bool = False
     store_port: int = 0  # 0: any free port
-    engine_port: int = 0  # 0: any free port
+    engine_port: int = 0  # 0: any free port; else the first engine port of each pod
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SyncSettings:
