@@ -6,6 +6,7 @@ them run the real `rljob-operator` against the harness's control plane.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rljob.report import now
 from tests.controlplane import ControlPlane, free_port
 from tests.polling import wait_for
 
@@ -89,6 +91,17 @@ class Operator:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+def stop_kubelet(cp: ControlPlane, node: str) -> None:
+    """The node stops reporting: kwok lets go of it and its Ready condition reads Unknown."""
+    cp.kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
+    unknown = {"status": {"conditions": [{
+        "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+        "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": now(),
+        "lastTransitionTime": now()}]}}
+    cp.kubectl("patch", "node", node, "--subresource=status", "--type=strategic",
+               "-p", json.dumps(unknown))
 
 
 def node_ready(cp: ControlPlane, node: str) -> bool:

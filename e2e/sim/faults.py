@@ -7,25 +7,12 @@ period; a lost machine is a deleted Node.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from typing import Any
 
-from rljob.report import now
 from tests.controlplane import ControlPlane
 
 Obj = dict[str, Any]
-
-
-def stop_kubelet(cp: ControlPlane, node: str) -> None:
-    """The node stops reporting: kwok lets go of it and its Ready condition reads Unknown."""
-    cp.kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
-    unknown = {"status": {"conditions": [{
-        "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
-        "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": now(),
-        "lastTransitionTime": now()}]}}
-    cp.kubectl("patch", "node", node, "--subresource=status", "--type=strategic",
-               "-p", json.dumps(unknown))
 
 
 def live_pods(cp: ControlPlane, namespace: str) -> list[Obj]:

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from e2e.sim.faults import compute_pods, jobs_by_node, live_pods, stop_kubelet
+from e2e.sim.faults import compute_pods, jobs_by_node, live_pods
 from tests.controlplane import ControlPlane
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import report
-from tests.operator_process import NodePool, Operator
+from tests.operator_process import NodePool, Operator, stop_kubelet
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e

@@ -16,7 +16,7 @@ from rljob_api.status import RuntimeFailure
 from tests.controlplane import ControlPlane
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, report, status, wait_phase
-from tests.operator_process import Operator
+from tests.operator_process import Operator, stop_kubelet
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.controlplane
@@ -98,13 +98,7 @@ def test_lost_nodes_move_the_job_elsewhere(
 
     # A node stops reporting Ready (kwok no longer manages it, as a dead kubelet).
     node = _node_of(cluster, namespace, "nl", "trainer")
-    cluster.kubectl("annotate", "node", node, "kwok.x-k8s.io/node-")
-    not_ready = {"status": {"conditions": [{
-        "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
-        "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": now(),
-        "lastTransitionTime": now()}]}}
-    cluster.kubectl("patch", "node", node, "--subresource=status", "--type=strategic",
-                    "-p", json.dumps(not_ready))
+    stop_kubelet(cluster, node)
     rec = recovered(cluster, namespace, "nl", 1)["recovery"]
     assert rec["lastFailure"]["reason"] == "NodeLost"
     assert node in rec["lastFailure"]["message"]
