@@ -6,11 +6,27 @@ functions of the spec, so the ports the runtime binds are the ones the sidecars 
 
 A colocated pod holds `gpusPerReplica` slots (the trainer's GPUs, shared with the engines), so
 `gpusPerReplica / gpusPerEngine` engines; a disaggregated rollout pod holds one engine.
+
+Placement uses custom Ray resources that the operator gives each kind of pod and the runtime
+asks for: `rljob_<group>` on the worker groups' pods (one unit per slot) and
+`rljob_driver` on the driver pod's own Ray node, so every actor lands on the pod meant for it.
 """
 
 from __future__ import annotations
 
 from rljob_api.spec import Placement, RLJobSpec
+
+# The custom Ray resource of the driver pod's Ray node: nothing but the actors the driver
+# deliberately keeps next to itself asks for it (its node offers no CPU or GPU).
+DRIVER_RESOURCE = "rljob_driver"
+# Ray gives the head node one unit of this resource; actors pinned to the head ask for it.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+def group_resource(group: str) -> str:
+    """The custom Ray resource of a worker group's pods (`trainer`, `rollout`, `colocated`):
+    one unit per placement slot of the pod."""
+    return f"rljob_{group}"
 
 
 def slots_per_pod(spec: RLJobSpec) -> int:

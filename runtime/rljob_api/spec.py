@@ -275,11 +275,47 @@ class FunctionSpec(ApiModel):
     )
 
 
+StorageSize = Annotated[
+    str,
+    StringConstraints(
+        max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+    ),
+]
+DNSName = Annotated[
+    str,
+    StringConstraints(
+        min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+    ),
+]
+
+
 class CheckpointSpec(ApiModel):
-    """Where and how often the job saves resumable state."""
+    """Where and how often the job saves resumable state.
+
+    On a cluster every pod of the job (driver, Ray head, trainers, engines and their
+    sidecars) mounts one shared volume at `path`: the driver writes the built-in model and
+    the checkpoints there and the workers read them, so it must be ReadWriteMany storage.
+    """
 
     pvc: ShortText | None = Field(
-        None, description="PersistentVolumeClaim for checkpoints, mounted at `path`."
+        None,
+        description=(
+            "An existing ReadWriteMany PersistentVolumeClaim for checkpoints, mounted at `path` "
+            "in every pod. Unset: the operator creates `<job>-checkpoints` (see `size`, "
+            "`storageClassName`)."
+        ),
+    )
+    size: StorageSize = Field(
+        "10Gi",
+        description="Size of the claim the operator creates when `pvc` is unset.",
+    )
+    storage_class_name: DNSName | None = Field(
+        None,
+        description=(
+            "StorageClass of the claim the operator creates when `pvc` is unset; it must "
+            "provide ReadWriteMany volumes (NFS, Filestore, EFS, CephFS, ...). Unset: the "
+            "cluster's default class."
+        ),
     )
     path: Path = Field("/checkpoints", description="Checkpoint directory.")
     interval: int = Field(10, ge=1, le=1_000_000, description="Rollout steps between saves.")

@@ -1,8 +1,10 @@
 """The RLJob status: what the operator and the runtime report.
 
 Ownership is split by field manager: the operator writes `phase`, `conditions`,
-`observedGeneration` and `recovery`; the runtime writes `progress` and `checkpoint`
-(server-side apply). Neither overwrites the other's fields.
+`observedGeneration`, `recovery`, `startedAt` and `finishedAt`; the runtime writes
+`progress`, `checkpoint`, `resumed` and `runtimeFailure` (server-side apply). Neither
+overwrites the other's fields. Facts about training (what was saved, what was loaded) come
+only from the runtime; the operator derives its recovery figures from them.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class Failure(ApiModel):
     message: Message = Field("", description="Detail, e.g. the container's exit reason.")
     pod: ShortText | None = Field(None, description="Pod that failed.")
     time: Timestamp = Field(description="When it was seen.")
+    step: int | None = Field(
+        None,
+        description="status.progress.rolloutStep (the runtime's last report) when it was seen.",
+    )
 
 
 class RecoveryStatus(ApiModel):
@@ -96,10 +102,37 @@ class RecoveryStatus(ApiModel):
     restarts: int = Field(0, description="Restarts so far.")
     max_restarts: int = Field(0, description="spec.recovery.maxRestarts at the time.")
     last_failure: Failure | None = Field(None, description="The last failure seen.")
-    resumed_from_step: int | None = Field(None, description="Checkpoint step of the last resume.")
-    lost_steps: int = Field(0, description="Steps redone because they were not checkpointed.")
+    resumed_from_step: int | None = Field(
+        None,
+        description=(
+            "Step the current attempt's runtime resumed from (status.resumed.step; 0: it found "
+            "no checkpoint); unset until that runtime reports."
+        ),
+    )
+    lost_steps: int | None = Field(
+        None,
+        description=(
+            "Steps the current attempt redoes: lastFailure.step minus resumedFromStep; unset "
+            "until the runtime reports what it resumed from."
+        ),
+    )
     action: ShortText | None = Field(None, description="What the recovery is doing now.")
     next_attempt_at: Timestamp | None = Field(None, description="When the next restart starts.")
+
+
+class ResumeReport(ApiModel):
+    """What the runtime of one attempt loaded when it started; written by the runtime."""
+
+    attempt: int = Field(
+        description="The attempt that reported (the operator's restart count at its start)."
+    )
+    found: bool = Field(description="A verified checkpoint was loaded; false: started at step 0.")
+    step: int = Field(0, description="Rollout step the attempt starts from.")
+    path: ShortText | None = Field(None, description="Directory of the checkpoint loaded.")
+    checksum: ShortText | None = Field(
+        None, description="SHA-256 of the loaded checkpoint's manifest, as verified on load."
+    )
+    at: Timestamp = Field(description="When it was loaded.")
 
 
 class RuntimeFailure(ApiModel):
@@ -123,6 +156,9 @@ class RLJobStatus(ApiModel):
     progress: Progress | None = Field(None, description="Training progress (runtime).")
     checkpoint: CheckpointStatus | None = Field(None, description="Latest checkpoint (runtime).")
     recovery: RecoveryStatus | None = Field(None, description="Restarts (operator).")
+    resumed: ResumeReport | None = Field(
+        None, description="What the running attempt resumed from (runtime)."
+    )
     runtime_failure: RuntimeFailure | None = Field(
         None, description="A failure diagnosed by the runtime (runtime)."
     )

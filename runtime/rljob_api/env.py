@@ -1,0 +1,38 @@
+"""Environment variables the operator sets on a job's pods and the runtime reads there.
+
+Both sides import these names, so a renamed variable cannot leave one side reading a
+variable the other no longer sets.
+"""
+
+from __future__ import annotations
+
+# Every container of a job: which RLJob it belongs to (the runtime's status reporter writes
+# to it) and which part of the job the container is.
+JOB_NAME = "RLJOB_NAME"
+JOB_NAMESPACE = "RLJOB_NAMESPACE"
+COMPONENT = "RLJOB_COMPONENT"
+
+# The driver: which attempt it is (the operator's restart count when it created the pod),
+# reported back with what the attempt resumed from.
+RESTARTS = "RLJOB_RESTARTS"
+
+# The driver's weight-sync wiring: the pods run the sidecars (`pods`), engines listen on
+# ENGINE_PORT + their index within the pod, the store listens on WEIGHT_SYNC_PORT.
+WEIGHT_SYNC_SIDECARS = "RLJOB_WEIGHT_SYNC_SIDECARS"
+ENGINE_PORT = "RLJOB_ENGINE_PORT"
+WEIGHT_SYNC_PORT = "RLJOB_WEIGHT_SYNC_PORT"
+
+# A weight-sync sidecar: its engine's URL and index within the pod, and the store address.
+ENGINE_URL = "RLJOB_ENGINE_URL"
+ENGINE_INDEX = "RLJOB_ENGINE_INDEX"
+WEIGHT_SYNC_TRAINER = "RLJOB_WEIGHT_SYNC_TRAINER"
+
+# The pod's own name and IP (downward API): a sidecar's name in the weight-sync group and
+# the address it advertises; the driver's Ray node address.
+POD_NAME = "POD_NAME"
+POD_IP = "POD_IP"
+
+# Ray's token authentication (Ray >= 2.52): every Ray process of the job (head, workers,
+# driver) runs with the same mode and token, which the operator keeps in a Secret.
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
