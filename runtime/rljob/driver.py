@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob import metrics_log
+from rljob import metrics_log, ray_node, whereabouts
 from rljob.checkpoint import CheckpointStore, Verified
 from rljob.engine.launcher import EngineProcess
 from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
@@ -41,8 +41,17 @@ from rljob.tiny_model import BUILTIN_TINY, write_tiny
 from rljob.trainer.select import trainer_class
 from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
 from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
+from rljob.whereabouts import Placed
+from rljob_api import env
+from rljob_api.layout import DRIVER_RESOURCE
 from rljob_api.spec import RLJobSpec
-from rljob_api.status import CheckpointRecord, CheckpointStatus, Progress, RuntimeFailure
+from rljob_api.status import (
+    CheckpointRecord,
+    CheckpointStatus,
+    Progress,
+    ResumeReport,
+    RuntimeFailure,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -79,18 +88,46 @@ class LoopState:
 class RunOptions:
     workdir: Path
     max_steps: int | None = None
-    ray_address: str | None = None
+    ray_address: str | None = None  # a cluster this machine already is a node of
+    join: str | None = None  # HOST:PORT of a head to join as a node of our own (pods)
+
+    @property
+    def on_cluster(self) -> bool:
+        """Workers run in other pods: placement asks for the operator's Ray resources."""
+        return bool(self.ray_address or self.join)
 
 
-def worker_env() -> dict[str, str]:
-    paths = [p for p in sys.path if p and Path(p).is_dir()]
-    existing = os.environ.get("PYTHONPATH")
-    return {
-        "PYTHONPATH": os.pathsep.join([*paths, *([existing] if existing else [])]),
+def worker_env(local: bool = True) -> dict[str, str]:
+    """Environment of Ray workers. On one machine they import what this process imports
+    (its sys.path, e.g. a source checkout); in pods each image has its own installation,
+    which the driver's paths must not shadow."""
+    quiet = {
         "TRANSFORMERS_VERBOSITY": "error",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    if not local:
+        return quiet
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    existing = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([*paths, *([existing] if existing else [])]),
+            **quiet}
+
+
+def attempt_number(environ: dict[str, str]) -> int:
+    """Which attempt this run is: the operator's restart count when it created the driver
+    (RLJOB_RESTARTS), 0 outside a cluster."""
+    raw = environ.get(env.RESTARTS, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def expected_group(role: str, colocated: bool) -> str:
+    """The kind of pod an actor of `role` is meant to run on, on a cluster."""
+    if role in (whereabouts.TRAINER, whereabouts.ENGINE, whereabouts.SIDECAR):
+        if colocated:
+            return "colocated"
+        return "trainer" if role == whereabouts.TRAINER else "rollout"
+    return {whereabouts.ROLLOUT_WORKER: "driver", whereabouts.STORE: "head"}[role]
 
 
 def _mtime(path: Path) -> str:
@@ -143,6 +180,7 @@ class Job:
         self.rollout: Any = None
         self.urls: list[str] = []
         self.started_ray = False
+        self.node: ray_node.JoinedNode | None = None
         self.sync_settings = SyncSettings()
         self.weight_sync = WeightSyncActors(self.sync_settings)
 
@@ -170,14 +208,26 @@ class Job:
             raise JobError(EXIT_INVALID, str(err)) from None
 
     def start_ray(self, layout: Layout) -> None:
-        env = {"env_vars": worker_env()}
+        runtime_env = {"env_vars": worker_env(local=not self.options.on_cluster)}
         if ray.is_initialized():
             return  # an embedding program (a test, a notebook) owns Ray
-        if self.options.ray_address:
-            ray.init(address=self.options.ray_address, runtime_env=env, log_to_driver=False)
+        if self.options.join:
+            # This host becomes a Ray node first: a driver needs a local raylet (ray_node).
+            try:
+                self.node = ray_node.join(self.options.join)
+            except (ray_node.JoinError, ValueError) as err:
+                raise JobError(EXIT_FAILED, f"RayJoinFailed: {err}") from None
+            ray.init(**self.node.init_kwargs(), runtime_env=runtime_env, log_to_driver=False)
+            self.started_ray = True
+            print(f"ray: joined {self.options.join} as node "
+                  f"{ray.get_runtime_context().get_node_id()} (resource {DRIVER_RESOURCE}, "
+                  f"temp dir {self.node.temp_dir})", flush=True)
+        elif self.options.ray_address:
+            ray.init(address=self.options.ray_address, runtime_env=runtime_env,
+                     log_to_driver=False)
         else:
             ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
-                     runtime_env=env, log_to_driver=False)
+                     runtime_env=runtime_env, log_to_driver=False)
             self.started_ray = True
 
     def place(self, model_dir: Path) -> None:
@@ -186,7 +236,7 @@ class Job:
         self.start_ray(layout)
         use_gpu = (spec.trainer.gpus_per_replica > 0
                    and ray.cluster_resources().get("GPU", 0) >= layout.slots)
-        on_cluster = bool(self.options.ray_address)
+        on_cluster = self.options.on_cluster
         pg = self.pg = placement_group(layout.bundles(use_gpu, on_cluster), strategy="PACK")
         ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -204,7 +254,7 @@ class Job:
                 pg, placement_group_bundle_index=slot), **res}
 
         engine_cls = ray.remote(EngineProcess)
-        bind = "127.0.0.1" if not self.options.ray_address else "0.0.0.0"
+        bind = "0.0.0.0" if on_cluster else "127.0.0.1"
         ports = [engine_port(spec, self.sync_settings.engine_port, s)
                  for s in layout.engine_slots]
         if self.sync_settings.engine_port:
@@ -235,8 +285,12 @@ class Job:
             for rank, slot in enumerate(layout.trainer_slots)
         ]
         self.urls = ray.get([e.address.remote() for e in self.engines])
+        # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
+        # joined cluster it runs next to the driver, on the driver pod's own Ray node.
         worker_cls = ray.remote(RolloutWorker)
-        self.rollout = worker_cls.options(num_cpus=0).remote(spec_json, str(model_dir), self.urls)
+        next_to_driver = {"resources": {DRIVER_RESOURCE: 0.01}} if self.node else {}
+        self.rollout = worker_cls.options(num_cpus=0, **next_to_driver).remote(
+            spec_json, str(model_dir), self.urls)
         problems = ray.get(self.rollout.setup.remote())
         if problems:
             raise JobError(EXIT_INVALID, "\n".join(problems))
@@ -291,7 +345,7 @@ class Job:
         trainer rank 0 joined as the publisher; versions continue from the checkpoint."""
         store = self.weight_sync.start_store()
         self.weight_sync.start_sidecars(self.engines, self.urls, store,
-                                        loopback=not self.options.ray_address)
+                                        loopback=not self.options.on_cluster)
         trainer = self.trainers[0]
         ray.get(trainer.set_publisher.remote(*store, str(self.workdir / "weights"),
                                              self.state.weight_version))
@@ -332,6 +386,43 @@ class Job:
             raise JobError(EXIT_FAILED, f"WeightSyncFailed: engines did not install weight "
                            f"version {version}: {reasons}")
 
+    def report_resume(self, loaded: Verified | None) -> None:
+        """Tell the RLJob what this attempt loaded (the operator derives resumedFromStep and
+        lostSteps from it): the checkpoint's step, path and verified manifest digest, or that
+        there was none and the attempt starts at step 0."""
+        self.reporter.resumed(ResumeReport(
+            attempt=attempt_number(dict(os.environ)), found=loaded is not None,
+            step=self.state.step, path=str(loaded.path) if loaded else None,
+            checksum=loaded.checksum if loaded else None, at=now()))
+
+    def report_placement(self) -> None:
+        """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on
+        the kind of pod it is meant for."""
+        actors: list[tuple[str, int, Any]] = [
+            *((whereabouts.TRAINER, i, t) for i, t in enumerate(self.trainers)),
+            *((whereabouts.ENGINE, i, e) for i, e in enumerate(self.engines)),
+            (whereabouts.ROLLOUT_WORKER, 0, self.rollout),
+            (whereabouts.STORE, 0, self.weight_sync.store),
+            *((whereabouts.SIDECAR, i, s) for i, s in enumerate(self.weight_sync.sidecars)),
+        ]
+        facts = ray.get([handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
+        groups = whereabouts.node_groups(ray.nodes())
+        colocated = self.spec.placement == "colocated"
+        # The rollout worker is pinned next to the driver only when the driver is a node.
+        checked = self.options.on_cluster
+        rows = [
+            Placed(role, index, fact["node_id"], fact["host"], groups.get(fact["node_id"], ""),
+                   expected_group(role, colocated)
+                   if checked and (role != whereabouts.ROLLOUT_WORKER or self.node) else None)
+            for (role, index, _), fact in zip(actors, facts, strict=True)
+        ]
+        print(whereabouts.table(rows), flush=True)
+        print(whereabouts.json_line(rows), flush=True)
+        wrong = [f"{r.role}-{r.index} on {r.host} ({r.group or 'no rljob pod'}), meant for "
+                 f"{r.expected}" for r in rows if not r.ok]
+        if wrong:
+            raise JobError(EXIT_FAILED, "PlacementMismatch: " + "; ".join(wrong))
+
     def fail(self, reason: str, message: str, retryable: bool) -> None:
         self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
                                              step=self.state.step, time=now()))
@@ -349,7 +440,9 @@ class Job:
         if resumed is not None:
             print(f"resumed from {resumed.path} (step {resumed.step}, weight version "
                   f"{self.state.weight_version})", file=sys.stderr, flush=True)
+        self.report_resume(resumed)
         self.start_weight_sync()
+        self.report_placement()
         self.publish()
         algo = self.spec.algorithm
         end = algo.total_steps
@@ -466,6 +559,8 @@ class Job:
             remove_placement_group(self.pg)
         if self.started_ray:
             ray.shutdown()
+        if self.node is not None:
+            self.node.stop()
 
 
 def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:

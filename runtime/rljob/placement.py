@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rljob_api.layout import engine_local_index
+from rljob_api.layout import engine_local_index, group_resource
 from rljob_api.spec import RLJobSpec
 
 
@@ -29,8 +29,8 @@ class Layout:
     def slot_resource(self, slot: int) -> str:
         """The operator's custom Ray resource of the worker group that holds `slot`."""
         if self.colocated:
-            return "rljob_colocated"
-        return "rljob_trainer" if slot < len(self.trainer_slots) else "rljob_rollout"
+            return group_resource("colocated")
+        return group_resource("trainer" if slot < len(self.trainer_slots) else "rollout")
 
     def bundles(self, use_gpu: bool, on_cluster: bool = False) -> list[dict[str, float]]:
         device = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}

@@ -1,8 +1,10 @@
 """Report training progress and checkpoints to the job's RLJob status, or print them locally.
 
-Inside a cluster the runtime owns `status.progress`, `status.checkpoint` and
-`status.runtimeFailure` and writes them with server-side apply under its own field manager,
-so the operator (another manager) never overwrites them and vice versa. Non-finite figures
+Inside a cluster the runtime owns `status.progress`, `status.checkpoint`, `status.resumed`
+and `status.runtimeFailure` and writes them with server-side apply under its own field
+manager, so the operator (another manager) never overwrites them and vice versa. What an
+attempt resumed from (`resumed`) is reported by the runtime that loaded it, because only
+it knows: the operator derives its recovery figures from that report. Non-finite figures
 cannot travel in JSON: they are left out and named in `progress.nonFinite`, never replaced
 by a number.
 """
@@ -14,12 +16,15 @@ import os
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
-from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from rljob_api.status import CheckpointStatus, Progress, RuntimeFailure
+from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION, env
+from rljob_api.status import CheckpointStatus, Progress, ResumeReport, RuntimeFailure
 
 FIELD_MANAGER = "rljob-runtime"
-ENV_NAME = "RLJOB_NAME"
-ENV_NAMESPACE = "RLJOB_NAMESPACE"
+ENV_NAME = env.JOB_NAME
+ENV_NAMESPACE = env.JOB_NAMESPACE
+# Fields a restarted runtime carries over from its predecessor (same field manager): an
+# apply without them would remove them. `runtimeFailure` is not: a new attempt starts clean.
+CARRIED_OVER = ("progress", "checkpoint", "resumed")
 
 
 def now() -> str:
@@ -41,6 +46,7 @@ def finite_progress(progress: Progress) -> dict[str, Any]:
 class Reporter(Protocol):
     def progress(self, progress: Progress) -> None: ...
     def checkpoint(self, checkpoint: CheckpointStatus) -> None: ...
+    def resumed(self, resumed: ResumeReport) -> None: ...
     def failure(self, failure: RuntimeFailure) -> None: ...
 
 
@@ -52,6 +58,9 @@ class PrintReporter:
 
     def checkpoint(self, checkpoint: CheckpointStatus) -> None:
         print(f"checkpoint: step {checkpoint.step} verified at {checkpoint.path}", flush=True)
+
+    def resumed(self, resumed: ResumeReport) -> None:
+        return None  # the loop prints what it resumed from itself
 
     def failure(self, failure: RuntimeFailure) -> None:
         print(f"failure: {failure.reason}: {failure.message}", flush=True)
@@ -93,7 +102,7 @@ class StatusReporter:
                 GROUP, VERSION, self.namespace, PLURAL, self.name
             )
             current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
-            self._owned = {k: current[k] for k in ("progress", "checkpoint") if k in current}
+            self._owned = {k: current[k] for k in CARRIED_OVER if k in current}
         self._owned.update(fields)
         status = dict(self._owned)
         body = {
@@ -119,6 +128,9 @@ class StatusReporter:
 
     def checkpoint(self, checkpoint: CheckpointStatus) -> None:
         self._apply({"checkpoint": checkpoint.model_dump(by_alias=True, exclude_none=True)})
+
+    def resumed(self, resumed: ResumeReport) -> None:
+        self._apply({"resumed": resumed.model_dump(by_alias=True, exclude_none=True)})
 
     def failure(self, failure: RuntimeFailure) -> None:
         self._apply({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})

@@ -20,6 +20,7 @@ from rljob.hooks import HookArgs, HookError, as_reward, load_generate, load_rewa
 from rljob.sample import Sample, Status
 from rljob.tasks import DatasetError, Prompt, load_task
 from rljob.text_codec import load_codec
+from rljob.whereabouts import Locatable
 from rljob_api.spec import RLJobSpec
 
 CONCURRENCY_PER_ENGINE = 64
@@ -34,7 +35,7 @@ def sample_seed(seed: int, step: int, group: int, index: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + group * 101 + index) % (2**63 - 1)
 
 
-class RolloutWorker:
+class RolloutWorker(Locatable):
     def __init__(self, spec_json: str, model_dir: str, engine_urls: list[str]) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.model_dir = model_dir

@@ -27,8 +27,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
                    help="checkpoints, metrics.jsonl and curves.png (default runs/<job name>); "
                         "an existing one is resumed")
-    p.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster instead of starting a local one")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--join", default=None, metavar="HOST:PORT",
+                       help="make this machine a Ray node of the cluster whose head (GCS) is "
+                            "at HOST:PORT, run the driver on it, and stop the node at exit "
+                            "(how the operator's driver pod runs; uses $POD_IP when set)")
+    where.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="use a Ray cluster this machine already is a node of (e.g. auto, "
+                            "after `ray start`) instead of starting a local one")
     p.set_defaults(func=run_command)
 
 
@@ -41,9 +47,18 @@ def run_command(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         print("--max-steps must be at least 1", file=sys.stderr)
         return 2
+    if args.join is not None:
+        from rljob.ray_node import parse_address
+
+        try:
+            parse_address(args.join)
+        except ValueError as err:
+            print(err, file=sys.stderr)
+            return 2
     from rljob.driver import RunOptions, run_job
 
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
-    return run_job(name, spec, RunOptions(workdir, args.max_steps, args.ray_address), reporter)
+    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join)
+    return run_job(name, spec, options, reporter)

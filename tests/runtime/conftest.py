@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rljob.driver import worker_env
-from rljob_api.status import CheckpointStatus, Progress, RuntimeFailure
+from rljob_api.status import CheckpointStatus, Progress, ResumeReport, RuntimeFailure
 
 
 @pytest.fixture
@@ -29,12 +29,16 @@ class RecordingReporter:
         self.progresses: list[Progress] = []
         self.checkpoints: list[CheckpointStatus] = []
         self.failures: list[RuntimeFailure] = []
+        self.resumes: list[ResumeReport] = []
 
     def progress(self, progress: Progress) -> None:
         self.progresses.append(progress)
 
     def checkpoint(self, checkpoint: CheckpointStatus) -> None:
         self.checkpoints.append(checkpoint)
+
+    def resumed(self, resumed: ResumeReport) -> None:
+        self.resumes.append(resumed)
 
     def failure(self, failure: RuntimeFailure) -> None:
         self.failures.append(failure)

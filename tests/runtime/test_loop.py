@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,13 @@ def test_resume_is_exact(ray_local: None, tmp_path: Path, reporter: RecordingRep
     # weight versions persist across the resume and are reported
     assert [r["weight_version"] for r in b] == [1, 2, 3, 4]
     assert resumed.progresses[0].rollout_step == 3 and resumed.progresses[-1].weight_version == 4
+    # Each run reports what it loaded: nothing, then the verified checkpoint of step 2.
+    (fresh,) = reporter.resumes
+    assert (fresh.found, fresh.step, fresh.path, fresh.attempt) == (False, 0, None, 0)
+    (loaded,) = resumed.resumes
+    step_2 = split / "checkpoints" / "step_00000002"
+    assert (loaded.found, loaded.step, loaded.path) == (True, 2, str(step_2))
+    assert loaded.checksum == hashlib.sha256((step_2 / "MANIFEST.json").read_bytes()).hexdigest()
     assert [c.step for c in reporter.checkpoints] == [2, 4]
     assert reporter.checkpoints[-1].verified and reporter.checkpoints[-1].checksum
     assert (straight / metrics_log.PLOT_FILE).stat().st_size > 0

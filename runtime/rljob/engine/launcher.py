@@ -17,6 +17,7 @@ import ray
 from rljob import metrics
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import SGLangServer, launch
+from rljob.whereabouts import Locatable
 
 STARTUP_TIMEOUT_S = 900.0
 
@@ -27,7 +28,7 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-class EngineProcess:
+class EngineProcess(Locatable):
     def __init__(
         self, backend: str, model_dir: str, dtype: str, device: str, weight_version: str,
         tp: int, sglang_args: dict[str, str], bind_host: str, port: int = 0,

@@ -12,6 +12,7 @@ from pathlib import Path
 from rljob import metrics
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
 from rljob.weightsync.tensor_payload import NamedTensors
+from rljob.whereabouts import Locatable
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 
@@ -60,7 +61,7 @@ class TrainerSync:
             self.publisher = None
 
 
-class WeightPublishing(ABC):
+class WeightPublishing(Locatable, ABC):
     """What the driver calls on trainer rank 0 to publish weights."""
 
     sync: TrainerSync

@@ -55,11 +55,12 @@ from rljob.weightsync.protocol import (
 )
 from rljob.weightsync.tensor_payload import encode_named_tensors, use_file_system_sharing
 from rljob_api import layout
+from rljob_api.env import ENGINE_INDEX, ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYNC_TRAINER
 
 log = logging.getLogger("rljob.weightsync.sidecar")
 
 # Set by the operator in pods that hold several engines: which of them this sidecar serves.
-ENGINE_INDEX_ENV = "RLJOB_ENGINE_INDEX"
+ENGINE_INDEX_ENV = ENGINE_INDEX
 # Test-only fault: "ENGINE:VERSION" makes that engine's sidecar put a NaN into the first
 # received copy of that version, as a corrupted transfer would, after the sender's checks.
 CORRUPT_ENV = "RLJOB_WEIGHT_SYNC_TEST_CORRUPT"
@@ -417,12 +418,12 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     p = argparse.ArgumentParser(prog="rljob-weight-sync", description=__doc__.split("\n")[0])
     p.add_argument(
         "--trainer",
-        default=env.get("RLJOB_WEIGHT_SYNC_TRAINER", ""),
+        default=env.get(WEIGHT_SYNC_TRAINER, ""),
         help="HOST:PORT of the trainer's weight-sync store (RLJOB_WEIGHT_SYNC_TRAINER)",
     )
     p.add_argument(
         "--engine-url",
-        default=env.get("RLJOB_ENGINE_URL", "http://127.0.0.1:30000"),
+        default=env.get(ENGINE_URL, "http://127.0.0.1:30000"),
         help="base URL of the local engine (RLJOB_ENGINE_URL)",
     )
     p.add_argument(
@@ -434,7 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     p.add_argument("--listen", default="0.0.0.0:8090", help="HOST:PORT for /health and /metrics")
     p.add_argument(
         "--advertise-host",
-        default=env.get("POD_IP", ""),
+        default=env.get(POD_IP, ""),
         help="address the trainer uses to probe /health (POD_IP)",
     )
     p.add_argument(
@@ -454,7 +455,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     if index is not None and not index.isdigit():
         raise SystemExit(f"rljob-weight-sync: {ENGINE_INDEX_ENV} must be a number, got {index!r}")
     engine_name = args.engine_name or layout.engine_name(
-        env.get("POD_NAME", socket.gethostname()), None if index is None else int(index)
+        env.get(POD_NAME, socket.gethostname()), None if index is None else int(index)
     )
     trainer_host, trainer_port = _host_port(args.trainer, "--trainer")
     listen_host, listen_port = _host_port(args.listen, "--listen")

@@ -29,11 +29,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rljob.weightsync.group import open_store
 from rljob.weightsync.sidecar import Sidecar, SidecarConfig
+from rljob.whereabouts import Locatable
+from rljob_api import env
+from rljob_api.layout import HEAD_RESOURCE
 
-SIDECARS_ENV = "RLJOB_WEIGHT_SYNC_SIDECARS"
-PORT_ENV = "RLJOB_WEIGHT_SYNC_PORT"
-ENGINE_PORT_ENV = "RLJOB_ENGINE_PORT"
-HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node 1 of it
+SIDECARS_ENV = env.WEIGHT_SYNC_SIDECARS
+PORT_ENV = env.WEIGHT_SYNC_PORT
+ENGINE_PORT_ENV = env.ENGINE_PORT
 BIND_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 
@@ -61,7 +63,7 @@ class SyncSettings:
         return cls(mode == "pods", port(PORT_ENV), port(ENGINE_PORT_ENV))
 
 
-class StoreHost:
+class StoreHost(Locatable):
     """The weight-sync coordination store, served from this actor's process."""
 
     def __init__(self, port: int, bind_timeout_s: float) -> None:
@@ -80,7 +82,7 @@ class StoreHost:
         return str(ray.util.get_node_ip_address()), int(self.store.port)
 
 
-class SidecarActor:
+class SidecarActor(Locatable):
     """`rljob-weight-sync` as a Ray actor: the sidecar loop on a thread of this process."""
 
     def __init__(self, config: SidecarConfig) -> None:
