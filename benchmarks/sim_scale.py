@@ -87,8 +87,10 @@ class AuditedControlPlane(ControlPlane):
 
 
 def job_manifest(name: str) -> dict[str, Any]:
-    """The production example under another name, minus what kwok cannot provide: PVCs (no
-    volume binder runs), the PriorityClass, and the H200 node selector. The trainer asks for
+    """The production example under another name, minus what the harness cannot provide: the
+    model and data PVCs and the checkpoint PVC it names (the operator makes the job's own
+    checkpoint claim instead, which the harness's provisioner binds), the PriorityClass, and
+    the H200 node selector. The trainer asks for
     half of a fake node's 512 GiB instead of all of it: with all of it, a trainer fits only
     on a node nothing else runs on, and once rollout pods are spread over every node the
     last trainers stay Pending (the operator then reports them Unschedulable, correctly)."""
@@ -188,6 +190,7 @@ def main() -> None:
         cp.start_core()
         cp.install_crds(CRD)
         cp.start_controller_manager()
+        cp.start_volume_provisioner()
         cp.start_scheduler()
         cp.start_kwok(nodes=args.nodes, gpus_per_node=args.gpus_per_node, prefix="sim")
         cp.start_kuberay()

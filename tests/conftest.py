@@ -2,8 +2,9 @@
 
 The control plane is session-scoped and started lazily: unit tests never pay for it.
 `control_plane` is etcd + kube-apiserver with the RLJob CRD installed; `cluster` adds
-kube-scheduler, kube-controller-manager, kwok with fake GPU nodes and the KubeRay operator
-to the same API server. Both are torn down at session end, also after failures.
+kube-scheduler, kube-controller-manager, a volume provisioner behind a default StorageClass,
+kwok with fake GPU nodes and the KubeRay operator to the same API server. Both are torn
+down at session end, also after failures.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def control_plane(k8s_bins: Path) -> Iterator[ControlPlane]:
 
 @pytest.fixture(scope="session")
 def cluster(control_plane: ControlPlane) -> ControlPlane:
-    """The control plane plus scheduler, controller-manager, kwok GPU nodes and KubeRay."""
+    """The control plane plus scheduler, controller-manager, volume provisioner, kwok GPU
+    nodes and KubeRay."""
     cp = control_plane
     if "kwok" not in cp.processes:
         cp.start_controller_manager()
+        cp.start_volume_provisioner()
         cp.start_scheduler()
         cp.start_kwok(nodes=CLUSTER_NODES, gpus_per_node=GPUS_PER_NODE)
         cp.start_kuberay()

@@ -1,6 +1,6 @@
 """A real Kubernetes control plane on loopback for tests: etcd + kube-apiserver, and on
-demand kube-scheduler, kube-controller-manager, kwok with fake GPU nodes, and the KubeRay
-operator with its CRDs.
+demand kube-scheduler, kube-controller-manager, kwok with fake GPU nodes, the KubeRay
+operator with its CRDs, and a volume provisioner behind a default StorageClass.
 
 Binaries come from `hack/k8s-bins` (pinned Go modules, cached, or `$RLJOB_K8S_BIN`).
 Everything runs as child processes on random free ports with a private temp dir; TLS is a
@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass, field
@@ -374,7 +375,8 @@ class ControlPlane:
         )
 
     def start_controller_manager(self, *extra: str) -> None:
-        """kube-controller-manager: garbage collection, service accounts, node lifecycle."""
+        """kube-controller-manager: garbage collection, service accounts, node lifecycle, and
+        the persistentvolume-binder that binds claims to the provisioner's volumes."""
         port = free_port()
         proc = self._spawn(
             "kube-controller-manager",
@@ -384,7 +386,7 @@ class ControlPlane:
                 f"--root-ca-file={self.pki / 'ca.crt'}",
                 "--use-service-account-credentials=false",
                 "--controllers=*,-bootstrapsigner,-tokencleaner,-nodeipam,-service-lb-controller,"
-                "-route,-cloud-node-lifecycle,-persistentvolume-binder,-attachdetach",
+                "-route,-cloud-node-lifecycle,-attachdetach",
                 *extra,
             ],
         )
@@ -447,6 +449,22 @@ class ControlPlane:
             )
         ]
         return len(ready) >= count
+
+    def start_volume_provisioner(self) -> None:
+        """A default StorageClass and its provisioner (`tests.volume_provisioner`), so claims
+        such as an RLJob's `<job>-checkpoints` are bound and their pods get scheduled."""
+        proc = self._spawn(
+            "volume-provisioner",
+            [sys.executable, "-m", "tests.volume_provisioner",
+             f"--kubeconfig={self.kubeconfig}"],
+            env={"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+        )
+        wait_for(
+            lambda: self._alive(proc) and "provisioning" in proc.log.read_text(errors="replace"),
+            timeout=60,
+            what="the volume provisioner to start",
+            describe=proc.tail,
+        )
 
     def start_kuberay(self) -> None:
         """The KubeRay operator (out of cluster) with the CRDs of the same Go module."""

@@ -3,8 +3,11 @@
 Everything the user does or looks at goes through `kubectl`: apply the example job, watch
 `kubectl get rljobs`, kill a trainer pod, read `kubectl describe`, delete the job. Two
 things play the parts no user plays: the runtime's own `StatusReporter` reports progress
-and checkpoints (as the driver does inside its pod), and a pod-status patch ends the driver
-(as the kubelet does when the container exits). Run with `-s` for the transcript.
+and checkpoints (as the driver does inside its pod), so the columns have something to show,
+and a pod-status patch ends the driver (as the kubelet does when the container exits).
+Where a restart resumed from is a fact only a real runtime can report (kwok runs no
+containers), so this journey asserts the operator's part of a recovery: phase, restarts,
+the failure it saw, a new driver. Run with `-s` for the transcript.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def tiny_gpu_variant(namespace: str) -> dict[str, Any]:
     """The production example, shrunk to 4 GPUs and 20 steps.
 
     What changes and why: 2 trainer GPUs and 2 one-GPU engines instead of 8 + 8 (two fake
-    nodes); no PVCs (the harness runs no volume binder, so PVC-backed pods would stay
-    Pending); small CPU/memory requests (kwok nodes advertise 64 CPUs / 512 GiB); a 3 s
+    nodes); no model, data or checkpoint PVCs of the user's (they do not exist here; the
+    operator creates the job's checkpoint claim and the harness provisions it); small
+    CPU/memory requests (kwok nodes advertise 64 CPUs / 512 GiB); a 3 s
     restart backoff so the test is short yet Recovering lasts long enough to be seen; and
     this test's node pool added to the example's node selector.
     """
@@ -125,8 +129,9 @@ def test_apply_watch_kill_recover_succeed_delete(
           lambda r: (r["PHASE"], r["RESTARTS"]) == ("Recovering", "1"), timeout=30)
     until("PHASE Running, RESTARTS 1",
           lambda r: (r["PHASE"], r["RESTARTS"]) == ("Running", "1"))
+    # No runtime of the new attempt reported what it loaded, so no step is claimed.
     resumed = kubectl("get", "rljob", name, "-o", "jsonpath={.status.recovery.resumedFromStep}")
-    assert resumed == "10"
+    assert resumed == ""
     new_trainer = kubectl("get", "pods", "-l",
                           f"rljob.io/job={name},rljob.io/component=trainer", "-o", "name")
     assert new_trainer.split() and new_trainer.split() != trainer
@@ -149,7 +154,7 @@ def test_apply_watch_kill_recover_succeed_delete(
              describe=lambda: " ".join(left()))
 
     described = kubectl("describe", "rljob", name)
-    for pattern in (r"Phase:\s+Succeeded", r"Resumed From Step:\s+10", r"Reason:\s+PodDeleted",
+    for pattern in (r"Phase:\s+Succeeded", r"Reason:\s+PodDeleted",
                     re.escape(trainer[0].removeprefix("pod/"))):
         assert re.search(pattern, described), f"{pattern!r} not in describe:\n{described}"
     events = [line.split()[1] for line in described.rsplit("Events:", 1)[1].splitlines()[3:]

@@ -12,16 +12,18 @@ from typing import Any
 
 import yaml
 
-from rljob_api import API_VERSION, GROUP, KIND, PLURAL
-from rljob_api.layout import engines_per_pod
+from rljob_api import API_VERSION, GROUP, KIND, PLURAL, env
+from rljob_api.layout import engines_per_pod, group_resource
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
 from rljob_operator import names
 
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
 WEIGHT_SYNC_COMMAND = "rljob-weight-sync"
-ENGINE_INDEX_ENV = "RLJOB_ENGINE_INDEX"  # read by rljob-weight-sync
 SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor for CPU pods
+# The driver pod is a Ray node too: its object store (what the driver gets from actors) lives
+# in /dev/shm, and Ray sizes it at 30 % of the pod's memory limit (4 GiB).
+DRIVER_SHM_GIB = 2
 HEAD_RESOURCES: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
 SIDECAR_RESOURCES: Obj = {
@@ -80,9 +82,23 @@ def _resources(spec: ResourceRequirements, gpus: int) -> Obj:
 
 def _env(job: JobRef, component: str) -> list[Obj]:
     return [
-        {"name": "RLJOB_NAME", "value": job.name},
-        {"name": "RLJOB_NAMESPACE", "value": job.namespace},
-        {"name": "RLJOB_COMPONENT", "value": component},
+        {"name": env.JOB_NAME, "value": job.name},
+        {"name": env.JOB_NAMESPACE, "value": job.namespace},
+        {"name": env.COMPONENT, "value": component},
+    ]
+
+
+def _ray_auth_env(job: JobRef) -> list[Obj]:
+    """Ray token authentication for a container that runs Ray (head, workers, driver).
+
+    Every Ray process of the job must run with the same mode and token or its connections
+    are refused; the token is read from the job's Secret, so it never appears in a pod spec,
+    the status, an event or a log.
+    """
+    secret = {"name": names.ray_token_secret(job.name), "key": names.RAY_TOKEN_KEY}
+    return [
+        {"name": env.RAY_AUTH_MODE, "value": "token"},
+        {"name": env.RAY_AUTH_TOKEN, "valueFrom": {"secretKeyRef": secret}},
     ]
 
 
@@ -91,16 +107,27 @@ def _shm_volume(gpus: int) -> Obj:
     return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size}Gi"}}
 
 
-def _checkpoint_volume(spec: RLJobSpec) -> Obj:
-    if spec.checkpoint.pvc:
-        return {"name": "checkpoints",
-                "persistentVolumeClaim": {"claimName": spec.checkpoint.pvc}}
-    return {"name": "checkpoints", "emptyDir": {}}
+def checkpoint_claim_name(job: str, spec: RLJobSpec) -> str:
+    """The claim every pod mounts at `spec.checkpoint.path`: the user's, else the operator's."""
+    return spec.checkpoint.pvc or names.checkpoint_claim(job)
 
 
-def _data_volumes(spec: RLJobSpec) -> tuple[list[Obj], list[Obj]]:
+def claim_names(job: str, spec: RLJobSpec) -> tuple[str, ...]:
+    """Every PersistentVolumeClaim the job's pods mount: checkpoints, then model and data."""
+    return tuple(c for c in (checkpoint_claim_name(job, spec), spec.model.pvc, spec.data.pvc)
+                 if c)
+
+
+def _checkpoint_volume(job: JobRef, spec: RLJobSpec) -> Obj:
+    # Never an emptyDir: the driver, trainers and engines are different pods and must see
+    # the same files (the built-in model the driver writes, every checkpoint).
+    return {"name": "checkpoints",
+            "persistentVolumeClaim": {"claimName": checkpoint_claim_name(job.name, spec)}}
+
+
+def _data_volumes(job: JobRef, spec: RLJobSpec) -> tuple[list[Obj], list[Obj]]:
     """Volumes and mounts every job container shares: shm, checkpoints, model and data."""
-    volumes = [_checkpoint_volume(spec)]
+    volumes = [_checkpoint_volume(job, spec)]
     mounts: list[Obj] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "checkpoints", "mountPath": spec.checkpoint.path},
@@ -131,7 +158,7 @@ def _scheduling(spec: RLJobSpec) -> Obj:
 
 def _pod_template(job: JobRef, spec: RLJobSpec, component: str, containers: list[Obj],
                   gpus: int) -> Obj:
-    volumes, _ = _data_volumes(spec)
+    volumes, _ = _data_volumes(job, spec)
     return {
         "metadata": {"labels": names.labels(job.name, component)},
         "spec": {
@@ -148,11 +175,11 @@ def _pod_template(job: JobRef, spec: RLJobSpec, component: str, containers: list
 
 def _ray_container(job: JobRef, spec: RLJobSpec, name: str, component: str, image: str,
                    resources: Obj, ports: list[Obj] | None = None) -> Obj:
-    _, mounts = _data_volumes(spec)
+    _, mounts = _data_volumes(job, spec)
     container: Obj = {
         "name": name,
         "image": image,
-        "env": _env(job, component),
+        "env": [*_env(job, component), *_ray_auth_env(job)],
         "resources": resources,
         "volumeMounts": mounts,
     }
@@ -171,15 +198,16 @@ def weight_sync_store(job: JobRef) -> str:
 
 
 def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int) -> Obj:
-    """The sidecar of engine `index` of a pod holding `engines` engines."""
-    _, mounts = _data_volumes(spec)
+    """The sidecar of engine `index` of a pod holding `engines` engines. It talks to its
+    engine and the weight-sync store, never to Ray, so it gets no Ray token."""
+    _, mounts = _data_volumes(job, spec)
     command = [WEIGHT_SYNC_COMMAND, "--listen",
                f"0.0.0.0:{names.WEIGHT_SYNC_HEALTH_PORT + index}"]
     identity: list[Obj] = []
     if engines > 1:
         # Registers as `<pod>-<index>`. Staged on CPU: which GPU Ray gave this sidecar's
         # engine is not known here, and a CUDA IPC handle only opens on the engine's own GPU.
-        identity = [{"name": ENGINE_INDEX_ENV, "value": str(index)}]
+        identity = [{"name": env.ENGINE_INDEX, "value": str(index)}]
         command += ["--device", "cpu"]
     return {
         "name": names.per_engine(names.WEIGHT_SYNC, index, engines),
@@ -187,12 +215,12 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int)
         "command": command,
         "env": [
             *_env(job, names.WEIGHT_SYNC),
-            {"name": "RLJOB_ENGINE_URL",
+            {"name": env.ENGINE_URL,
              "value": f"http://127.0.0.1:{names.ENGINE_PORT + index}"},
-            {"name": "RLJOB_WEIGHT_SYNC_TRAINER", "value": weight_sync_store(job)},
+            {"name": env.WEIGHT_SYNC_TRAINER, "value": weight_sync_store(job)},
             # The engine's name in the group, and where the trainer probes its /health.
-            _field_env("POD_NAME", "metadata.name"),
-            _field_env("POD_IP", "status.podIP"),
+            _field_env(env.POD_NAME, "metadata.name"),
+            _field_env(env.POD_IP, "status.podIP"),
             *identity,
         ],
         "ports": [{"containerPort": names.WEIGHT_SYNC_HEALTH_PORT + index,
@@ -247,7 +275,7 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         "replicas": replicas,
         "minReplicas": replicas,
         "maxReplicas": replicas,
-        "rayStartParams": {"resources": _ray_resources(f"rljob_{group}", max(gpus, 1))},
+        "rayStartParams": {"resources": _ray_resources(group_resource(group), max(gpus, 1))},
         "template": _pod_template(job, spec, group, containers, gpus),
     }
 
@@ -278,11 +306,12 @@ def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
 
 
 def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
-    """`rljob run` against the job's Ray cluster; it resumes from its workdir by itself."""
+    """`rljob run` joining the job's Ray cluster as a node of its own (a Ray driver needs a
+    raylet on its host); it resumes from its workdir on the shared volume by itself."""
     return [
         "rljob", "run", f"{names.SPEC_DIR}/{names.SPEC_FILE}",
         "--workdir", f"{spec.checkpoint.path.rstrip('/')}/{job.name}",
-        "--ray-address", f"{names.head_service(job.name, job.namespace)}:{names.RAY_GCS_PORT}",
+        "--join", f"{names.head_service(job.name, job.namespace)}:{names.RAY_GCS_PORT}",
     ]
 
 
@@ -293,9 +322,11 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
     checkpoint bookkeeping), so nothing else should retry it. The annotations record which
     attempt it is and which compute pods it started with; a later reconcile compares them
     with what exists to tell that a pod was lost, even across operator restarts.
+
+    The driver runs a Ray node of its own (`rljob run --join`): it gets the Ray token, its
+    pod IP as the node address, and a /dev/shm for that node's object store.
     """
-    _, mounts = _data_volumes(spec)
-    volumes, _ = _data_volumes(spec)
+    volumes, mounts = _data_volumes(job, spec)
     meta = _metadata(job, names.driver_name(job.name), names.DRIVER)
     meta["annotations"] = {
         names.ANNOTATION_RESTARTS: str(restarts),
@@ -307,19 +338,23 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
         "command": driver_command(job, spec),
         "env": [
             *_env(job, names.DRIVER),
-            {"name": "RLJOB_RESTARTS", "value": str(restarts)},
+            *_ray_auth_env(job),
+            {"name": env.RESTARTS, "value": str(restarts)},
+            _field_env(env.POD_NAME, "metadata.name"),
+            _field_env(env.POD_IP, "status.podIP"),
             # Weight sync: the rollout pods run the sidecars, engines listen where those
             # sidecars look, and the store takes the port the head Service exposes.
-            {"name": "RLJOB_WEIGHT_SYNC_SIDECARS", "value": "pods"},
-            {"name": "RLJOB_ENGINE_PORT", "value": str(names.ENGINE_PORT)},
-            {"name": "RLJOB_WEIGHT_SYNC_PORT", "value": str(names.WEIGHT_SYNC_PORT)},
+            {"name": env.WEIGHT_SYNC_SIDECARS, "value": "pods"},
+            {"name": env.ENGINE_PORT, "value": str(names.ENGINE_PORT)},
+            {"name": env.WEIGHT_SYNC_PORT, "value": str(names.WEIGHT_SYNC_PORT)},
         ],
         "resources": DRIVER_RESOURCES,
         "volumeMounts": [
             {"name": "spec", "mountPath": names.SPEC_DIR, "readOnly": True},
-            *(m for m in mounts if m["name"] != "dshm"),
+            *mounts,
         ],
     }
+    shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{DRIVER_SHM_GIB}Gi"}}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -330,10 +365,47 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
             "containers": [container],
             "volumes": [
                 {"name": "spec", "configMap": {"name": names.configmap_name(job.name)}},
+                shm,
                 *volumes,
             ],
             **_scheduling(spec),
         },
+    }
+
+
+def build_checkpoint_claim(job: JobRef, spec: RLJobSpec) -> Obj | None:
+    """The shared checkpoint volume's claim, when the job does not bring one (`checkpoint.pvc`).
+
+    ReadWriteMany, because the driver, the Ray head, the trainers and the engines are
+    different pods (on different nodes) that all read and write the workdir. Owned by the
+    RLJob: it outlives restarts and suspension, and goes when the job is deleted.
+    """
+    if spec.checkpoint.pvc:
+        return None
+    claim: Obj = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(job, names.checkpoint_claim(job.name), names.DRIVER),
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": spec.checkpoint.size}},
+        },
+    }
+    if spec.checkpoint.storage_class_name:
+        claim["spec"]["storageClassName"] = spec.checkpoint.storage_class_name
+    return claim
+
+
+def build_ray_token_secret(job: JobRef, token: str) -> Obj:
+    """The job's Ray authentication token. Created once with a fresh random token and never
+    rewritten (immutable): every Ray process of the job, across restarts, uses the same one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(job, names.ray_token_secret(job.name), names.HEAD),
+        "type": "Opaque",
+        "immutable": True,
+        "stringData": {names.RAY_TOKEN_KEY: token},
     }
 
 

@@ -96,6 +96,10 @@ class Kube:
                 self.core.create_namespaced_pod(ns, body, **kw)
             elif kind == "ConfigMap":
                 self.core.create_namespaced_config_map(ns, body, **kw)
+            elif kind == "Secret":
+                self.core.create_namespaced_secret(ns, body, **kw)
+            elif kind == "PersistentVolumeClaim":
+                self.core.create_namespaced_persistent_volume_claim(ns, body, **kw)
             elif kind == "ServiceAccount":
                 self.core.create_namespaced_service_account(ns, body, **kw)
             elif kind == "Role":

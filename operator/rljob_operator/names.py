@@ -37,6 +37,8 @@ WEIGHT_SYNC_HEALTH_PORT = 8090
 WEIGHT_SYNC = "weight-sync"
 SPEC_FILE = "rljob.yaml"
 SPEC_DIR = "/etc/rljob"
+# The key of the Ray token in the job's Secret (the name KubeRay's own token Secrets use).
+RAY_TOKEN_KEY = "auth_token"
 
 # KubeRay refuses RayCluster names longer than this; the RayCluster carries the job's name.
 MAX_JOB_NAME = 53
@@ -65,6 +67,16 @@ def service_account_name(job: str) -> str:
 
 def role_name(job: str) -> str:
     return f"{job}-status-writer"
+
+
+def ray_token_secret(job: str) -> str:
+    """The Secret holding the job's Ray authentication token."""
+    return f"{job}-ray-token"
+
+
+def checkpoint_claim(job: str) -> str:
+    """The PersistentVolumeClaim the operator creates when `spec.checkpoint.pvc` is unset."""
+    return f"{job}-checkpoints"
 
 
 def labels(job: str, component: str) -> dict[str, str]:

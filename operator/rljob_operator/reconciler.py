@@ -8,10 +8,12 @@ actions are idempotent, and child names are fixed, so nothing is ever duplicated
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+from rljob_api.spec import RLJobSpec
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.kube import Kube
@@ -105,9 +107,18 @@ class Reconciler:
         if created is not None and not old.get("startedAt") and new.get("startedAt"):
             self.metrics.time_to_running.observe((now - created).total_seconds())
 
-    def _ensure_support(self, ref: JobRef, body: Obj) -> None:
+    def _ensure_support(self, ref: JobRef, body: Obj, spec: RLJobSpec) -> None:
+        """What the pods need before they start: RBAC, the Ray token, the shared checkpoint
+        claim and the spec. Each is created once (an existing one is kept as it is: the
+        token and the checkpoints must survive restarts); only the spec is refreshed."""
         for obj in builders.build_rbac(ref):
             self.kube.create(obj)
+        # A fresh token only matters the first time: the create of an existing Secret is a
+        # no-op, so the job keeps the token its Ray processes already use.
+        self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)))
+        claim = builders.build_checkpoint_claim(ref, spec)
+        if claim is not None:
+            self.kube.create(claim)
         self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
@@ -122,9 +133,9 @@ class Reconciler:
         if job.spec is None:
             return
         if actions.create_cluster:
-            self._ensure_support(ref, body)
+            self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_raycluster(ref, job.spec))
         if actions.create_driver is not None:
-            self._ensure_support(ref, body)
+            self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_driver(ref, job.spec, restarts,
                                                    list(actions.create_driver)))

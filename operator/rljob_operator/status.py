@@ -7,8 +7,9 @@ backoff deadline) and in the driver pod's annotations (its attempt and the compu
 started with).
 
 The operator owns `phase`, `conditions`, `observedGeneration`, `recovery`, `startedAt` and
-`finishedAt`; `progress`, `checkpoint` and `runtimeFailure` belong to the runtime and are
-only read here.
+`finishedAt`; `progress`, `checkpoint`, `resumed` and `runtimeFailure` belong to the runtime
+and are only read here. What a restart resumed from is never predicted: it is derived
+(`resume_figures`) from what the restarted runtime reported it loaded.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
 from rljob_operator import names
-from rljob_operator.builders import worker_groups
+from rljob_operator.builders import checkpoint_claim_name, claim_names, worker_groups
 from rljob_operator.observe import Observed, PodView
 
 Obj = dict[str, Any]
 OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startedAt",
                    "finishedAt")
+# What the operator decides itself in status.recovery; the last two are derived from the
+# runtime's report each time (resume_figures).
+RECOVERY_FIELDS = ("restarts", "maxRestarts", "lastFailure", "action", "nextAttemptAt")
+DERIVED_RECOVERY_FIELDS = ("resumedFromStep", "lostSteps")
 MAX_LISTED_PODS = 5
 
 
@@ -153,15 +158,50 @@ def _pod_list(pods: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def unschedulable_message(pods: list[PodView]) -> str:
-    """Which pods cannot be scheduled and the scheduler's reason, grouped by reason."""
+def unschedulable_message(pods: list[PodView], claims: tuple[str, ...] = (),
+                          checkpoint_claim: str | None = None) -> str:
+    """Which pods cannot be scheduled and the scheduler's reason, grouped by reason; when the
+    reason is an unbound PersistentVolumeClaim, which claims the pods use and what the
+    checkpoint claim needs."""
     by_reason: dict[str, list[str]] = {}
     for pod in pods:
         by_reason.setdefault(pod.unschedulable or "", []).append(pod.name)
-    return "; ".join(
-        f"{len(p)} pod(s) cannot be scheduled ({_pod_list(p)}): {reason}"
-        for reason, p in sorted(by_reason.items())
-    )
+    parts = []
+    for reason, names_ in sorted(by_reason.items()):
+        part = f"{len(names_)} pod(s) cannot be scheduled ({_pod_list(names_)}): {reason}"
+        if "PersistentVolumeClaim" in reason and claims:
+            part += f" (the pods use PersistentVolumeClaims {', '.join(claims)}; each must be Bound"
+            if checkpoint_claim:
+                part += (f"; {checkpoint_claim} holds the shared checkpoints and needs a "
+                         "ReadWriteMany volume: set spec.checkpoint.storageClassName to a class "
+                         "that provides one, or spec.checkpoint.pvc to an existing claim")
+            part += ")"
+        parts.append(part)
+    return "; ".join(parts)
+
+
+def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None) -> Obj:
+    """`resumedFromStep` and `lostSteps` of the current attempt, from facts only.
+
+    Inputs: `restarts` is the operator's restart count, i.e. the number of the attempt that
+    runs now; `last_failure` is `status.recovery.lastFailure`, whose `step` is the progress the
+    runtime had reported when the operator saw the failure; `resumed` is `status.resumed`, what
+    a runtime reported it loaded (its `attempt`, `found`, `step`).
+
+    Nothing is returned until the runtime of the current attempt has reported: the previous
+    attempt's report says nothing about this one. A first attempt that found no checkpoint
+    resumed nothing; a restarted one that found none resumed from step 0.
+    """
+    if not resumed or resumed.get("attempt") != restarts:
+        return {}
+    if restarts == 0 and not resumed.get("found"):
+        return {}
+    step = int(resumed.get("step") or 0)
+    out: Obj = {"resumedFromStep": step}
+    failed_at = (last_failure or {}).get("step")
+    if restarts > 0 and failed_at is not None:
+        out["lostSteps"] = max(0, int(failed_at) - step)
+    return out
 
 
 class _Decider:
@@ -199,9 +239,10 @@ class _Decider:
         return out
 
     def base_recovery(self, action: str | None, next_at: str | None = None) -> Obj:
-        rec = dict(self.recovery)
+        rec = {k: v for k, v in self.recovery.items() if k in RECOVERY_FIELDS}
         rec["restarts"] = self.restarts
-        rec["lostSteps"] = int(rec.get("lostSteps") or 0)
+        rec.update(resume_figures(self.restarts, rec.get("lastFailure"),
+                                  self.cur.get("resumed")))
         if self.job.spec is not None:
             rec["maxRestarts"] = self.job.spec.recovery.max_restarts
         rec["action"] = action
@@ -293,9 +334,9 @@ class _Decider:
     def recover_or_fail(self, failure: Failure) -> Decision:
         spec = self.job.spec
         assert spec is not None
-        last = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
-                "time": iso(self.now)}
-        last = {k: v for k, v in last.items() if v is not None}
+        seen: Obj = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
+                     "time": iso(self.now)}
+        last: Obj = {k: v for k, v in seen.items() if v is not None}
         if failure.kind not in spec.recovery.retry_on:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod}); "
                              f"{failure.kind} is not in spec.recovery.retryOn", last)
@@ -308,15 +349,17 @@ class _Decider:
             )
         restart = self.restarts + 1
         delay = backoff_seconds(spec, restart)
-        checkpoint = self.cur.get("checkpoint") or {}
-        resume = int(checkpoint.get("step") or 0) if checkpoint.get("verified") else 0
-        step = int((self.cur.get("progress") or {}).get("rolloutStep") or 0)
+        progress = self.cur.get("progress") or {}
+        if "rolloutStep" in progress:
+            # What the runtime had reported: lostSteps is measured from here once the next
+            # attempt says where it resumed.
+            last["step"] = int(progress["rolloutStep"])
         self.restarts = restart
         rec = self.base_recovery("WaitingForBackoff", iso(self.now + timedelta(seconds=delay)))
-        rec.update(lastFailure=last, resumedFromStep=resume, lostSteps=max(0, step - resume))
+        rec["lastFailure"] = last
         message = (f"{failure.kind} (pod {failure.pod}): {failure.message}; restart "
-                   f"{restart}/{spec.recovery.max_restarts} in {delay}s from checkpoint "
-                   f"step {resume}")
+                   f"{restart}/{spec.recovery.max_restarts} in {delay}s; the runtime resumes "
+                   "from its latest verified checkpoint")
         status = self.status(Phase.recovering.value, [
             ("Ready", "False", failure.kind, message),
             *self.scheduling_conditions(),
@@ -360,7 +403,11 @@ class _Decider:
     def scheduling_conditions(self) -> list[tuple[str, str, str, str]]:
         stuck = [p for p in self.obs.compute if p.unschedulable and not p.deleting]
         if stuck:
-            sched = ("Scheduled", "False", "Unschedulable", unschedulable_message(stuck))
+            spec = self.job.spec
+            assert spec is not None
+            message = unschedulable_message(stuck, claim_names(self.job.name, spec),
+                                            checkpoint_claim_name(self.job.name, spec))
+            sched = ("Scheduled", "False", "Unschedulable", message)
         elif not self.all_scheduled():
             live = len([p for p in self.obs.live_compute() if p.node])
             sched = ("Scheduled", "False", "WaitingForPods",
@@ -432,15 +479,32 @@ class _Decider:
         return Decision(status, actions, self.phase_event(phase, rec), requeue)
 
     def phase_event(self, phase: str, rec: Obj) -> Event | None:
+        resume = self.resume_event(rec)
         if phase == self.phase:
-            return None
+            return resume
+        reason, message = phase, f"phase {phase}"
         if phase == Phase.running.value and self.phase == Phase.recovering.value:
-            return Event("Normal", "Resumed",
-                         f"running again after restart {rec['restarts']}, resumed from "
-                         f"checkpoint step {rec.get('resumedFromStep', 0)}")
-        if phase == Phase.pending.value:
-            return Event("Normal", phase, "waiting for compute pods to be scheduled")
-        return Event("Normal", phase, f"phase {phase}")
+            reason, message = "Resumed", f"running again after restart {rec['restarts']}"
+        elif phase == Phase.pending.value:
+            message = "waiting for compute pods to be scheduled"
+        if resume is not None:
+            message += f"; {resume.message}"
+        return Event("Normal", reason, message)
+
+    def resume_event(self, rec: Obj) -> Event | None:
+        """Once per attempt: what its runtime reported it loaded (a fact, not a forecast)."""
+        if "resumedFromStep" not in rec or "resumedFromStep" in self.recovery:
+            return None
+        resumed = self.cur.get("resumed") or {}
+        if resumed.get("found"):
+            message = (f"the runtime of attempt {resumed.get('attempt')} loaded the verified "
+                       f"checkpoint of step {rec['resumedFromStep']} ({resumed.get('path')})")
+        else:
+            message = (f"the runtime of attempt {resumed.get('attempt')} found no verified "
+                       "checkpoint and starts at step 0")
+        if "lostSteps" in rec:
+            message += f"; {rec['lostSteps']} step(s) since it are redone"
+        return Event("Normal", "ResumedFromCheckpoint", message)
 
 
 def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
@@ -460,4 +524,4 @@ def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
 
 
 __all__ = ["Actions", "Decision", "Event", "Failure", "JobView", "decide", "needs_write",
-           "operator_fields", "parse_job"]
+           "operator_fields", "parse_job", "resume_figures"]

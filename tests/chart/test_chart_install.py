@@ -175,10 +175,12 @@ def test_service_account_holds_no_more_than_the_operator_uses(
                             cluster_release.namespace).stdout.strip()
     for verb, resource in [("watch", "rljobs.rljob.io"), ("patch", "rljobs.rljob.io/status"),
                            ("create", "rayclusters.ray.io"), ("delete", "pods"),
-                           ("create", "roles.rbac.authorization.k8s.io"), ("create", "events")]:
+                           ("create", "roles.rbac.authorization.k8s.io"), ("create", "events"),
+                           ("create", "secrets"), ("create", "persistentvolumeclaims")]:
         assert _can(cluster, token, verb, resource, namespace), f"cannot {verb} {resource}"
     assert _can(cluster, token, "list", "nodes", None)
-    for verb, resource in [("get", "secrets"), ("delete", "rljobs.rljob.io"),
+    for verb, resource in [("get", "secrets"), ("update", "secrets"), ("list", "secrets"),
+                           ("delete", "persistentvolumeclaims"), ("delete", "rljobs.rljob.io"),
                            ("patch", "rljobs.rljob.io"), ("create", "pods/exec"),
                            ("update", "rayclusters.ray.io"), ("patch", "nodes"),
                            ("create", "deployments.apps"),

@@ -68,6 +68,9 @@ def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     head = containers(rc["spec"]["headGroupSpec"])[0]
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     assert rc["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+    # Placement: one unit of the group's custom Ray resource per slot of the pod.
+    assert groups["trainer"]["rayStartParams"] == {"resources": '"{\\"rljob_trainer\\": 4}"'}
+    assert groups["rollout"]["rayStartParams"] == {"resources": '"{\\"rljob_rollout\\": 2}"'}
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
@@ -145,10 +148,87 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["serviceAccountName"] == "rl-runtime"
     (container,) = pod["spec"]["containers"]
+    # One readable line: the runtime itself joins the head as a Ray node of its own.
     assert container["command"] == [
         "rljob", "run", "/etc/rljob/rljob.yaml", "--workdir", "/ckpt/rl",
-        "--ray-address", "rl-head-svc.team-a.svc:6379"]
+        "--join", "rl-head-svc.team-a.svc:6379"]
     assert pod["metadata"]["labels"]["rljob.io/component"] == "driver"
+    env = env_of(container)
+    assert env["RLJOB_RESTARTS"] == "2"
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Its Ray node keeps its object store in /dev/shm.
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def _all_containers(job: RLJobSpec) -> dict[str, dict[str, Any]]:
+    """`<pod kind>/<container>` → container, for every container the job runs."""
+    rc = builders.build_raycluster(JOB, job)
+    out = {f"head/{c['name']}": c for c in containers(rc["spec"]["headGroupSpec"])}
+    for group in rc["spec"]["workerGroupSpecs"]:
+        out.update({f"{group['groupName']}/{c['name']}": c for c in containers(group)})
+    (driver,) = builders.build_driver(JOB, job, 0, [])["spec"]["containers"]
+    out["driver/driver"] = driver
+    return out
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_every_ray_container_and_only_those_get_the_token_from_the_secret(
+        placement: str) -> None:
+    s = spec(placement=placement, trainer={"replicas": 1, "gpusPerReplica": 2},
+             rollout={"gpus": 2, "gpusPerEngine": 1})
+    ray = {"head/ray-head", "driver/driver"}
+    for name, container in _all_containers(s).items():
+        env = env_of(container)
+        if name in ray or name.endswith("/ray-worker"):
+            assert env["RAY_AUTH_MODE"] == "token", name
+            assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "rl-ray-token",
+                                                              "key": "auth_token"}}, name
+        else:  # weight-sync sidecars talk to their engine and the store, never to Ray
+            assert name.split("/")[1].startswith("weight-sync"), name
+            assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(env), name
+    # The token never appears in a manifest, only the reference to the Secret.
+    secret = builders.build_ray_token_secret(JOB, "f" * 64)
+    assert secret["metadata"]["name"] == "rl-ray-token" and secret["immutable"] is True
+    assert secret["stringData"] == {"auth_token": "f" * 64}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert "f" * 64 not in yaml.safe_dump([builders.build_raycluster(JOB, s),
+                                           builders.build_driver(JOB, s, 0, [])])
+
+
+def test_without_checkpoint_pvc_every_pod_mounts_the_operators_shared_claim() -> None:
+    s = spec(checkpoint={"path": "/ckpt", "size": "50Gi", "storageClassName": "nfs"})
+    claim = builders.build_checkpoint_claim(JOB, s)
+    assert claim is not None
+    assert claim["metadata"]["name"] == "rl-checkpoints"
+    assert claim["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"],
+                             "resources": {"requests": {"storage": "50Gi"}},
+                             "storageClassName": "nfs"}
+    default = builders.build_checkpoint_claim(JOB, spec())
+    assert default is not None and "storageClassName" not in default["spec"]
+    assert default["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    rc = builders.build_raycluster(JOB, s)
+    templates = [rc["spec"]["headGroupSpec"]["template"],
+                 *(g["template"] for g in rc["spec"]["workerGroupSpecs"])]
+    pods = [t["spec"] for t in templates] + [builders.build_driver(JOB, s, 0, [])["spec"]]
+    for pod in pods:
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "checkpoints"]
+        assert volume == {"name": "checkpoints",
+                          "persistentVolumeClaim": {"claimName": "rl-checkpoints"}}
+        assert not any("emptyDir" in v for v in pod["volumes"] if v["name"] != "dshm")
+    for name, container in _all_containers(s).items():
+        assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"], name
+
+
+def test_checkpoint_pvc_brings_your_own_claim() -> None:
+    s = spec(checkpoint={"pvc": "team-nfs"})
+    assert builders.build_checkpoint_claim(JOB, s) is None
+    (driver,) = builders.build_driver(JOB, s, 0, [])["spec"]["containers"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in driver["volumeMounts"]
+    volumes = builders.build_driver(JOB, s, 0, [])["spec"]["volumes"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "team-nfs"}} in volumes
 
 
 def test_configmap_holds_a_manifest_rljob_run_accepts() -> None:

@@ -1,23 +1,36 @@
 """Recovery on a real control plane: lost pods, failed pods, a failed driver and lost nodes
-move the job to Recovering and back to Running from the last verified checkpoint; past
-maxRestarts or on a non-retryable runtime failure it fails; a killed operator duplicates
-nothing."""
+move the job to Recovering and back to Running with a new driver; past maxRestarts or on a
+non-retryable runtime failure it fails; a killed operator duplicates nothing.
+
+What a restart resumed from is a runtime fact: these tests assert it only where a real
+`rljob run` process reported it (the kwok pods run no containers); elsewhere they assert
+the operator's own behaviour, and the derivation itself is unit-tested in test_status.py.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from rljob.checkpoint import MANIFEST, PAUSE_MARKER
 from rljob.report import StatusReporter, now
 from rljob_api.status import RuntimeFailure
-from tests.controlplane import ControlPlane
+from tests.controlplane import REPO, ControlPlane
 from tests.operator.harness import job_manifest
-from tests.operator.jobs import patch_pod_phase, pods, report, status, wait_phase
-from tests.operator_process import Operator, stop_kubelet
+from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
+from tests.operator_process import POOL_LABEL, Operator, stop_kubelet
 from tests.polling import wait_for
+from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.controlplane
 Pool = Callable[[int, int], list[str]]
@@ -36,34 +49,34 @@ def recovered(cp: ControlPlane, ns: str, name: str, restarts: int) -> Obj:
                     describe=lambda: json.dumps(seen or status(cp, ns, name))[-3000:])
 
 
-def test_pod_and_driver_failures_restart_from_the_checkpoint_until_max_restarts(
-        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
-        api_client: Any) -> None:
+def test_pod_and_driver_failures_restart_with_a_new_driver_until_max_restarts(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
     gpu_pool(1, 8)
     cluster.apply(job_manifest("rec", namespace), "-n", namespace)
     wait_phase(cluster, namespace, "rec", "Running")
 
     # 1. A trainer pod is deleted.
-    report(api_client, namespace, "rec", step=7, checkpoint=5)
     trainer = pods(cluster, namespace, "rec", "trainer")[0]["metadata"]["name"]
     cluster.kubectl("delete", "pod", trainer, "-n", namespace, "--wait=false")
     st = recovered(cluster, namespace, "rec", 1)
     rec = st["recovery"]
     assert (rec["lastFailure"]["reason"], rec["lastFailure"]["pod"]) == ("PodDeleted", trainer)
-    assert (rec["resumedFromStep"], rec["lostSteps"], rec["maxRestarts"]) == (5, 2, 3)
+    assert rec["maxRestarts"] == 3
     assert "action" not in rec and "nextAttemptAt" not in rec
+    # No runtime ran, so nothing says where the attempt resumed: nothing is claimed.
+    assert "resumedFromStep" not in rec and "lostSteps" not in rec
     assert trainer not in {p["metadata"]["name"] for p in pods(cluster, namespace, "rec")}
     driver = pods(cluster, namespace, "rec", "driver")[0]
     assert driver["metadata"]["annotations"]["rljob.io/restarts"] == "1"
 
     # 2. A rollout pod fails.
-    report(api_client, namespace, "rec", step=12, checkpoint=10)
     rollout = pods(cluster, namespace, "rec", "rollout")[0]["metadata"]["name"]
     patch_pod_phase(cluster, namespace, rollout, "Failed", 137)
     rec = recovered(cluster, namespace, "rec", 2)["recovery"]
     assert (rec["lastFailure"]["reason"], rec["lastFailure"]["pod"]) == ("PodFailed", rollout)
     assert "137" in rec["lastFailure"]["message"]
-    assert (rec["resumedFromStep"], rec["lostSteps"]) == (10, 2)
+    assert pods(cluster, namespace, "rec", "driver")[0]["metadata"]["annotations"][
+        "rljob.io/restarts"] == "2"
 
     # 3. The driver fails.
     patch_pod_phase(cluster, namespace, "rec-driver", "Failed", 1)
@@ -155,3 +168,91 @@ def test_killed_operator_resumes_without_duplicates(
     assert counts == {"head": 1, "trainer": 1, "rollout": 2, "driver": 1}
     assert len(cluster.get_json("configmaps", "-n", namespace, "-l",
                                 "rljob.io/job=kill")["items"]) == 1
+
+
+def _driver_env(cp: ControlPlane, ns: str, name: str) -> dict[str, str]:
+    """The literal env the operator gave the driver pod of the current attempt."""
+    (driver,) = pods(cp, ns, name, "driver")
+    return {e["name"]: e["value"] for e in driver["spec"]["containers"][0]["env"]
+            if "value" in e}
+
+
+def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log: Path,
+             *args: str, **extra: str) -> subprocess.Popen[bytes]:
+    """A real `rljob run` playing the driver pod's process: the attempt number and job
+    identity come from the driver pod the operator made; it reports through the API server."""
+    pod_env = _driver_env(cp, ns, name)
+    identity = {k: pod_env[k] for k in ("RLJOB_NAME", "RLJOB_NAMESPACE", "RLJOB_RESTARTS")}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir),
+             *args],
+            env={**os.environ, **identity, **extra, "KUBECONFIG": str(cp.kubeconfig),
+                 "PYTHONPATH": str(REPO)},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.runtime
+def test_resume_figures_come_from_the_runtime_that_resumed(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
+        tmp_path: Path) -> None:
+    """A real runtime trains, saves step 2, reports step 4 and dies mid-save; the operator
+    restarts the job; the next real runtime loads step 2 and says so; only then does the
+    status show resumedFromStep 2 and lostSteps 2."""
+    gpu_pool(1, 8)
+    job = job_file(tmp_path, {
+        "algorithm": {"totalSteps": 6}, "checkpoint": {"interval": 2},
+        "recovery": {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 1},
+        "scheduling": {"nodeSelector": {POOL_LABEL: namespace}},
+    })
+    doc = yaml.safe_load(job.read_text())
+    doc["metadata"]["name"] = "real"
+    job.write_text(yaml.safe_dump(doc))
+    cluster.kubectl("apply", "-n", namespace, "-f", str(job))
+    wait_phase(cluster, namespace, "real", "Running")
+    workdir, log = tmp_path / "w", tmp_path / "runtime.log"
+
+    first = _runtime(cluster, namespace, "real", job, workdir, log,
+                     RLJOB_CHECKPOINT_PAUSE_AT_STEP="4")
+    try:
+        wait_for(lambda: (workdir / "checkpoints" / PAUSE_MARKER).exists(), timeout=300,
+                 what="the runtime to report step 4 and stop inside the save of step 4",
+                 describe=lambda: log.read_text(errors="replace")[-3000:])
+    finally:
+        _kill(first)
+    st = status(cluster, namespace, "real")
+    fresh = st["resumed"]
+    assert (fresh["attempt"], fresh["found"], fresh["step"]) == (0, False, 0)
+    assert (st["progress"]["rolloutStep"], st["checkpoint"]["step"]) == (4, 2)
+    step_2 = workdir / "checkpoints" / "step_00000002"
+    digest = hashlib.sha256((step_2 / MANIFEST).read_bytes()).hexdigest()
+    patch_pod_phase(cluster, namespace, "real-driver", "Failed", 137)  # its container died
+
+    st = recovered(cluster, namespace, "real", 1)
+    assert st["recovery"]["lastFailure"]["step"] == 4  # what that runtime had reported
+    assert "resumedFromStep" not in st["recovery"]  # attempt 1 has not said anything yet
+
+    second = _runtime(cluster, namespace, "real", job, workdir, log, "--max-steps", "1")
+    try:
+        def figures() -> dict[str, Any] | None:
+            rec = status(cluster, namespace, "real")["recovery"]
+            return rec if "lostSteps" in rec else None
+
+        rec = wait_for(figures, timeout=300, what="the resumed runtime's report",
+                       describe=lambda: log.read_text(errors="replace")[-3000:])
+    finally:
+        _kill(second)
+    assert (rec["resumedFromStep"], rec["lostSteps"]) == (2, 2)
+    resumed = status(cluster, namespace, "real")["resumed"]
+    assert resumed["attempt"] == 1 and resumed["found"] is True
+    assert (resumed["path"], resumed["checksum"]) == (str(step_2), digest)
+    events = cluster.get_json("events", "-n", namespace, "--field-selector",
+                              "involvedObject.name=real")["items"]
+    said = [e["message"] for e in events if e["reason"] == "ResumedFromCheckpoint"]
+    assert len(said) == 1 and "step 2" in said[0], said

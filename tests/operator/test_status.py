@@ -15,6 +15,7 @@ from rljob_operator.status import (
     iso,
     needs_write,
     parse_job,
+    resume_figures,
 )
 
 pytestmark = pytest.mark.unit
@@ -85,15 +86,17 @@ def conditions(d: Decision) -> dict[str, Obj]:
     return {c["type"]: c for c in d.status["conditions"]}
 
 
+# Runtime fields below (progress, checkpoint, resumed) are test inputs standing for what a
+# runtime reported; the tests assert only what the operator derives from them.
 RUNNING: Obj = {"phase": "Running", "startedAt": iso(T0),
-                "recovery": {"restarts": 0, "maxRestarts": 2, "lostSteps": 0},
+                "recovery": {"restarts": 0, "maxRestarts": 2},
                 "progress": {"rolloutStep": 9}, "checkpoint": {"step": 6, "verified": True}}
 
 
 def test_new_job_creates_its_cluster_and_waits_pending() -> None:
     d = run(job(), [], cluster=False)
     assert d.status["phase"] == "Pending" and d.actions.create_cluster
-    assert d.status["recovery"] == {"restarts": 0, "maxRestarts": 2, "lostSteps": 0}
+    assert d.status["recovery"] == {"restarts": 0, "maxRestarts": 2}
     assert conditions(d)["Scheduled"]["reason"] == "WaitingForPods"
 
 
@@ -141,15 +144,17 @@ def test_condition_transition_time_moves_only_with_its_status() -> None:
     assert before == iso(T0)
 
 
-def test_deleted_compute_pod_starts_a_restart_from_the_verified_checkpoint() -> None:
-    body = job(RUNNING)
+def test_deleted_compute_pod_starts_a_restart_and_records_the_progress_it_had() -> None:
+    body = job(RUNNING)  # input: the runtime had reported rollout step 9
     d = run(body, [*compute("rl-trainer-worker-a"), pod("rl-trainer-worker-z", "trainer"),
                    driver()])
     assert d.status["phase"] == "Recovering"
     rec = d.status["recovery"]
-    assert rec["restarts"] == 1 and rec["resumedFromStep"] == 6 and rec["lostSteps"] == 3
+    assert rec["restarts"] == 1
+    # Nothing is predicted: where the next attempt resumes is known once its runtime says so.
+    assert "resumedFromStep" not in rec and "lostSteps" not in rec
     assert rec["lastFailure"] == {"reason": "PodDeleted", "message": "the pod was deleted",
-                                  "pod": "rl-trainer-worker-a", "time": iso(T0)}
+                                  "pod": "rl-trainer-worker-a", "time": iso(T0), "step": 9}
     assert rec["action"] == "WaitingForBackoff"
     assert rec["nextAttemptAt"] == iso(T0 + timedelta(seconds=10))
     assert d.actions.delete_driver and d.requeue_after == 10
@@ -178,12 +183,65 @@ def test_recovery_waits_for_backoff_then_starts_the_next_attempt() -> None:
     assert due.actions.create_driver is not None
     assert "rl-trainer-worker-z" in due.actions.create_driver
     body = applied(body, due)
-    back = run(body, [*fresh, driver(restarts=1, recorded=due.actions.create_driver)],
-               now=T0 + timedelta(seconds=12))
+    attempt_1 = [*fresh, driver(restarts=1, recorded=due.actions.create_driver)]
+    back = run(body, attempt_1, now=T0 + timedelta(seconds=12))
     assert back.status["phase"] == "Running"
     assert back.event is not None and back.event.reason == "Resumed"
     assert "nextAttemptAt" not in back.status["recovery"]
-    assert back.status["recovery"]["resumedFromStep"] == 6
+    # Input: attempt 0's report is still stored; it says nothing about attempt 1.
+    body = applied(body, back)
+    body["status"]["resumed"] = {"attempt": 0, "found": False, "step": 0, "at": iso(T0)}
+    stale = run(body, attempt_1, now=T0 + timedelta(seconds=13))
+    assert "resumedFromStep" not in stale.status["recovery"] and stale.event is None
+    # Input: attempt 1's runtime reports the checkpoint it loaded.
+    body["status"]["resumed"] = {"attempt": 1, "found": True, "step": 6, "at": iso(T0),
+                                 "path": "/ckpt/rl/checkpoints/step_00000006"}
+    reported = run(body, attempt_1, now=T0 + timedelta(seconds=14))
+    rec = reported.status["recovery"]
+    assert (rec["resumedFromStep"], rec["lostSteps"]) == (6, 3)  # failed at step 9
+    assert reported.event is not None and reported.event.reason == "ResumedFromCheckpoint"
+    assert "step 6" in reported.event.message and "3 step(s)" in reported.event.message
+    assert needs_write(body["status"], reported.status)
+    body = applied(body, reported)
+    again = run(body, attempt_1, now=T0 + timedelta(seconds=20))
+    assert again.event is None and not needs_write(body["status"], again.status)
+
+
+def test_resume_figures_come_only_from_the_current_attempts_report() -> None:
+    failure = {"reason": "PodDeleted", "step": 14}  # input: progress when the failure was seen
+
+    def report(attempt: int, found: bool, step: int) -> Obj:  # input: the runtime's report
+        return {"attempt": attempt, "found": found, "step": step}
+
+    assert resume_figures(2, failure, report(2, True, 10)) == {"resumedFromStep": 10,
+                                                               "lostSteps": 4}
+    assert resume_figures(2, failure, report(1, True, 10)) == {}  # an older attempt's report
+    assert resume_figures(2, failure, None) == {}  # not reported yet
+    # A restart that found no checkpoint starts over: everything is redone.
+    assert resume_figures(1, failure, report(1, False, 0)) == {"resumedFromStep": 0,
+                                                               "lostSteps": 14}
+    # A first attempt resumed nothing, unless it found a checkpoint (e.g. after suspend).
+    assert resume_figures(0, None, report(0, False, 0)) == {}
+    assert resume_figures(0, None, report(0, True, 30)) == {"resumedFromStep": 30}
+    # A failure seen before any progress was reported: the lost steps are unknown.
+    assert resume_figures(1, {"reason": "PodDeleted"}, report(1, True, 0)) == {
+        "resumedFromStep": 0}
+    assert resume_figures(1, failure, report(1, True, 20))["lostSteps"] == 0
+
+
+def test_an_unbound_claim_names_the_checkpoint_claim_and_what_it_needs() -> None:
+    why = ("0/3 nodes are available: pod has unbound immediate PersistentVolumeClaims. "
+           "preemption: 0/3 nodes are available: 3 Preemption is not helpful for scheduling.")
+    spec = {**SPEC, "data": {"pvc": "datasets"}}
+    pods = [pod("rl-head-a", "head", "Pending", unschedulable=why)]
+    cond = conditions(run(job(spec=spec), pods))["Scheduled"]
+    assert cond["reason"] == "Unschedulable"
+    assert cond["message"].startswith(f"1 pod(s) cannot be scheduled (rl-head-a): {why}")
+    assert "PersistentVolumeClaims rl-checkpoints, datasets; each must be Bound" \
+        in cond["message"]
+    assert "rl-checkpoints holds the shared checkpoints and needs a ReadWriteMany volume" \
+        in cond["message"]
+    assert "spec.checkpoint.storageClassName" in cond["message"]
 
 
 def test_backoff_doubles_up_to_the_cap() -> None:

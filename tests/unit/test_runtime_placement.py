@@ -91,7 +91,7 @@ def test_engines_listen_where_the_operators_sidecars_look(
     spec = RLJobSpec.model_validate(raw)
     job = JobRef("j", "ns", "uid")
     (driver,) = build_driver(job, spec, 0, [])["spec"]["containers"]
-    settings = SyncSettings.from_env({e["name"]: e["value"] for e in driver["env"]})
+    settings = SyncSettings.from_env({e["name"]: e["value"] for e in driver["env"] if "value" in e})
     layout = plan(spec)
     # Which pod holds a slot: the operator gives each pod one Ray resource unit per slot.
     per_pod = slots_per_pod(spec) if layout.colocated else per_engine

@@ -70,6 +70,11 @@ is a bare Pod; failed or stranded compute pods are deleted for recovery.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["create"]
+{{- /* The job's Ray token (created once, never read back or rewritten) and its shared
+checkpoint claim. */}}
+- apiGroups: [""]
+  resources: ["secrets", "persistentvolumeclaims"]
+  verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["create"]
