@@ -170,7 +170,8 @@ def unschedulable_message(pods: list[PodView], claims: tuple[str, ...] = (),
     for reason, names_ in sorted(by_reason.items()):
         part = f"{len(names_)} pod(s) cannot be scheduled ({_pod_list(names_)}): {reason}"
         if "PersistentVolumeClaim" in reason and claims:
-            part += f" (the pods use PersistentVolumeClaims {', '.join(claims)}; each must be Bound"
+            part += (f" (claims the pods mount: {', '.join(claims)}; each must be Bound, "
+                     "`kubectl describe pvc NAME` says why one is not")
             if checkpoint_claim:
                 part += (f"; {checkpoint_claim} holds the shared checkpoints and needs a "
                          "ReadWriteMany volume: set spec.checkpoint.storageClassName to a class "

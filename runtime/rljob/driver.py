@@ -406,10 +406,11 @@ class Job:
             *((whereabouts.SIDECAR, i, s) for i, s in enumerate(self.weight_sync.sidecars)),
         ]
         facts = ray.get([handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
-        groups = whereabouts.node_groups(ray.nodes())
+        # Kinds of pod exist on a cluster only; on one machine every actor shares one node.
+        checked = self.options.on_cluster
+        groups = whereabouts.node_groups(ray.nodes()) if checked else {}
         colocated = self.spec.placement == "colocated"
         # The rollout worker is pinned next to the driver only when the driver is a node.
-        checked = self.options.on_cluster
         rows = [
             Placed(role, index, fact["node_id"], fact["host"], groups.get(fact["node_id"], ""),
                    expected_group(role, colocated)

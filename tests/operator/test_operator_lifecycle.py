@@ -4,6 +4,7 @@ success, unschedulable jobs."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from typing import Any
@@ -83,9 +84,27 @@ def test_job_runs_reports_progress_and_is_quiet_when_idle(
 
     assert can("patch", "rljobs.rljob.io/rl") == "yes"
     assert can("patch", "rljobs.rljob.io/other") == "no"
-    reasons = {e["reason"] for e in cluster.get_json(
-        "events", "-n", namespace, "--field-selector", "involvedObject.name=rl")["items"]}
-    assert {"Initializing", "Running"} <= reasons
+    events = cluster.get_json(
+        "events", "-n", namespace, "--field-selector", "involvedObject.name=rl")["items"]
+    assert {"Initializing", "Running"} <= {e["reason"] for e in events}
+
+    # The Ray token: one immutable Secret owned by the job, referenced by every Ray
+    # container, its value in no status, event or pod spec.
+    secret = cluster.get_json("secret", "rl-ray-token", "-n", namespace)
+    assert secret["immutable"] is True and secret["metadata"]["ownerReferences"][0]["uid"]
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
+    assert len(token) == 64
+    visible = json.dumps([status(cluster, namespace, "rl"), events,
+                          cluster.get_json("pods,rayclusters", "-n", namespace)])
+    assert token not in visible and "rl-ray-token" in visible
+    # The shared checkpoint claim, bound, mounted by every pod.
+    claim = cluster.get_json("pvc", "rl-checkpoints", "-n", namespace)
+    assert claim["status"]["phase"] == "Bound"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for pod in [p for ps in by_component.values() for p in ps]:
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
+                  if "persistentVolumeClaim" in v]
+        assert claims == ["rl-checkpoints"], pod["metadata"]["name"]
 
 
 def test_driver_success_tears_down_compute_and_delete_collects_children(
@@ -100,12 +119,14 @@ def test_driver_success_tears_down_compute_and_delete_collects_children(
                                      check=False).returncode != 0,
              timeout=30, what="RayCluster removed after success")
 
-    cluster.kubectl("delete", "rljob", "ok", "-n", namespace, "--wait=false")
-
     def children() -> list[str]:
-        out: str = cluster.kubectl("get", "pods,configmaps,serviceaccounts,roles,rolebindings",
-                                   "-n", namespace, "-l", "rljob.io/job=ok", "-o", "name").stdout
+        out: str = cluster.kubectl(
+            "get", "pods,configmaps,serviceaccounts,roles,rolebindings,secrets,pvc",
+            "-n", namespace, "-l", "rljob.io/job=ok", "-o", "name").stdout
         return out.split()
+
+    assert {"secret/ok-ray-token", "persistentvolumeclaim/ok-checkpoints"} <= set(children())
+    cluster.kubectl("delete", "rljob", "ok", "-n", namespace, "--wait=false")
 
     wait_for(lambda: children() == [], timeout=60, what="children garbage-collected",
              describe=lambda: " ".join(children()))
@@ -134,6 +155,36 @@ def test_too_few_gpus_is_pending_with_the_scheduler_reason(
     wait_phase(cluster, namespace, "big", "Running")
 
 
+def test_checkpoint_claim_that_cannot_bind_keeps_pods_pending_and_says_why(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    gpu_pool(1, 8)
+    checkpoint = {"path": "/checkpoints", "storageClassName": "no-such-class", "size": "5Gi"}
+    cluster.apply(job_manifest("nfs", namespace, checkpoint=checkpoint), "-n", namespace)
+
+    claim = wait_for(lambda: cluster.get_json("pvc", "nfs-checkpoints", "-n", namespace),
+                     timeout=30, what="the operator's checkpoint claim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["storageClassName"] == "no-such-class"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "nfs"
+    assert claim["status"]["phase"] == "Pending"
+
+    def unschedulable() -> dict[str, Any] | None:
+        cond = {c["type"]: c for c in status(cluster, namespace, "nfs").get("conditions", [])}
+        found = cond.get("Scheduled")
+        return found if found and found["reason"] == "Unschedulable" else None
+
+    cond = wait_for(unschedulable, timeout=60, what="Scheduled=False/Unschedulable",
+                    describe=lambda: json.dumps(status(cluster, namespace, "nfs"))[-2000:])
+    print(f"\nScheduled condition of a job whose claim cannot bind:\n{cond['message']}")
+    assert status(cluster, namespace, "nfs")["phase"] == "Pending"
+    assert "unbound immediate PersistentVolumeClaims" in cond["message"]
+    assert "nfs-checkpoints holds the shared checkpoints and needs a ReadWriteMany volume" \
+        in cond["message"]
+    # Every pod of the job mounts that claim; none is placed while it is unbound.
+    assert all(not p["spec"].get("nodeName") for p in pods(cluster, namespace, "nfs"))
+
+
 def test_suspend_releases_compute_and_resume_runs_again(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
         api_client: Any) -> None:
@@ -146,6 +197,8 @@ def test_suspend_releases_compute_and_resume_runs_again(
         cluster.kubectl("patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p",
                         json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
 
+    secret = cluster.get_json("secret", "sus-ray-token", "-n", namespace)
+    claim = cluster.get_json("pvc", "sus-checkpoints", "-n", namespace)
     suspend(True)
     st = wait_phase(cluster, namespace, "sus", "Suspended")
     assert st["checkpoint"]["step"] == 3
@@ -159,4 +212,12 @@ def test_suspend_releases_compute_and_resume_runs_again(
     assert st["recovery"]["restarts"] == 0 and st["checkpoint"]["step"] == 3
     assert st["observedGeneration"] == 3
     assert len(pods(cluster, namespace, "sus", "driver")) == 1
+    # The token and the checkpoints outlive the suspension, untouched.
+    for kind, before in (("secret", secret), ("pvc", claim)):
+        after = cluster.get_json(kind, before["metadata"]["name"], "-n", namespace)
+        assert after["metadata"]["uid"] == before["metadata"]["uid"]
+        assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"] \
+            or kind == "pvc"  # the binder may still annotate the claim
+    assert cluster.get_json("secret", "sus-ray-token", "-n", namespace)["data"] == \
+        secret["data"]
 

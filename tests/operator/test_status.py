@@ -202,6 +202,7 @@ def test_recovery_waits_for_backoff_then_starts_the_next_attempt() -> None:
     assert reported.event is not None and reported.event.reason == "ResumedFromCheckpoint"
     assert "step 6" in reported.event.message and "3 step(s)" in reported.event.message
     assert needs_write(body["status"], reported.status)
+    assert "resumed" not in reported.status  # the runtime's field: read, never written
     body = applied(body, reported)
     again = run(body, attempt_1, now=T0 + timedelta(seconds=20))
     assert again.event is None and not needs_write(body["status"], again.status)
@@ -237,7 +238,7 @@ def test_an_unbound_claim_names_the_checkpoint_claim_and_what_it_needs() -> None
     cond = conditions(run(job(spec=spec), pods))["Scheduled"]
     assert cond["reason"] == "Unschedulable"
     assert cond["message"].startswith(f"1 pod(s) cannot be scheduled (rl-head-a): {why}")
-    assert "PersistentVolumeClaims rl-checkpoints, datasets; each must be Bound" \
+    assert "(claims the pods mount: rl-checkpoints, datasets; each must be Bound" \
         in cond["message"]
     assert "rl-checkpoints holds the shared checkpoints and needs a ReadWriteMany volume" \
         in cond["message"]
