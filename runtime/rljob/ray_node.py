@@ -37,6 +37,7 @@ from rljob_api import env
 from rljob_api.layout import DRIVER_RESOURCE
 
 START_TIMEOUT_S = 300.0  # the head may still be starting when a new driver comes up
+RESOLVE_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 LOG_TAIL_CHARS = 4000
 
@@ -137,6 +138,19 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def _resolve(host: str, port: int, timeout_s: float) -> None:
+    """Wait until the head's name resolves: a Service's DNS record can lag its creation."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.getaddrinfo(host, port)
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise JoinError(f"cannot resolve the Ray head {host}: {err}") from None
+            time.sleep(1.0)
+
+
 def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
     """Start a Ray node on this host that joins the cluster whose GCS is at `address`.
 
@@ -144,10 +158,7 @@ def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
     (Ray detaches none of them when it is not asked to block), which is what `stop()` ends.
     """
     host, port = parse_address(address)
-    try:
-        socket.getaddrinfo(host, port)
-    except OSError as err:
-        raise JoinError(f"cannot resolve the Ray head {host}: {err}") from None
+    _resolve(host, port, min(timeout_s, RESOLVE_TIMEOUT_S))
     # Short: Ray puts unix sockets below it, and their paths are limited to 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rljob-ray-", dir="/tmp"))
     ip = node_ip()
