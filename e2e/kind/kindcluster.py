@@ -1,25 +1,28 @@
-"""kind end-to-end helpers: prerequisites, the cluster handle, artifact collection.
+"""kind end-to-end helpers: what the suite needs, the cluster handle, artifact collection.
 
-Prerequisites are checked here so that a run without them skips with exactly what is
-missing.
+The cluster comes from `hack/kind-up` (the same script a developer runs), so the suite tests
+what users get: a kind cluster built here with nothing pulled, our images loaded, KubeRay and
+our chart installed. Everything is driven through `kubectl` and `helm`, as a user would.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
+from typing import Any
 
 from tests.controlplane import REPO
 
-KIND_NODE_IMAGE = "kindest/node:v1.34.0"
-CPU_BASE = "python:3.11.13-slim-bookworm"
 CHART = REPO / "charts" / "rljob-operator"
 EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
+KIND_UP = REPO / "hack" / "kind-up"
+KIND_DOWN = REPO / "hack" / "kind-down"
+CLUSTER_NAME = "rljob-e2e"
+WORKERS = 2
 
 
 def run(*cmd: str, timeout: float = 1800, check: bool = True,
@@ -32,46 +35,17 @@ def run(*cmd: str, timeout: float = 1800, check: bool = True,
     return proc
 
 
-def images_to_build() -> dict[str, tuple[Path, dict[str, str]]]:
-    """Tag → (Dockerfile, build args); the tags the chart and the example name."""
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
-    operator_tag = f"{values['image']['repository']}:{values['image']['tag']}"
-    return {
-        operator_tag: (REPO / "images" / "operator" / "Dockerfile", {}),
-        spec["trainer"]["image"]: (REPO / "images" / "trainer" / "Dockerfile",
-                                   {"VARIANT": "cpu"}),
-        spec["rollout"]["image"]: (REPO / "images" / "rollout" / "Dockerfile",
-                                   {"VARIANT": "cpu"}),
-    }
-
-
 def missing_prerequisites() -> list[str]:
-    """Everything the suite lacks, each said so that a reader knows what to install."""
+    """What stops `hack/kind-up` from building a cluster on this machine, each said so that a
+    reader knows what to do. kind-up installs podman and the rest itself where it can."""
     missing: list[str] = []
-    docker = shutil.which("docker")
-    if docker is None:
-        missing.append("the `docker` CLI is not on PATH")
-    else:
-        info = run(docker, "info", "--format", "{{.ServerVersion}}", timeout=30, check=False)
-        if info.returncode != 0:
-            first = (info.stderr.strip().splitlines() or ["no output"])[0]
-            missing.append(f"no Docker engine (`docker info`: {first})")
-    kind = os.environ.get("KIND") or shutil.which("kind")
-    if kind is None:
-        missing.append("no `kind` binary (not on PATH and $KIND is unset; "
-                       "`go install sigs.k8s.io/kind@v0.30.0`)")
-    if missing:
-        return missing
-    assert docker is not None
-    absent = []
-    for image in (KIND_NODE_IMAGE, CPU_BASE):
-        if run(docker, "image", "inspect", image, timeout=60, check=False).returncode == 0:
-            continue
-        if run(docker, "pull", image, timeout=900, check=False).returncode != 0:
-            absent.append(image)
-    if absent:
-        missing.append("base images not present and not pullable: " + ", ".join(absent))
+    if os.geteuid() != 0:
+        missing.append("hack/kind-up runs privileged podman containers and needs root")
+    if shutil.which("podman") is None and shutil.which("apt-get") is None:
+        missing.append("no podman, and no apt-get to install it")
+    if shutil.which("go") is None:
+        missing.append("no Go toolchain (kind and the Kubernetes binaries are built from "
+                       "pinned Go modules)")
     return missing
 
 
@@ -82,25 +56,40 @@ class KindCluster:
     bins: Path
     artifacts: Path
 
-    def kubectl(self, *args: str, check: bool = True,
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 300,
                 input: str | None = None) -> subprocess.CompletedProcess[str]:
         return run(str(self.bins / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args,
-                    timeout=300, check=check, input=input)
+                   timeout=timeout, check=check, input=input)
 
-    def helm(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return run(str(self.bins / "helm"), f"--kubeconfig={self.kubeconfig}", *args,
-                    timeout=600)
+    def get(self, *args: str) -> Any:
+        """`kubectl get ... -o json`, parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def workers(self) -> list[str]:
+        nodes = self.get("nodes")["items"]
+        return sorted(n["metadata"]["name"] for n in nodes
+                      if "node-role.kubernetes.io/control-plane" not in n["metadata"]["labels"])
+
+    def stop_node(self, node: str) -> None:
+        """Lose a node: its container stops, so its kubelet and every pod on it die at once."""
+        run("podman", "stop", "--time", "0", node, timeout=120)
+
+    def start_node(self, node: str) -> None:
+        run("podman", "start", node, timeout=120)
 
     def collect(self, label: str) -> Path:
         """Everything a reader needs to see why a run failed, as files."""
         out = self.artifacts / label
         out.mkdir(parents=True, exist_ok=True)
         commands = {
-            "get-all.txt": ["get", "rljobs,rayclusters,pods,jobs,events", "-A", "-o", "wide"],
+            "get-all.txt": ["get", "nodes,rljobs,rayclusters,pods,pvc,pv,events", "-A", "-o",
+                            "wide"],
             "rljobs.yaml": ["get", "rljobs", "-A", "-o", "yaml"],
             "describe-rljobs.txt": ["describe", "rljobs", "-A"],
             "describe-pods.txt": ["describe", "pods", "-A"],
             "describe-rayclusters.txt": ["describe", "rayclusters", "-A"],
+            "describe-nodes.txt": ["describe", "nodes"],
+            "events.txt": ["get", "events", "-A", "--sort-by=.lastTimestamp"],
         }
         for filename, args in commands.items():
             proc = self.kubectl(*args, check=False)
@@ -109,7 +98,7 @@ class KindCluster:
                             "jsonpath={range .items[*]}{.metadata.namespace} "
                             "{.metadata.name}{'\\n'}{end}", check=False).stdout
         for line in pods.splitlines():
-            if not line.strip() or line.startswith("kube-system"):
+            if not line.strip():
                 continue
             ns, pod = line.split()
             for previous in (False, True):
@@ -119,5 +108,3 @@ class KindCluster:
                     suffix = ".previous" if previous else ""
                     (out / f"logs-{ns}-{pod}{suffix}.txt").write_text(proc.stdout)
         return out
-
-

@@ -1,5 +1,12 @@
-"""The tiny CPU job on real containers: Succeeded with a reward, and a killed trainer pod
-resumes from its checkpoint."""
+"""The tiny CPU job in real pods on kind, driven as a user would (kubectl, helm).
+
+One job goes through the user's whole story: it starts, every Ray actor runs on the pod
+meant for it, it checkpoints, loses a trainer pod, its driver pod and a whole worker node
+(each time resuming from its last verified checkpoint, as reported by the runtime that
+resumed), finishes with step, reward and checkpoint in `kubectl get rljobs`, and deleting it
+removes every child. Every fact asserted about progress, placement and recovery comes from
+the real runtime's processes (their status reports and logs), never from the test.
+"""
 
 from __future__ import annotations
 
@@ -16,50 +23,162 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "tiny"
 JOB = "tiny-cpu"
+TOTAL_STEPS = 120  # enough steps that three faults land before the end
+START_S = 900      # images are local; Ray and the model start in a few minutes on 2 cores
+STEP_S = 900       # generous: 2 cores run the control plane, Ray and training together
 
 
-def _status(cluster: KindCluster) -> dict[str, Any]:
-    doc = json.loads(cluster.kubectl("get", "rljob", JOB, "-n", NAMESPACE, "-o", "json").stdout)
-    status: dict[str, Any] = doc.get("status") or {}
-    return status
+class Job:
+    """The RLJob as kubectl shows it."""
+
+    def __init__(self, cluster: KindCluster) -> None:
+        self.cluster = cluster
+
+    def status(self) -> dict[str, Any]:
+        doc = self.cluster.get("rljob", JOB, "-n", NAMESPACE)
+        status: dict[str, Any] = doc.get("status") or {}
+        return status
+
+    def describe(self) -> str:
+        return json.dumps(self.status(), indent=1)[-4000:]
+
+    def wait(self, probe: Any, what: str, timeout: float = STEP_S) -> Any:
+        return wait_for(probe, timeout=timeout, what=what, interval=2, describe=self.describe)
+
+    def checkpoint_after(self, step: int) -> dict[str, Any]:
+        """The first verified checkpoint the runtime reports beyond `step`."""
+        def probe() -> dict[str, Any] | None:
+            cp = self.status().get("checkpoint") or {}
+            return cp if cp.get("verified") and (cp.get("step") or 0) > step else None
+        return self.wait(probe, f"a verified checkpoint after step {step}")  # type: ignore[no-any-return]
+
+    def resumed_after(self, restarts: int) -> dict[str, Any]:
+        """`status.recovery` with the runtime's `status.resumed` under `resumed`, once the
+        runtime of restart `restarts + 1` (or later) reported what it loaded."""
+        def probe() -> dict[str, Any] | None:
+            status = self.status()
+            rec = status.get("recovery") or {}
+            resumed = status.get("resumed") or {}
+            if rec.get("restarts", 0) > restarts and resumed.get("attempt") == rec["restarts"]:
+                return {**rec, "resumed": resumed}
+            return None
+        return self.wait(probe, f"restart {restarts + 1} to report what it resumed from")  # type: ignore[no-any-return]
+
+    def pods(self, component: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = self.cluster.get(
+            "pods", "-n", NAMESPACE, "-l", f"rljob.io/job={JOB},rljob.io/component={component}",
+        )["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def driver_log(self) -> str:
+        return self.cluster.kubectl("logs", "-n", NAMESPACE, f"{JOB}-driver", check=False).stdout
 
 
-def _describe(cluster: KindCluster) -> str:
-    return json.dumps(_status(cluster), indent=1)[-3000:]
+def _placement(log: str) -> list[dict[str, Any]]:
+    """The placement the driver printed from Ray's own facts (one JSON line)."""
+    lines = [line for line in log.splitlines() if line.startswith("placement: ")]
+    if not lines:
+        return []
+    rows: list[dict[str, Any]] = json.loads(lines[-1].removeprefix("placement: "))
+    return rows
 
 
-def test_tiny_cpu_job_succeeds_and_resumes_after_a_killed_trainer(
-        collect_on_failure: KindCluster, rljob_operator: str) -> None:
+def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason: set[str]) -> None:
+    """The restarted runtime loaded a checkpoint at least as new as the one seen before the
+    fault, and the digest it verified is the one its saver published."""
+    resumed = rec["resumed"]
+    assert resumed["found"] is True, rec
+    assert resumed["step"] >= checkpoint["step"], (rec, checkpoint)
+    assert rec["resumedFromStep"] == resumed["step"], rec
+    assert rec["lastFailure"]["reason"] in reason, rec
+    if resumed["step"] == checkpoint["step"]:
+        assert resumed["checksum"] == checkpoint["checksum"], (rec, checkpoint)
+        assert resumed["path"] == checkpoint["path"], (rec, checkpoint)
+
+
+def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
+        collect_on_failure: KindCluster) -> None:
     cluster = collect_on_failure
-    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
-    total, interval = spec["algorithm"]["totalSteps"], spec["checkpoint"]["interval"]
-    cluster.kubectl("create", "namespace", NAMESPACE)
-    cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
+    job = Job(cluster)
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
+    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
+    interval = doc["spec"]["checkpoint"]["interval"]
 
-    wait_for(lambda: _status(cluster).get("phase") == "Running", timeout=900,
-             what="tiny-cpu Running", describe=lambda: _describe(cluster))
-    checkpoint = wait_for(
-        lambda: (_status(cluster).get("checkpoint") or {}).get("step"), timeout=1800,
-        what=f"a verified checkpoint (every {interval} steps)", describe=lambda: _describe(cluster))
-    assert _status(cluster)["checkpoint"]["verified"] is True
+    # Started: the driver joined the job's Ray cluster, and every actor runs where it should.
+    job.wait(lambda: job.status().get("phase") == "Running", "phase Running", START_S)
+    first = job.checkpoint_after(0)
+    assert first["step"] % interval == 0, first
+    placement = _placement(job.driver_log())
+    pods = {p["metadata"]["name"]: p["metadata"]["labels"]["rljob.io/component"]
+            for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)}
+    assert placement, job.driver_log()[-3000:]
+    for actor in placement:
+        assert actor["pod"] in pods, (actor, pods)
+        assert pods[actor["pod"]] == actor["group"], (actor, pods)
+    assert {a["group"] for a in placement} >= {"trainer", "rollout"}, placement
 
-    cluster.kubectl("delete", "pod", "-n", NAMESPACE, "--wait=false",
-                    "-l", f"rljob.io/job={JOB},rljob.io/component=trainer")
-    recovery = wait_for(
-        lambda: (r := _status(cluster).get("recovery") or {}).get("restarts", 0) >= 1
-        and r.get("resumedFromStep") is not None and r,
-        timeout=1200, what="a restart that resumes from the checkpoint",
-        describe=lambda: _describe(cluster))
-    assert recovery["resumedFromStep"] >= checkpoint, recovery
-    assert recovery["lastFailure"]["reason"] in {"PodDeleted", "PodFailed"}, recovery
+    # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
+    (trainer,) = job.pods("trainer")
+    cluster.kubectl("delete", "pod", "-n", NAMESPACE, trainer["metadata"]["name"], "--wait=false")
+    job.wait(lambda: job.status().get("phase") == "Recovering", "phase Recovering", 300)
+    rec = job.resumed_after(0)
+    _assert_resumed_from(rec, first, {"PodDeleted", "PodFailed"})
 
-    wait_for(lambda: _status(cluster).get("phase") in {"Succeeded", "Failed"}, timeout=3600,
-             what="tiny-cpu to finish", describe=lambda: _describe(cluster))
-    status = _status(cluster)
-    assert status["phase"] == "Succeeded", _describe(cluster)
-    progress = status["progress"]
-    assert progress["rolloutStep"] == total
-    assert isinstance(progress.get("meanReward"), float | int), progress
-    assert "nonFinite" not in progress, progress
-    table = cluster.kubectl("get", "rljobs", "-n", NAMESPACE).stdout
-    assert "Succeeded" in table and "REWARD" in table, table
+    # The driver pod is deleted: a new driver resumes.
+    second = job.checkpoint_after(rec["resumed"]["step"])
+    cluster.kubectl("delete", "pod", "-n", NAMESPACE, f"{JOB}-driver", "--wait=false")
+    rec = job.resumed_after(rec["restarts"])
+    _assert_resumed_from(rec, second, {"PodDeleted", "PodFailed", "DriverFailed"})
+
+    # The worker node running the trainer is lost: its pods come back on the other worker.
+    third = job.checkpoint_after(rec["resumed"]["step"])
+    (trainer,) = job.pods("trainer")
+    lost = trainer["spec"]["nodeName"]
+    (survivor,) = [w for w in cluster.workers() if w != lost]
+    cluster.stop_node(lost)
+    try:
+        rec = job.resumed_after(rec["restarts"])
+        _assert_resumed_from(rec, third, {"NodeLost", "PodDeleted", "PodFailed"})
+        for component in ("trainer", "rollout", "head", "driver"):
+            for pod in job.pods(component):
+                assert pod["spec"].get("nodeName") == survivor, (component, pod["spec"])
+
+        # Finished: step, reward and checkpoint in `kubectl get rljobs`, from the runtime.
+        job.wait(lambda: job.status().get("phase") in {"Succeeded", "Failed"}, "the job to end")
+        status = job.status()
+        assert status["phase"] == "Succeeded", job.describe()
+        progress = status["progress"]
+        assert progress["rolloutStep"] == TOTAL_STEPS, progress
+        assert isinstance(progress.get("meanReward"), float | int), progress
+        assert "nonFinite" not in progress, progress
+        assert status["checkpoint"]["step"] == TOTAL_STEPS and status["checkpoint"]["verified"]
+        assert status["recovery"]["restarts"] == 3, status["recovery"]
+        table = cluster.kubectl("get", "rljobs", "-n", NAMESPACE).stdout.splitlines()
+        header, row = table[0].split(), table[1].split()
+        shown = dict(zip(header, row, strict=False))
+        assert shown["PHASE"] == "Succeeded" and shown["STEP"] == str(TOTAL_STEPS), table
+        assert shown["CHECKPOINT"] == str(TOTAL_STEPS) and shown["RESTARTS"] == "3", table
+        assert float(shown["REWARD"]) == pytest.approx(progress["meanReward"], abs=0.01), table
+    finally:
+        cluster.start_node(lost)
+
+    # Deleting the RLJob removes every child (owner references; the garbage collector).
+    uid = cluster.get("rljob", JOB, "-n", NAMESPACE)["metadata"]["uid"]
+    cluster.kubectl("delete", "rljob", JOB, "-n", NAMESPACE, "--wait=true", timeout=600)
+
+    def children() -> list[str]:
+        left = []
+        for kind in ("pods", "rayclusters", "configmaps", "secrets", "serviceaccounts",
+                     "roles", "rolebindings", "persistentvolumeclaims", "services"):
+            for item in cluster.get(kind, "-n", NAMESPACE)["items"]:
+                owners = item["metadata"].get("ownerReferences") or []
+                labelled = item["metadata"].get("labels", {}).get("rljob.io/job") == JOB
+                if labelled or any(o.get("uid") == uid for o in owners):
+                    left.append(f"{kind}/{item['metadata']['name']}")
+        return left
+
+    wait_for(lambda: not children(), timeout=300, interval=2,
+             what="every child of the deleted RLJob to be gone",
+             describe=lambda: f"still there: {children()}")

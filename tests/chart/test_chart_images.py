@@ -65,7 +65,9 @@ def test_dockerfile_is_pinned_non_root_labelled_and_installs_the_wheel(dockerfil
     assert user and user[-1] not in {"0", "root"} and user[-1].split(":")[0].isdigit()
     for label in OCI_LABELS:
         assert f"org.opencontainers.image.{label}=" in text, label
-    assert "pip wheel" in text and "rljob-${RLJOB_VERSION}-py3-none-any.whl[" in text
+    # Dependencies from pyproject.toml in their own layer, then the wheel of this checkout.
+    assert "pip wheel" in text and "-r /tmp/requirements.txt" in text
+    assert '--no-deps "/tmp/wheels/rljob-${RLJOB_VERSION}-py3-none-any.whl"' in text
     ignore = dockerfile.parent / "Dockerfile.dockerignore"
     assert "!runtime/" in ignore.read_text()
     documented = (IMAGES / "README.md").read_text()

@@ -23,15 +23,21 @@ from torch._C._distributed_c10d import (
 
 
 def open_store(host: str, port: int, *, server: bool, timeout_s: float) -> TCPStore:
-    """The trainer hosts the store (`server=True`); sidecars connect, failing after `timeout_s`."""
-    return TCPStore(
-        host,
-        port,
-        is_master=server,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-        use_libuv=True,
-    )
+    """The trainer hosts the store (`server=True`); sidecars connect, failing after `timeout_s`.
+
+    The libuv store serves many clients from one thread; a torch built without libuv (e.g.
+    Debian's CPU-only python3-torch, in the offline CPU images) uses the classic one.
+    """
+    def store(libuv: bool) -> TCPStore:
+        return TCPStore(host, port, is_master=server, wait_for_workers=False,
+                        timeout=timedelta(seconds=timeout_s), use_libuv=libuv)
+
+    try:
+        return store(True)
+    except RuntimeError as err:
+        if "libuv" not in str(err):
+            raise
+        return store(False)
 
 
 class BroadcastGroup:
