@@ -346,6 +346,8 @@ class Job:
         store = self.weight_sync.start_store()
         self.weight_sync.start_sidecars(self.engines, self.urls, store,
                                         loopback=not self.options.on_cluster)
+        # Every actor exists now: show where, before waiting on anything they must do.
+        self.report_placement()
         trainer = self.trainers[0]
         ray.get(trainer.set_publisher.remote(*store, str(self.workdir / "weights"),
                                              self.state.weight_version))
@@ -443,7 +445,6 @@ class Job:
                   f"{self.state.weight_version})", file=sys.stderr, flush=True)
         self.report_resume(resumed)
         self.start_weight_sync()
-        self.report_placement()
         self.publish()
         algo = self.spec.algorithm
         end = algo.total_steps
