@@ -24,7 +24,7 @@ SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor fo
 # The driver pod is a Ray node too: its object store (what the driver gets from actors) lives
 # in /dev/shm, and Ray sizes it at 30 % of the pod's memory limit (4 GiB).
 DRIVER_SHM_GIB = 2
-HEAD_RESOURCES: Obj = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+HEAD_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
 SIDECAR_RESOURCES: Obj = {
     "requests": {"cpu": "100m", "memory": "256Mi"},

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from rljob_api.spec import RLJobSpec
+from rljob_api.status import Phase
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.kube import Kube
@@ -46,6 +47,10 @@ class FailureHints:
     def forget(self, namespace: str, job: str) -> None:
         with self._lock:
             self._hints.pop((namespace, job), None)
+
+
+# Phases in which pods are waiting to start; what they mount is made again if it is missing.
+WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
 
 
 def _utcnow() -> datetime:
@@ -98,6 +103,10 @@ class Reconciler:
         if decision.restart is not None:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
         restarts = int(decision.status.get("recovery", {}).get("restarts") or 0)
+        if job.spec is not None and decision.status.get("phase") in WAITING_PHASES:
+            # While pods wait, what they mount is made again if it went missing (e.g. the
+            # claim of a deleted job of the same name was still terminating at creation).
+            self._ensure_support(JobRef.of(body), body, job.spec)
         self._act(JobRef.of(body), body, job, decision.actions, restarts)
         self.metrics.set_phase((namespace, name), decision.status.get("phase"))
         return decision.requeue_after

@@ -567,7 +567,18 @@ class Job:
 
 def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:
     """Run `spec` to its end (or max_steps); return the process exit code."""
-    job = Job(name, spec, options, reporter)
+    try:
+        job = Job(name, spec, options, reporter)
+    except OSError as err:
+        # The workdir (on a cluster: the checkpoint volume) cannot be written: a restart on
+        # the same volume cannot help, so the reason is reported as not retryable.
+        message = (f"the workdir {options.workdir} cannot be written ({err.strerror}: "
+                   f"{err.filename}); on a cluster, spec.checkpoint's volume must be writable "
+                   "by the pods' user")
+        print(f"rljob run: {message}", file=sys.stderr, flush=True)
+        reporter.failure(RuntimeFailure(reason="WorkdirNotWritable", message=message,
+                                        retryable=False, step=0, time=now()))
+        return EXIT_INVALID
     try:
         return job.run()
     except JobError as err:

@@ -138,13 +138,21 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _resolve(host: str, port: int, timeout_s: float) -> None:
-    """Wait until the head's name resolves: a Service's DNS record can lag its creation."""
+def _resolve(host: str, port: int, timeout_s: float) -> str:
+    """The head's IP address, once its name resolves (a Service's DNS record can lag its
+    creation).
+
+    Ray is given the address, not the name: Ray's gRPC clients resolve names with c-ares,
+    which walks a pod's DNS search list slowly enough (11 s for `<svc>.<ns>.svc` in a kind
+    pod, against 5 s for Ray's connection to the GCS) that a worker started on the driver's
+    node never connects. The head Service is headless, so the name maps to the head pod; a
+    new head pod means a new driver, which resolves again.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.getaddrinfo(host, port)
-            return
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            return str(infos[0][4][0])
         except OSError as err:
             if time.monotonic() >= deadline:
                 raise JoinError(f"cannot resolve the Ray head {host}: {err}") from None
@@ -158,7 +166,8 @@ def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
     (Ray detaches none of them when it is not asked to block), which is what `stop()` ends.
     """
     host, port = parse_address(address)
-    _resolve(host, port, min(timeout_s, RESOLVE_TIMEOUT_S))
+    head = _resolve(host, port, min(timeout_s, RESOLVE_TIMEOUT_S))
+    address = f"[{head}]:{port}" if ":" in head else f"{head}:{port}"
     # Short: Ray puts unix sockets below it, and their paths are limited to 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rljob-ray-", dir="/tmp"))
     ip = node_ip()
