@@ -7,12 +7,14 @@ import sys
 from pathlib import Path
 
 from rljob import run
+from rljob.exit_codes import INVALID as EXIT_INVALID
 from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
 from rljob_api.docs import DOCS_FILE, render_reference
 from rljob_api.validate import InvalidJob, load_job
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """Exit 2 when any file is invalid: the code `rljob run` gives for the same file."""
     failed = 0
     for path in args.files:
         try:
@@ -23,7 +25,7 @@ def _validate(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: valid RLJob ({spec.trainer.backend} trainer, "
               f"{spec.rollout.backend} rollout, {spec.placement})")
-    return 1 if failed else 0
+    return EXIT_INVALID if failed else 0
 
 
 def _crd(args: argparse.Namespace) -> int:
@@ -51,7 +53,7 @@ def _emit(text: str, write: str | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rljob", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("validate", help="check RLJob files; print every problem, exit 1 if any")
+    p = sub.add_parser("validate", help="check RLJob files; print every problem, exit 2 if any")
     p.add_argument("files", nargs="+", metavar="FILE")
     p.set_defaults(func=_validate)
     p = sub.add_parser("crd", help="print the RLJob CRD generated from the API model")

@@ -29,7 +29,7 @@ import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob import metrics_log, ray_node, whereabouts
+from rljob import exit_codes, metrics_log, ray_node, whereabouts
 from rljob.checkpoint import CheckpointStore, Verified
 from rljob.engine.launcher import EngineProcess
 from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
@@ -53,11 +53,12 @@ from rljob_api.status import (
     RuntimeFailure,
 )
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_INVALID = 2
-EXIT_NONFINITE = 3
-EXIT_INTERRUPTED = 130
+EXIT_OK = exit_codes.OK
+EXIT_FAILED = exit_codes.FAILED
+EXIT_INVALID = exit_codes.INVALID
+EXIT_NONFINITE = exit_codes.NONFINITE
+EXIT_INTERRUPTED = exit_codes.INTERRUPTED
+EXIT_TERMINATED = exit_codes.TERMINATED
 PLACEMENT_TIMEOUT_S = 300.0
 STATE_FILE = "state.json"
 ROLLOUT_FILE = "rollout_state.json"

@@ -12,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rljob.exit_codes import INVALID as EXIT_INVALID
 from rljob.report import PrintReporter, Reporter, StatusReporter
 from rljob_api.validate import InvalidJob, load_job
 
@@ -43,10 +44,10 @@ def run_command(args: argparse.Namespace) -> int:
         doc, spec = load_job(args.file)
     except InvalidJob as err:
         print(err, file=sys.stderr)
-        return 2
+        return EXIT_INVALID
     if args.max_steps is not None and args.max_steps < 1:
         print("--max-steps must be at least 1", file=sys.stderr)
-        return 2
+        return EXIT_INVALID
     if args.join is not None:
         from rljob.ray_node import parse_address
 
@@ -54,7 +55,7 @@ def run_command(args: argparse.Namespace) -> int:
             parse_address(args.join)
         except ValueError as err:
             print(err, file=sys.stderr)
-            return 2
+            return EXIT_INVALID
     from rljob.driver import RunOptions, run_job
 
     name = str(doc["metadata"]["name"])

@@ -9,7 +9,7 @@ an unrelated field failed type validation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ class Rule:
     at: tuple[str, ...]
     cel: str
     message: str
-    check: Callable[[Obj], bool]
+    check: Callable[[Mapping[str, Any]], bool]  # the validator passes a read-recording view
     field_path: str | None = None
 
 

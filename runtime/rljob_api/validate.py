@@ -6,6 +6,8 @@ messages `kubectl apply` would give.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,29 +70,85 @@ def _dig(obj: Any, path: tuple[str, ...]) -> Any:
 _DEFAULT_SPEC: Obj = RLJobSpec().model_dump(by_alias=True, mode="json")
 
 
-def spec_problems(spec: Any) -> list[Problem]:
-    """Every schema and cross-field problem of one `spec` object."""
-    if not isinstance(spec, dict):
-        return [Problem("spec", "must be a mapping of RLJob fields (see docs/reference.md)")]
-    problems: list[Problem] = []
+class _Reads(Mapping[str, Any]):
+    """A read-only view of a spec object that records the field paths a rule consumes, so a
+    rule can be skipped when it consumed a field that failed its own validation.
+
+    A value is consumed when a leaf is read or an object is iterated; stepping through an
+    object to one of its fields consumes only that field, so an unknown sibling field does
+    not silence a rule."""
+
+    def __init__(self, obj: dict[str, Any], at: tuple[str, ...], seen: set[tuple[str, ...]]):
+        self._obj = obj
+        self._at = at
+        self._seen = seen
+
+    def __getitem__(self, key: str) -> Any:
+        path = (*self._at, key)
+        value = self._obj[key]
+        if isinstance(value, dict):
+            return _Reads(value, path, self._seen)
+        self._seen.add(path)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        self._seen.add(self._at)
+        return iter(self._obj)
+
+    def __len__(self) -> int:
+        self._seen.add(self._at)
+        return len(self._obj)
+
+
+def _overlaps(read: tuple[str, ...], bad: tuple[str, ...]) -> bool:
+    """True when one path lies within the other (a rule read the bad field or its parent)."""
+    shorter = min(len(read), len(bad))
+    return read[:shorter] == bad[:shorter]
+
+
+def _schema_errors(spec: Obj) -> list[tuple[tuple[str, ...], Problem]]:
+    """Type and value problems, found as the API server finds them: strictly, on the JSON the
+    manifest becomes (the string "16" is no integer there, so it is none here either)."""
     try:
-        RLJobSpec.model_validate(spec)
+        RLJobSpec.model_validate_json(json.dumps(spec, default=str), strict=True)
     except ValidationError as err:
+        found = []
         for e in err.errors(include_url=False):
             msg = e["msg"]
             if e["type"] == "extra_forbidden":
                 msg = "unknown field; remove it or check its spelling (see docs/reference.md)"
             elif "input" in e and not isinstance(e["input"], dict | list):
                 msg = f"{msg} (got {e['input']!r})"
-            problems.append(Problem(_loc(e["loc"]), msg))
+            loc = tuple(str(part) for part in e["loc"])
+            found.append((loc, Problem(_loc(e["loc"]), msg)))
+        return found
+    return []
+
+
+def spec_problems(spec: Any) -> list[Problem]:
+    """Every schema and cross-field problem of one `spec` object, one message per mistake.
+
+    A cross-field rule that read a field which failed its own type or range check is not
+    reported: it would judge a value the API server never accepts, and name a second
+    "problem" for the same mistake.
+    """
+    if not isinstance(spec, dict):
+        return [Problem("spec", "must be a mapping of RLJob fields (see docs/reference.md)")]
+    errors = _schema_errors(spec)
+    problems = [problem for _, problem in errors]
+    bad = [loc for loc, _ in errors]
     view = _defaulted(spec, _DEFAULT_SPEC)
     for rule in RULES:
+        seen: set[tuple[str, ...]] = set()
         try:
-            holds = rule.check(_dig(view, rule.at))
+            target = _dig(view, rule.at)
+            holds = rule.check(_Reads(target, rule.at, seen) if isinstance(target, dict)
+                               else target)
         except (KeyError, TypeError, ZeroDivisionError, AttributeError):
             continue  # a type problem in an input, reported above
-        if not holds:
-            problems.append(Problem(_loc(rule.at) + (rule.field_path or ""), rule.message))
+        if holds or any(_overlaps(read, loc) for read in seen for loc in bad):
+            continue
+        problems.append(Problem(_loc(rule.at) + (rule.field_path or ""), rule.message))
     return problems
 
 

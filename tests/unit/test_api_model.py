@@ -125,7 +125,7 @@ def test_cli_validate_prints_all_problems_and_exits_nonzero(tmp_path: object) ->
     proc = subprocess.run(
         [sys.executable, "-m", "rljob.cli", "validate", str(path)], capture_output=True, text=True
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "2 problem(s)" in proc.stderr
     assert "rolloutBatchSize" in proc.stderr and "gpusPerEngine" in proc.stderr
@@ -137,4 +137,4 @@ def test_cli_validate_unreadable_file() -> None:
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 1 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,23 @@
+"""Exit codes of `rljob run` and `rljob validate`, in one place so both commands, the driver
+and the docs agree (README "Exit codes"; the operator sees them as the driver container's
+exit code).
+
+A signal stop is not a failure: the run finished or abandoned its step, saved what it could
+and reported `status.stopped`; the code is the shell's convention, 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import signal
+
+OK = 0
+FAILED = 1  # runtime failure: a worker, engine or weight sync failed; a restart may help
+INVALID = 2  # invalid job: spec, dataset, model source or hooks; a restart cannot help
+NONFINITE = 3  # stopped on non-finite loss, gradients or weights; evidence kept
+INTERRUPTED = 128 + signal.SIGINT  # 130: stopped by SIGINT (Ctrl-C)
+TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (suspend, preemption, deletion)
+
+
+def for_signal(signum: int) -> int:
+    """The exit code of a run stopped by signal `signum`."""
+    return 128 + signum

@@ -1,0 +1,98 @@
+"""An invalid job gets the same exit code from `rljob validate` and `rljob run`, and one
+mistake gets one message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob.exit_codes import INVALID
+from rljob_api.validate import manifest_problems
+from tests.specs import base_job
+
+pytestmark = pytest.mark.unit
+
+RLJOB = [sys.executable, "-m", "rljob.cli"]
+BATCH_RULE = "rolloutBatchSize × nSamplesPerPrompt must equal"
+
+
+def _with_algorithm(**fields: Any) -> dict[str, Any]:
+    doc = base_job()
+    doc["spec"]["algorithm"].update(fields)
+    return doc
+
+
+def _write(tmp_path: Path, doc: Any) -> Path:
+    path = tmp_path / "job.yaml"
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc))
+    return path
+
+
+INVALID_FILES: dict[str, Any] = {
+    "rule": _with_algorithm(globalBatchSize=96),
+    "type": _with_algorithm(globalBatchSize="abc"),
+    "unknown-field": {**base_job(), "extra": 1},
+    "not-yaml": "spec: [unclosed\n",
+    "two-documents": yaml.safe_dump(base_job()) + "---\n" + yaml.safe_dump(base_job()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_FILES))
+def test_validate_and_run_exit_2_on_the_same_invalid_file(case: str, tmp_path: Path) -> None:
+    path = _write(tmp_path, INVALID_FILES[case])
+    workdir = tmp_path / "w"
+    checked = subprocess.run([*RLJOB, "validate", str(path)], capture_output=True, text=True,
+                             timeout=120)
+    ran = subprocess.run([*RLJOB, "run", str(path), "--workdir", str(workdir)],
+                         capture_output=True, text=True, timeout=120)
+    assert (checked.returncode, ran.returncode) == (INVALID, INVALID), (checked.stderr,
+                                                                         ran.stderr)
+    # Both print the same problems, and `run` did no work.
+    assert checked.stderr == ran.stderr and "Traceback" not in ran.stderr
+    assert not workdir.exists()
+
+
+def test_an_unreadable_file_is_invalid_for_both_commands(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nowhere.yaml")
+    codes = [subprocess.run([*RLJOB, cmd, missing], capture_output=True, timeout=120).returncode
+             for cmd in ("validate", "run")]
+    assert codes == [INVALID, INVALID]
+
+
+@pytest.mark.parametrize("value", ["abc", 7.5, "16", [16], None, 0],
+                         ids=["word", "fraction", "quoted-number", "list", "null", "zero"])
+def test_a_bad_global_batch_size_is_one_problem(value: Any) -> None:
+    """The field's own error only: no cross-field rule is judged on a value the API server
+    would never accept (a string "16" would otherwise be multiplied as a string)."""
+    problems = manifest_problems(_with_algorithm(globalBatchSize=value))
+    assert [p.field for p in problems] == ["spec.algorithm.globalBatchSize"], problems
+
+
+def test_cli_prints_one_problem_for_one_mistake(tmp_path: Path) -> None:
+    path = _write(tmp_path, _with_algorithm(globalBatchSize="abc"))
+    out = subprocess.run([*RLJOB, "validate", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == INVALID
+    assert "1 problem(s)" in out.stderr and BATCH_RULE not in out.stderr, out.stderr
+
+
+def test_a_type_error_elsewhere_does_not_hide_a_broken_rule() -> None:
+    """Rules are skipped only when they read the bad field: a wrong `lr` still leaves the
+    batch-size rule judged on the valid batch sizes."""
+    problems = manifest_problems(_with_algorithm(globalBatchSize=96, lr="fast"))
+    text = "\n".join(str(p) for p in problems)
+    assert len(problems) == 2, text
+    assert "spec.algorithm.lr" in text and BATCH_RULE in text
+
+
+def test_a_rule_over_a_nested_bad_field_is_skipped() -> None:
+    """The parallelism rule reads parallelism.tensor: a non-integer there is one problem."""
+    doc = base_job()
+    doc["spec"]["trainer"]["parallelism"] = {"tensor": "four"}
+    problems = manifest_problems(doc)
+    assert [p.field for p in problems] == ["spec.trainer.parallelism.tensor"], problems
