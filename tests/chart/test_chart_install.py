@@ -148,16 +148,17 @@ def test_install_creates_everything_and_notes_say_what_next(
     assert "kubectl apply -f examples/tiny-cpu.yaml" in notes and "kubectl get rljobs" in notes
 
 
-def test_upgrade_renders_a_pdb_only_for_several_replicas(
+def test_upgrade_to_several_replicas_is_refused_and_changes_nothing(
         cluster: ControlPlane, cluster_release: Release) -> None:
+    """No leader election: helm refuses a second operator pod, and the release keeps one."""
     ns, name = cluster_release.namespace, cluster_release.name
-    args = ("upgrade", name, str(CHART), "--namespace", ns, "--reuse-values")
-    try:
-        helm(cluster.bins, *args, "--set", "replicaCount=2", kubeconfig=cluster.kubeconfig)
-        assert _exists(cluster, "pdb", cluster_release.service_account, "-n", ns)
-    finally:
-        helm(cluster.bins, *args, "--set", "replicaCount=1", kubeconfig=cluster.kubeconfig)
-    assert not _exists(cluster, "pdb", cluster_release.service_account, "-n", ns)
+    proc = helm(cluster.bins, "upgrade", name, str(CHART), "--namespace", ns, "--reuse-values",
+                "--set", "replicaCount=2", kubeconfig=cluster.kubeconfig, check=False)
+    assert proc.returncode != 0
+    assert "at '/replicaCount': value must be 1" in proc.stderr, proc.stderr
+    deploy = cluster.get_json("deployment", cluster_release.service_account, "-n", ns)
+    assert (deploy["spec"]["replicas"], deploy["spec"]["strategy"]["type"]) == (1, "Recreate")
+    assert cluster.get_json("pdb", "-n", ns)["items"] == []
 
 
 def _can(cp: ControlPlane, token: str, verb: str, resource: str, namespace: str | None) -> bool:

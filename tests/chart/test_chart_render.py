@@ -29,7 +29,6 @@ NON_CORE_KINDS = {"ServiceMonitor"}
 COMBINATIONS: dict[str, dict[str, str]] = {
     "defaults": {},
     "namespace-scope": {"rbac.scope": "namespace", "watchNamespace": "team-a"},
-    "ha": {"replicaCount": "2"},
     "no-crds": {"crds.install": "false", "crds.keep": "false"},
     "existing-sa": {"serviceAccount.create": "false", "serviceAccount.name": "ops"},
     "digest-and-extras": {
@@ -145,11 +144,14 @@ def test_digest_replaces_the_tag(k8s_bins: Path) -> None:
     assert deploy["spec"]["template"]["spec"]["containers"][0]["image"].endswith("@" + digest)
 
 
-@pytest.mark.parametrize(("replicas", "expected"), [("1", 0), ("2", 1), ("3", 1)])
-def test_pdb_only_with_more_than_one_replica(k8s_bins: Path, replicas: str,
-                                             expected: int) -> None:
-    assert len(by_kind(render(k8s_bins, {"replicaCount": replicas}),
-                       "PodDisruptionBudget")) == expected
+@pytest.mark.parametrize("combo", sorted(COMBINATIONS))
+def test_exactly_one_operator_pod_and_no_pdb(k8s_bins: Path, combo: str) -> None:
+    """The operator has no leader election: one pod, replaced (never overlapped) by Recreate,
+    and no PodDisruptionBudget, which over one pod would only block node drains."""
+    manifests = render(k8s_bins, _values(COMBINATIONS[combo]))
+    spec = one(manifests, "Deployment")["spec"]
+    assert (spec["replicas"], spec["strategy"]) == (1, {"type": "Recreate"})
+    assert not by_kind(manifests, "PodDisruptionBudget")
 
 
 @pytest.mark.parametrize(("enabled", "api", "expected"), [
@@ -182,6 +184,9 @@ def test_rendered_crd_is_the_generated_crd(k8s_bins: Path) -> None:
     ({"image.tag": "latest"}, "at '/image/tag': 'latest' does not match pattern"),
     ({"rbac.scope": "all"}, "at '/rbac/scope': value must be one of 'cluster', 'namespace'"),
     ({"replicas": "2"}, "additional properties 'replicas' not allowed"),
+    ({"replicaCount": "2"}, "at '/replicaCount': value must be 1"),
+    ({"podDisruptionBudget.minAvailable": "1"},
+     "additional properties 'podDisruptionBudget' not allowed"),
 ])
 def test_helm_refuses_bad_values_naming_the_value(k8s_bins: Path, values: dict[str, str],
                                                   expected: str) -> None:
