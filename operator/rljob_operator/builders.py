@@ -20,6 +20,7 @@ from rljob_operator import names
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
 WEIGHT_SYNC_COMMAND = "rljob-weight-sync"
+HANDOFF_VOLUME = "handoff-tmp"
 SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor for CPU pods
 # The driver pod is a Ray node too: its object store (what the driver gets from actors) lives
 # in /dev/shm, and Ray sizes it at 30 % of the pod's memory limit (4 GiB).
@@ -162,7 +163,10 @@ def _pod_template(job: JobRef, spec: RLJobSpec, component: str, containers: list
     return {
         "metadata": {"labels": names.labels(job.name, component)},
         "spec": {
-            "serviceAccountName": names.service_account_name(job.name),
+            # No Kubernetes API token: Ray pods (head, trainers, engines, sidecars) never call
+            # the API server; only the driver writes the job's status. They run as the
+            # namespace's default ServiceAccount, not the job's, whose Role can write it.
+            "automountServiceAccountToken": False,
             # A dead Ray container fails the pod; KubeRay replaces it and the operator
             # restarts the driver, instead of a silent in-place restart losing actors.
             "restartPolicy": "Never",
@@ -270,13 +274,20 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         main = _ray_container(job, spec, "ray-worker", group, spec.trainer.image,
                               _resources(spec.trainer.resources, gpus), _engine_ports(engines))
     containers = [main, *(_weight_sync_sidecar(job, spec, i, engines) for i in range(engines))]
+    template = _pod_template(job, spec, group, containers, gpus)
+    if engines:
+        # A sidecar hands CPU weights to its engine as named shared memory, whose owner
+        # (torch's shm manager) answers on a socket under /tmp: engine and sidecars share it.
+        for container in containers:
+            container["volumeMounts"].append({"name": HANDOFF_VOLUME, "mountPath": "/tmp"})
+        template["spec"]["volumes"].append({"name": HANDOFF_VOLUME, "emptyDir": {}})
     return {
         "groupName": group,
         "replicas": replicas,
         "minReplicas": replicas,
         "maxReplicas": replicas,
         "rayStartParams": {"resources": _ray_resources(group_resource(group), max(gpus, 1))},
-        "template": _pod_template(job, spec, group, containers, gpus),
+        "template": template,
     }
 
 
@@ -360,7 +371,10 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
         "kind": "Pod",
         "metadata": meta,
         "spec": {
+            # The only pod of the job with a Kubernetes API token: its runtime reports
+            # progress, checkpoints and failures to the RLJob's status (build_rbac).
             "serviceAccountName": names.service_account_name(job.name),
+            "automountServiceAccountToken": True,
             "restartPolicy": "Never",
             "containers": [container],
             "volumes": [
@@ -430,8 +444,14 @@ def build_configmap(job: JobRef, spec: Obj) -> Obj:
 
 
 def build_rbac(job: JobRef) -> list[Obj]:
-    """ServiceAccount, Role and RoleBinding letting the job's pods read and patch the status
-    of their own RLJob (`resourceNames`), and nothing else."""
+    """ServiceAccount, Role and RoleBinding letting the driver read its own RLJob and patch
+    that RLJob's status (`resourceNames`), and nothing else.
+
+    Only the driver pod runs as this ServiceAccount with a token mounted: it is the one
+    process that writes the job's status (progress, checkpoints, what it resumed from,
+    runtime failures). The Ray pods mount no token at all (`_pod_template`), so a
+    compromised trainer or engine, or a user's reward hook on them, cannot write any status.
+    """
     sa = names.service_account_name(job.name)
     role = names.role_name(job.name)
     return [
@@ -441,6 +461,8 @@ def build_rbac(job: JobRef) -> list[Obj]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(job, role, names.DRIVER),
+            # Used by the driver pod alone (the Ray pods mount no token): what its status
+            # reporter needs, for this one RLJob.
             "rules": [
                 {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"],
                  "resourceNames": [job.name], "verbs": ["get", "patch"]},

@@ -27,10 +27,9 @@ STALL_SECONDS = 60.0  # the liveness probe fails when the scheduler loop stalls 
 
 
 def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
-    settings.persistence.finalizer = f"{GROUP}/operator"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+    """kopf's settings. No persistence settings: with event handlers only, kopf adds no
+    finalizer and stores no progress or diff-base on the objects, so there is none to
+    configure (a control-plane test checks that RLJobs carry none)."""
     # Watches that end and re-open: the cure for the "operator goes deaf" bug.
     settings.watching.server_timeout = cfg.server_timeout
     settings.watching.client_timeout = cfg.server_timeout + 30

@@ -249,6 +249,26 @@ def test_role_grants_only_this_jobs_status() -> None:
                                     "namespace": "team-a"}]
 
 
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None:
+    """The driver writes the job's status; Ray pods never call the API server, so they mount
+    no token and do not run as the job's ServiceAccount (whose Role can write the status)."""
+    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"gpus": 2, "gpusPerEngine": 1}}
+    s = spec(placement=placement, **gpus)
+    rc = builders.build_raycluster(JOB, s)
+    templates = [rc["spec"]["headGroupSpec"]["template"],
+                 *(g["template"] for g in rc["spec"]["workerGroupSpecs"])]
+    assert len(templates) == (2 if placement == "colocated" else 3)
+    for template in templates:
+        assert template["spec"]["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in template["spec"]
+    driver = builders.build_driver(JOB, s, 0, [])["spec"]
+    assert driver["serviceAccountName"] == "rl-runtime"
+    assert driver["automountServiceAccountToken"] is True
+    (_, _role, binding) = builders.build_rbac(JOB)
+    assert binding["subjects"][0]["name"] == driver["serviceAccountName"]
+
+
 def test_builders_are_deterministic() -> None:
     s = spec()
     assert builders.build_raycluster(JOB, s) == builders.build_raycluster(JOB, s)

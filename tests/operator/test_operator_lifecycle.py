@@ -76,6 +76,22 @@ def test_job_runs_reports_progress_and_is_quiet_when_idle(
 
     # The job's pods may patch their own RLJob's status and nothing else.
     sa = f"system:serviceaccount:{namespace}:rl-runtime"
+    # ... and only the driver holds a token: the API server mounted none into the Ray pods.
+    def token_volumes(pod: dict[str, Any]) -> list[str]:
+        return [v["name"] for v in pod["spec"]["volumes"]
+                if v["name"].startswith("kube-api-access")]
+
+    for component, ps in by_component.items():
+        for p in ps:
+            assert bool(token_volumes(p)) == (component == "driver"), p["metadata"]["name"]
+            if component != "driver":
+                assert p["spec"]["serviceAccountName"] == "default"
+    assert by_component["driver"][0]["spec"]["serviceAccountName"] == "rl-runtime"
+    # kopf stored nothing on the RLJob: no finalizer, no progress or diff-base annotations.
+    meta = cluster.get_json("rljob", "rl", "-n", namespace)["metadata"]
+    assert not meta.get("finalizers")
+    assert not [k for k in meta.get("annotations") or {} if "kopf" in k or "rljob.io" in k]
+    assert "kopf" not in status(cluster, namespace, "rl")
 
     def can(verb: str, target: str) -> str:
         out: str = cluster.kubectl("auth", "can-i", verb, target, "--subresource=status",
