@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,6 @@ from pathlib import Path
 MANIFEST = "MANIFEST.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
-# Makes a save stop just before its manifest is written, with a marker file next to the
-# checkpoints, so a test can kill the process at a known point mid-save.
-PAUSE_ENV = "RLJOB_CHECKPOINT_PAUSE_AT_STEP"
-PAUSE_MARKER = ".save-paused"
 
 
 @dataclass(frozen=True)
@@ -50,6 +45,18 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_manifest(tmp: Path, step: int, entries: dict[str, dict[str, int | str]]) -> None:
+    """Write and fsync the manifest: the last file of a checkpoint, which makes it whole.
+
+    Its own function so that a test can stop a save at this exact point from outside
+    (tests/faults.py) without the product carrying a test switch.
+    """
+    with (tmp / MANIFEST).open("w") as fh:
+        json.dump({"step": step, "files": entries}, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def step_of(path: Path) -> int | None:
@@ -93,11 +100,6 @@ class CheckpointStore:
         tmp.mkdir()
         return tmp
 
-    def _pause_for_test(self, step: int) -> None:
-        if os.environ.get(PAUSE_ENV) == str(step):
-            (self.root / PAUSE_MARKER).write_text(str(step))
-            threading.Event().wait()
-
     def commit(self, tmp: Path, step: int) -> Verified:
         """Checksum, fsync and publish `tmp` as the checkpoint of `step`; prune old ones."""
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -105,12 +107,7 @@ class CheckpointStore:
         for f in files:
             fsync_path(f)
             entries[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "size": f.stat().st_size}
-        self._pause_for_test(step)
-        manifest = tmp / MANIFEST
-        with manifest.open("w") as fh:
-            json.dump({"step": step, "files": entries}, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_manifest(tmp, step, entries)
         fsync_path(tmp)
         final = self.root / f"{PREFIX}{step:08d}"
         if final.exists():

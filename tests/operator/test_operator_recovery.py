@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.checkpoint import MANIFEST, PAUSE_MARKER
+from rljob.checkpoint import MANIFEST
 from rljob.report import StatusReporter, now
 from rljob_api.status import RuntimeFailure
 from tests.controlplane import REPO, ControlPlane
+from tests.faults import PAUSE_MARKER, PAUSE_SAVE_ENV
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import POOL_LABEL, Operator, stop_kubelet
@@ -185,7 +186,8 @@ def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log
     identity = {k: pod_env[k] for k in ("RLJOB_NAME", "RLJOB_NAMESPACE", "RLJOB_RESTARTS")}
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir),
+            # `rljob run` with the faults `extra` asks for (tests.faults), none by default.
+            [sys.executable, "-m", "tests.faults", "run", str(job), "--workdir", str(workdir),
              *args],
             env={**os.environ, **identity, **extra, "KUBECONFIG": str(cp.kubeconfig),
                  "PYTHONPATH": str(REPO)},
@@ -219,7 +221,7 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
     workdir, log = tmp_path / "w", tmp_path / "runtime.log"
 
     first = _runtime(cluster, namespace, "real", job, workdir, log,
-                     RLJOB_CHECKPOINT_PAUSE_AT_STEP="4")
+                     **{PAUSE_SAVE_ENV: "4"})
     try:
         wait_for(lambda: (workdir / "checkpoints" / PAUSE_MARKER).exists(), timeout=300,
                  what="the runtime to report step 4 and stop inside the save of step 4",

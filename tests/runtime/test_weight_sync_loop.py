@@ -18,7 +18,7 @@ import torch
 
 from rljob.driver import EXIT_OK, WEIGHT_SYNC_LOG, Job, RunOptions, worker_env
 from rljob.weightsync.engine_http import EngineHTTP
-from rljob.weightsync.sidecar import CORRUPT_ENV
+from tests.faults import CORRUPT_ENV, SETUP_HOOK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
 
@@ -29,8 +29,10 @@ STEPS = 3
 
 @contextmanager
 def local_ray(env: dict[str, str]) -> Iterator[None]:
+    # Every worker (the sidecars among them) installs the faults `env` asks for.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {**worker_env(), **env}})
+             runtime_env={"env_vars": {**worker_env(), **env},
+                          "worker_process_setup_hook": SETUP_HOOK})
     try:
         yield
     finally:

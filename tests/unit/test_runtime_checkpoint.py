@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rljob.checkpoint import PAUSE_ENV, PAUSE_MARKER, CheckpointStore, verify
+from rljob.checkpoint import CheckpointStore, verify
+from tests.controlplane import REPO
+from tests.faults import PAUSE_MARKER, PAUSE_SAVE_ENV
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.unit
@@ -56,6 +58,8 @@ SAVER = """
 import sys
 from pathlib import Path
 from rljob.checkpoint import CheckpointStore
+from tests.faults import install_from_env
+install_from_env()
 store = CheckpointStore(Path(sys.argv[1]), keep_last=3)
 for step in (1, 2):
     tmp = store.begin(step)
@@ -65,7 +69,7 @@ for step in (1, 2):
 
 
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_in_use(tmp_path: Path) -> None:
-    env = {**os.environ, PAUSE_ENV: "2"}
+    env = {**os.environ, PAUSE_SAVE_ENV: "2", "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], env=env)
     try:
         wait_for(lambda: (tmp_path / PAUSE_MARKER).exists(), timeout=60,

@@ -46,7 +46,6 @@ from rljob.weightsync.protocol import (
     Registration,
     bucket_digest,
     decode_announcement,
-    dtype_from_name,
     encode,
     layout_from_json,
     nonfinite_report,
@@ -61,17 +60,6 @@ log = logging.getLogger("rljob.weightsync.sidecar")
 
 # Set by the operator in pods that hold several engines: which of them this sidecar serves.
 ENGINE_INDEX_ENV = ENGINE_INDEX
-# Test-only fault: "ENGINE:VERSION" makes that engine's sidecar put a NaN into the first
-# received copy of that version, as a corrupted transfer would, after the sender's checks.
-CORRUPT_ENV = "RLJOB_WEIGHT_SYNC_TEST_CORRUPT"
-
-
-def _corrupt_once(engine: str, version: int, done: set[int]) -> bool:
-    """True when the test fault asks to corrupt this delivery (only the first one)."""
-    if os.environ.get(CORRUPT_ENV, "") != f"{engine}:{version}" or version in done:
-        return False
-    done.add(version)
-    return True
 
 
 @dataclass(frozen=True)
@@ -136,7 +124,6 @@ class Sidecar:
         self._epoch = -1
         self._http: ThreadingHTTPServer | None = None
         self._staging: list[torch.Tensor] = []
-        self._corrupted: set[int] = set()
         if config.device == "cpu":
             use_file_system_sharing()
 
@@ -319,10 +306,6 @@ class Sidecar:
             self._group.broadcast(buf)
             self.metrics.bytes.inc(bucket.nbytes)
             buffers.append(buf)
-        if _corrupt_once(self.config.engine_name, ann.version, self._corrupted):
-            first = next(m for m in layout[0].tensors if dtype_from_name(m.dtype).is_floating_point)
-            raw = buffers[0][first.offset : first.offset + first.nbytes]
-            raw.view(dtype_from_name(first.dtype))[0] = float("nan")
         return buffers
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
