@@ -23,6 +23,10 @@ class FailureHint:
 
     kind: str
     message: str
+    # The first container's exit code and start time when it ended: the driver's exit code
+    # tells a doomed job (invalid, non-finite) from one a restart can help.
+    exit_code: int | None = None
+    started_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,13 @@ def pod_failure(pod: Obj) -> FailureHint | None:
     terminated = _terminated(pod)
     if status.get("phase") == "Failed" or (terminated and terminated.get("exitCode") != 0):
         detail = status.get("message") or status.get("reason") or ""
+        code = terminated.get("exitCode") if terminated else None
         if terminated:
-            detail = (f"container exited with code {terminated.get('exitCode')} "
+            detail = (f"container exited with code {code} "
                       f"({terminated.get('reason') or 'Error'}) {detail}").strip()
-        return FailureHint(FailureKind.pod_failed.value, detail or "pod failed")
+        return FailureHint(FailureKind.pod_failed.value, detail or "pod failed",
+                           exit_code=code if isinstance(code, int) else None,
+                           started_at=(terminated or {}).get("startedAt"))
     return None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rljob_api import exits
 from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
@@ -42,9 +43,15 @@ def iso(t: datetime) -> str:
 
 
 def parse_time(text: str | None) -> datetime | None:
+    """An RFC 3339 time from the API server or a runtime report; None when absent or not a
+    time (a malformed report must not break every reconcile of the job)."""
     if not text:
         return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,7 @@ class Failure:
     kind: str
     message: str
     pod: str | None
+    retryable: bool = True  # False: the job fails at once with `kind` as the reason
 
 
 @dataclass(frozen=True)
@@ -308,6 +316,9 @@ class _Decider:
             return Failure(FailureKind.node_lost.value,
                            f"node {driver.node} is not Ready or was removed", driver.name)
         if driver.failure is not None:
+            doomed = self.terminal_exit(driver)
+            if doomed is not None:
+                return doomed
             kind = driver.failure.kind
             if kind == FailureKind.pod_failed.value:
                 kind = FailureKind.driver_failed.value
@@ -332,12 +343,36 @@ class _Decider:
             return Failure(FailureKind.pod_deleted.value, "the pod was deleted", name)
         return None
 
+    def terminal_exit(self, driver: PodView) -> Failure | None:
+        """A driver that exited with a code saying a restart cannot help (invalid job,
+        non-finite values): a non-retryable failure, named after the runtime's own reason
+        when this attempt's runtime reported one, else after the exit code."""
+        hint = driver.failure
+        code = hint.exit_code if hint is not None else None
+        if hint is None or code not in exits.TERMINAL_REASONS:
+            return None
+        reason = exits.TERMINAL_REASONS[code]
+        message = (f"the driver exited with code {code}: {exits.TERMINAL_MEANING[code]}; "
+                   "a restart cannot help, so the job is not retried")
+        runtime = self.cur.get("runtimeFailure") or {}
+        reported = parse_time(runtime.get("time"))
+        started = parse_time(hint.started_at)
+        if runtime.get("reason") and (reported is None or started is None
+                                      or reported >= started):
+            # Reported by the runtime of this attempt (not left over from an earlier one).
+            reason = str(runtime["reason"])
+            detail = runtime.get("message")
+            message += f"; {reason}: {detail}" if detail else f"; {reason}"
+        return Failure(reason, message, driver.name, retryable=False)
+
     def recover_or_fail(self, failure: Failure) -> Decision:
         spec = self.job.spec
         assert spec is not None
         seen: Obj = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
                      "time": iso(self.now)}
         last: Obj = {k: v for k, v in seen.items() if v is not None}
+        if not failure.retryable:
+            return self.fail(failure.kind, f"{failure.message} (pod {failure.pod})", last)
         if failure.kind not in spec.recovery.retry_on:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod}); "
                              f"{failure.kind} is not in spec.recovery.retryOn", last)

@@ -287,6 +287,53 @@ def test_non_retryable_runtime_failure_fails_with_its_reason() -> None:
     assert "runtimeFailure" not in d.status  # the runtime's field is never written back
 
 
+def exited(code: int, started: datetime = T0) -> Obj:
+    """The driver pod as the kubelet reports it once its container ended with `code`."""
+    pod_ = driver(phase="Failed")
+    pod_["status"]["containerStatuses"] = [{"name": "c", "state": {"terminated": {
+        "exitCode": code, "reason": "Error", "startedAt": iso(started),
+        "finishedAt": iso(started + timedelta(seconds=30))}}}]
+    return pod_
+
+
+@pytest.mark.parametrize(("code", "reason"), [(2, "InvalidSpec"), (3, "NonFiniteValues")])
+def test_driver_exit_code_of_a_doomed_job_fails_at_once_without_a_restart(
+        code: int, reason: str) -> None:
+    d = run(job(RUNNING), [*compute(), exited(code)])
+    assert d.status["phase"] == "Failed" and d.status["finishedAt"] == iso(T0)
+    cond = conditions(d)["Failed"]
+    assert cond["reason"] == reason == conditions(d)["Ready"]["reason"]
+    assert f"the driver exited with code {code}" in cond["message"]
+    assert "rl-driver" in cond["message"]
+    rec = d.status["recovery"]
+    assert rec["restarts"] == 0 and d.restart is None
+    assert (rec["lastFailure"]["reason"], rec["lastFailure"]["pod"]) == (reason, "rl-driver")
+    assert d.actions.delete_cluster and d.actions.create_driver is None
+    assert not d.actions.delete_driver  # kept for its logs
+
+
+def test_doomed_exit_takes_the_reason_this_attempts_runtime_reported() -> None:
+    later = iso(T0 + timedelta(seconds=20))
+    report = {"reason": "NonFiniteLoss", "message": "3 steps in a row; evidence in /x",
+              "retryable": True, "time": later}
+    d = run(job({**RUNNING, "runtimeFailure": report}), [*compute(), exited(3)])
+    cond = conditions(d)["Failed"]
+    assert cond["reason"] == "NonFiniteLoss" and "evidence in /x" in cond["message"]
+    # A report older than this attempt's start is a previous attempt's: not this reason.
+    old = {**report, "reason": "WeightSyncFailed", "time": iso(T0 - timedelta(minutes=5))}
+    d = run(job({**RUNNING, "runtimeFailure": old}), [*compute(), exited(2)])
+    assert conditions(d)["Failed"]["reason"] == "InvalidSpec"
+    assert "WeightSyncFailed" not in conditions(d)["Failed"]["message"]
+
+
+@pytest.mark.parametrize("code", [1, 137, 143])
+def test_other_driver_exits_are_restarted(code: int) -> None:
+    d = run(job(RUNNING), [*compute(), exited(code)])
+    assert d.status["phase"] == "Recovering" and d.status["recovery"]["restarts"] == 1
+    last = d.status["recovery"]["lastFailure"]
+    assert last["reason"] == "DriverFailed" and f"code {code}" in last["message"]
+
+
 def test_invalid_spec_and_overlong_name_fail_naming_the_field() -> None:
     bad = {**SPEC, "rollout": {"gpus": 3, "gpusPerEngine": 2}}
     d = run(job(spec=bad), [])
