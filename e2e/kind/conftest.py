@@ -4,8 +4,9 @@ The session builds (or reuses, when cached) the cluster, our images, KubeRay and
 with the same script a developer runs, and removes the cluster with `hack/kind-down` at the
 end. Where the machine cannot run it at all (no root, no Go, no way to get podman) the suite
 skips and says exactly why; a kind-up that fails is a failure, with its log attached.
-RLJOB_E2E_KEEP=1 keeps the cluster; RLJOB_E2E_ARTIFACTS=DIR collects describe/logs of failed
-tests there.
+RLJOB_E2E_KEEP=1 keeps the cluster (one that existed before the session is always kept);
+RLJOB_E2E_CLUSTER=NAME picks the cluster (default rljob-e2e); RLJOB_E2E_ARTIFACTS=DIR collects
+describe/logs of failed tests there.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from e2e.kind.kindcluster import (
     KIND_UP,
     WORKERS,
     KindCluster,
+    cluster_exists,
     missing_prerequisites,
 )
 from tests.controlplane import k8s_bin_dir
@@ -38,6 +40,7 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindClust
         pytest.skip("e2e/kind skipped: " + "; ".join(missing))
     artifacts = Path(os.environ.get("RLJOB_E2E_ARTIFACTS") or tmp_path_factory.mktemp("kind"))
     artifacts.mkdir(parents=True, exist_ok=True)
+    existed = cluster_exists(CLUSTER_NAME)
     log = artifacts / "kind-up.log"
     with log.open("w") as out:
         proc = subprocess.run([str(KIND_UP), "--name", CLUSTER_NAME, "--workers", str(WORKERS)],
@@ -52,7 +55,7 @@ def kind_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KindClust
     try:
         yield cluster
     finally:
-        if not os.environ.get("RLJOB_E2E_KEEP"):
+        if not existed and not os.environ.get("RLJOB_E2E_KEEP"):
             subprocess.run([str(KIND_DOWN), "--name", CLUSTER_NAME], check=False,
                            capture_output=True, timeout=600)
 

@@ -21,7 +21,10 @@ CHART = REPO / "charts" / "rljob-operator"
 EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
 KIND_UP = REPO / "hack" / "kind-up"
 KIND_DOWN = REPO / "hack" / "kind-down"
-CLUSTER_NAME = "rljob-e2e"
+# The cluster the suite uses: its own by default; RLJOB_E2E_CLUSTER=rljob reuses the one
+# `hack/kind-up` made (kind-up is idempotent, and a cluster that existed before the suite is
+# left running).
+CLUSTER_NAME = os.environ.get("RLJOB_E2E_CLUSTER", "rljob-e2e")
 WORKERS = 2
 
 
@@ -76,6 +79,15 @@ class KindCluster:
 
     def start_node(self, node: str) -> None:
         run("podman", "start", node, timeout=120)
+
+
+def cluster_exists(name: str) -> bool:
+    """Whether kind's node containers of cluster `name` exist (kind labels them)."""
+    if shutil.which("podman") is None:
+        return False
+    proc = run("podman", "ps", "-aq", "--filter", f"label=io.x-k8s.kind.cluster={name}",
+               timeout=60, check=False)
+    return bool(proc.stdout.strip())
 
     def collect(self, label: str) -> Path:
         """Everything a reader needs to see why a run failed, as files."""
