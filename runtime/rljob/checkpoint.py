@@ -5,21 +5,38 @@ of SHA-256 digests is written last, and only then is the directory renamed to
 `step_XXXXXXXX` (rename is atomic on POSIX). A crash at any point leaves either the
 complete new checkpoint or none; readers only trust a directory whose files all match
 its manifest, so a torn or tampered checkpoint is skipped in favour of the one before.
+
+One writer at a time (store_lease): a store publishes only while its writer holds the
+store's lease, checked right before each publish, and never replaces a published
+checkpoint, so a writer that lost its lease (a driver left behind by a restart) can neither
+add a checkpoint nor remove one.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from rljob.store_lease import TTL_S, WAIT_S, LeaseHeld, LeaseLost, WriterLease, writer_identity
 
 MANIFEST = "MANIFEST.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+REJECTED_PREFIX = ".rejected-"
+
+__all__ = ["CheckpointConflict", "CheckpointStore", "LeaseHeld", "LeaseLost", "Verified",
+           "fsync_path", "step_of", "verify", "write_manifest"]
+
+
+class CheckpointConflict(Exception):
+    """The step is already published: a checkpoint is never replaced."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +104,24 @@ def verify(path: Path) -> Verified | None:
 
 
 class CheckpointStore:
-    """The checkpoints of one job under `root`."""
+    """The checkpoints of one job under `root`; `writer` names this process in the lease."""
 
-    def __init__(self, root: Path, keep_last: int) -> None:
+    def __init__(self, root: Path, keep_last: int, writer: str | None = None,
+                 lease_ttl_s: float = TTL_S, lease_wait_s: float = WAIT_S) -> None:
         self.root = root
         self.keep_last = keep_last
         root.mkdir(parents=True, exist_ok=True)
+        self.lease = WriterLease(root, writer or writer_identity(), lease_ttl_s)
+        self.lease_wait_s = lease_wait_s
+
+    def acquire(self, on_wait: Callable[[str], None] | None = None) -> None:
+        """Become the store's only writer, waiting for a live one up to the deadline
+        (LeaseHeld after it); `on_wait` hears once why it waits."""
+        self.lease.acquire(self.lease_wait_s, on_wait)
+
+    def release(self) -> None:
+        """Let the next writer in at once (a writer that just stops need not be outwaited)."""
+        self.lease.release()
 
     def begin(self, step: int) -> Path:
         """A fresh temporary directory for the checkpoint of `step`."""
@@ -101,7 +130,14 @@ class CheckpointStore:
         return tmp
 
     def commit(self, tmp: Path, step: int) -> Verified:
-        """Checksum, fsync and publish `tmp` as the checkpoint of `step`; prune old ones."""
+        """Checksum, fsync and publish `tmp` as the checkpoint of `step`; prune old ones.
+
+        Takes the lease first if this store has not (waiting as `acquire` does); raises
+        LeaseLost when another writer took the store over, and CheckpointConflict when
+        `step` is already published, leaving every published checkpoint as it was.
+        """
+        if self.lease.generation is None:
+            self.acquire()
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         entries: dict[str, dict[str, int | str]] = {}
         for f in files:
@@ -109,12 +145,22 @@ class CheckpointStore:
             entries[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "size": f.stat().st_size}
         write_manifest(tmp, step, entries)
         fsync_path(tmp)
+        self.lease.check()
         final = self.root / f"{PREFIX}{step:08d}"
         if final.exists():
-            # Only a checkpoint that failed verification can be here (resume starts past a
-            # verified one); move it aside so the rename stays atomic.
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+            if verify(final) is not None:
+                raise CheckpointConflict(
+                    f"checkpoint {final} is already published; a published checkpoint is "
+                    "never replaced (another writer saved this step)")
+            # Torn or corrupt (resume passed over it): kept aside as evidence, not deleted.
+            os.rename(final, self.root / f"{REJECTED_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(tmp, final)  # never replaces a directory that has files
+        except OSError as err:
+            if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise CheckpointConflict(
+                    f"checkpoint {final} appeared while publishing; not replaced") from None
+            raise
         fsync_path(self.root)
         verified = verify(final)
         if verified is None:

@@ -30,12 +30,19 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rljob import exit_codes, metrics_log, ray_node, whereabouts
-from rljob.checkpoint import CheckpointStore, Verified
+from rljob.checkpoint import (
+    CheckpointConflict,
+    CheckpointStore,
+    LeaseHeld,
+    LeaseLost,
+    Verified,
+)
 from rljob.engine.launcher import EngineProcess
 from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter, now
 from rljob.rollout import RolloutWorker
+from rljob.store_lease import writer_identity
 from rljob.tasks import DatasetError, load_task
 from rljob.tiny_model import BUILTIN_TINY, write_tiny
 from rljob.trainer.select import trainer_class
@@ -172,7 +179,8 @@ class Job:
         self.options = options
         self.reporter = reporter
         self.workdir = options.workdir
-        self.store = CheckpointStore(self.workdir / "checkpoints", spec.checkpoint.keep_last)
+        self.store = CheckpointStore(self.workdir / "checkpoints", spec.checkpoint.keep_last,
+                                     writer=writer_identity(attempt_number(dict(os.environ))))
         self.metrics_path = self.workdir / metrics_log.METRICS_FILE
         self.state = LoopState()
         self.pg: PlacementGroup | None = None
@@ -297,6 +305,16 @@ class Job:
             raise JobError(EXIT_INVALID, "\n".join(problems))
 
     # ---- checkpoints -------------------------------------------------------------------
+
+    def take_store(self) -> None:
+        """Become the checkpoint store's only writer before reading or writing it: a driver
+        of an earlier attempt that still runs is waited for, then this attempt gives up
+        (retryable: the next attempt finds the store free)."""
+        try:
+            self.store.acquire(on_wait=lambda why: print(f"checkpoints: {why}",
+                                                         file=sys.stderr, flush=True))
+        except LeaseHeld as err:
+            raise JobError(EXIT_FAILED, f"CheckpointStoreBusy: {err}") from None
 
     def resume(self) -> Verified | None:
         latest = self.store.latest()
@@ -438,6 +456,7 @@ class Job:
             raise JobError(EXIT_INVALID, str(err)) from None
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.take_store()
         model_dir = self.model_dir()
         self.place(model_dir)
         resumed = self.resume()
@@ -550,20 +569,25 @@ class Job:
         print("\n".join(lines), flush=True)
 
     def shutdown(self) -> None:
-        """Stop sidecars, engines and trainers, free the slots; stop Ray if this run started it."""
-        self.weight_sync.shutdown()
-        for handle, method in [*((e, "stop") for e in self.engines),
-                               *((t, "shutdown") for t in self.trainers)]:
-            with contextlib.suppress(ray.exceptions.RayError):  # already dead: nothing to stop
-                ray.get(getattr(handle, method).remote(), timeout=30)
-        for handle in [*self.engines, *self.trainers, *([self.rollout] if self.rollout else [])]:
-            ray.kill(handle)
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-        if self.started_ray:
-            ray.shutdown()
-        if self.node is not None:
-            self.node.stop()
+        """Stop sidecars, engines and trainers, free the slots; stop Ray if this run started it;
+        then let the next writer of the checkpoint store in."""
+        try:
+            self.weight_sync.shutdown()
+            for handle, method in [*((e, "stop") for e in self.engines),
+                                   *((t, "shutdown") for t in self.trainers)]:
+                with contextlib.suppress(ray.exceptions.RayError):  # already dead: nothing to stop
+                    ray.get(getattr(handle, method).remote(), timeout=30)
+            for handle in [*self.engines, *self.trainers,
+                           *([self.rollout] if self.rollout else [])]:
+                ray.kill(handle)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+            if self.started_ray:
+                ray.shutdown()
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            self.store.release()
 
 
 def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:
@@ -587,6 +611,11 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
         if err.code == EXIT_FAILED:
             job.fail(str(err).split(":", 1)[0], str(err), retryable=True)
         return err.code
+    except (LeaseLost, CheckpointConflict) as err:
+        # Another driver of this job owns the checkpoint store, and the job's status with it:
+        # this one stops without publishing or reporting anything more.
+        print(f"rljob run: CheckpointStoreLost: {err}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     except ray.exceptions.RayError as err:
         # A worker or engine died or raised: a restart from the checkpoint may help.
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)

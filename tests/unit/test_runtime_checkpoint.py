@@ -30,7 +30,7 @@ def test_commit_publishes_a_verified_directory_and_keeps_last_k(tmp_path: Path) 
     store = CheckpointStore(tmp_path, keep_last=2)
     for step in (1, 2, 3):
         _save(store, step)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003"]
     latest = store.latest()
     assert latest is not None and latest.step == 3 and latest.size_bytes > 1000
     assert len(latest.checksum) == 64
