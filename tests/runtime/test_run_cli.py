@@ -74,10 +74,12 @@ def test_colocated_ppo_with_disk_weight_sync(
     rows = metrics_log.read(workdir / "metrics.jsonl")
     assert [r["weight_version"] for r in rows] == [1, 2]
     assert rows[0]["value_loss"] > 0 and "eval_reward" in rows[1]
-    # versions as verified safetensors directories, the newest two kept, installed by the
-    # sidecar from disk
-    assert sorted(p.name for p in (workdir / "weights").iterdir()) == ["v00000001", "v00000002"]
-    assert (workdir / "weights" / "v00000002" / "model.safetensors.index.json").exists()
+    # versions as verified safetensors directories of this attempt, the newest two kept,
+    # installed by the sidecar from disk
+    (attempt,) = (workdir / "weights").iterdir()
+    assert attempt.name.startswith("attempt-")
+    assert sorted(p.name for p in attempt.iterdir()) == ["v00000001", "v00000002"]
+    assert (attempt / "v00000002" / "model.safetensors.index.json").exists()
     synced = metrics_log.read(workdir / "weight_sync.jsonl")
     assert [(r["version"], r["acked"]) for r in synced] == [(v, ["engine-0"]) for v in range(3)]
     final = workdir / "checkpoints" / "step_00000002"

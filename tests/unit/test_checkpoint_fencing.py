@@ -138,7 +138,7 @@ def test_a_live_writer_keeps_a_newcomer_out_until_its_deadline(
     writers.append(old)
     start = time.monotonic()
     newcomer = CheckpointStore(root, keep_last=10, writer="new-driver", lease_wait_s=4)
-    with pytest.raises(LeaseHeld, match="in use by old-driver.*retryable"):
+    with pytest.raises(LeaseHeld, match=r"in use by old-driver.*retryable"):
         newcomer.acquire()
     # Four TTLs passed: the holder's heartbeat kept its lease live all along.
     assert time.monotonic() - start >= 4

@@ -14,6 +14,7 @@ import torch
 
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup
+from rljob.weightsync.protocol import bucket_digest, pack_bucket, plan_buckets, version_digest
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 from tests.polling import wait_for
 from tests.weightsync.conftest import ENGINES, Cluster, http_json, tiny_model
@@ -197,8 +198,11 @@ def test_disk_mode_delivers_verified_safetensors_versions(
         cluster.publisher.config = dataclasses.replace(
             cluster.publisher.config, transport="broadcast", disk_dir=None
         )
-    assert [p.name for p in tmp_path.iterdir()] == [disk.version_dir(tmp_path, version).name]
-    assert (disk.version_dir(tmp_path, version) / disk.INDEX).exists()
+    # One directory of this publisher's attempt, holding the newest version only.
+    (attempt,) = tmp_path.iterdir()
+    assert attempt.name.startswith(disk.ATTEMPT_PREFIX)
+    assert [p.name for p in attempt.iterdir()] == [disk.version_dir(attempt, version).name]
+    assert (disk.version_dir(attempt, version) / disk.INDEX).exists()
 
 
 def test_restarted_trainer_resumes_at_its_version(cluster: Cluster, trainer: Trainer) -> None:
@@ -219,3 +223,51 @@ def test_restarted_trainer_resumes_at_its_version(cluster: Cluster, trainer: Tra
     assert result.acked == list(ENGINES), result.stale
     for name in ENGINES:
         assert cluster.version(name) == str(version)
+
+
+def _leave_versions(root: Path, versions: range, weights: dict[str, torch.Tensor]) -> None:
+    """What a crashed attempt leaves: complete, valid versions of other weights."""
+    named = list(weights.items())
+    plan = plan_buckets(named, 16 << 10)
+    digests = [bucket_digest(pack_bucket(b, [weights[m.name] for m in b.tensors])) for b in plan]
+    for v in versions:
+        disk.write_version(root, v, plan, weights, digests, version_digest(v, plan, digests))
+
+
+def test_a_resumed_publisher_installs_only_its_own_disk_versions(
+    cluster: Cluster, trainer: Trainer, tmp_path: Path
+) -> None:
+    """A driver crashed after publishing versions past its last checkpoint: the weights
+    directory holds those numbers with other weights, bare (the layout before attempts) and
+    in that attempt's directory. The resumed publisher starts at the checkpoint's version and
+    publishes the same numbers again; with the digest check off (nothing else would notice a
+    wrong directory) the engines still install only what this attempt wrote."""
+    resumed_at = trainer.version
+    crashed = {n: t.clone() for n, t in tiny_model(seed=4242).named_parameters()}
+    leftovers = range(resumed_at + 1, resumed_at + 3)
+    _leave_versions(tmp_path, leftovers, crashed)
+    _leave_versions(disk.attempt_dir(tmp_path, "crashed00000"), leftovers, crashed)
+    port = cluster.publisher.port
+    cluster.publisher.close()
+    cluster.publisher = WeightPublisher(
+        PublisherConfig(port=port, transport="disk", disk_dir=tmp_path, verify_digest=False,
+                        bucket_bytes=16 << 10, ack_timeout_s=60, join_timeout_s=20,
+                        probe_timeout_s=1),
+        start_version=resumed_at,
+    )
+    try:
+        cluster.publisher.wait_for_engines(len(ENGINES), timeout_s=60)
+        for _ in leftovers:
+            version = trainer.step()
+            result = cluster.publisher.publish(version, trainer.params().items())
+            assert result.acked == list(ENGINES), result.stale
+            for name in ENGINES:
+                assert cluster.version(name) == str(version)
+                assert_engine_matches(cluster, name, trainer.params())
+    finally:
+        cluster.publisher.config = dataclasses.replace(
+            cluster.publisher.config, transport="broadcast", disk_dir=None
+        )
+    # Only this attempt's versions remain.
+    (attempt,) = tmp_path.iterdir()
+    assert attempt == disk.attempt_dir(tmp_path, cluster.publisher.incarnation[:12])

@@ -4,6 +4,12 @@ One shard per bucket plus `model.safetensors.index.json`, so any HF loader (and 
 `/update_weights_from_disk`) reads it. A directory appears under its final name only when
 complete (written to a temporary name, fsynced, renamed), so an engine never loads half a
 version.
+
+Versions are namespaced by attempt: each publisher writes under `<root>/attempt-<token>/`,
+and before its first version it removes what earlier attempts left in `<root>`. A driver
+that crashed after publishing versions past its last checkpoint leaves directories whose
+numbers the resumed run publishes again with other weights; under its own namespace the
+resumed run never finds, reuses or announces them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,25 @@ from rljob.weightsync.protocol import BucketMeta, layout_to_json, pack_bucket
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "rljob-weights.json"
+ATTEMPT_PREFIX = "attempt-"
+
+
+def attempt_dir(root: Path, attempt: str) -> Path:
+    """Where the publisher of attempt `attempt` writes its versions."""
+    return root / f"{ATTEMPT_PREFIX}{attempt}"
+
+
+def clear_other_attempts(root: Path, attempt: str) -> list[Path]:
+    """Remove every version an earlier attempt left under `root` (its attempt directory, or
+    a bare `v…` directory of the layout before attempts); returns what was removed."""
+    if not root.exists():
+        return []
+    ours = attempt_dir(root, attempt).name
+    stale = [p for p in root.iterdir()
+             if p.name != ours and (p.name.startswith((ATTEMPT_PREFIX, "v", ".v")))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def version_dir(root: Path, version: int) -> Path:

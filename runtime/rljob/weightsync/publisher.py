@@ -130,7 +130,9 @@ class WeightPublisher:
             timeout_s=config.join_timeout_s,
         )
         self.port = int(self._store.port)
-        self._store.set(Keys.trainer, uuid.uuid4().hex)
+        self.incarnation = uuid.uuid4().hex
+        self._store.set(Keys.trainer, self.incarnation)
+        self._disk_ready: Path | None = None  # the disk_dir cleared of earlier attempts
         self._store.add(Keys.members, 0)
         self._members_seen = 0
         self._engines: dict[str, EngineRecord] = {}
@@ -292,9 +294,8 @@ class WeightPublisher:
             digests = [
                 bucket_digest(pack_bucket(b, [tensors[m.name] for m in b.tensors])) for b in plan
             ]
-            assert self.config.disk_dir is not None
             written = disk.write_version(
-                self.config.disk_dir,
+                self._disk_versions(),
                 self.version,
                 plan,
                 tensors,
@@ -302,7 +303,7 @@ class WeightPublisher:
                 version_digest(self.version, plan, digests),
                 self.config.config_json,
             )
-            disk.prune(self.config.disk_dir, self.config.keep_disk_versions)
+            disk.prune(self._disk_versions(), self.config.keep_disk_versions)
             path = str(written)
         announcement = Announcement(
             seq=seq,
@@ -356,6 +357,19 @@ class WeightPublisher:
         if not all(ok for ok, _ in outcome.values()):
             self._drop_group()
         return outcome
+
+    def _disk_versions(self) -> Path:
+        """This publisher's own version directory; before its first use, whatever earlier
+        attempts left next to it is removed (they may hold the same numbers, other weights)."""
+        root = self.config.disk_dir
+        assert root is not None
+        if self._disk_ready != root:
+            removed = disk.clear_other_attempts(root, self.incarnation[:12])
+            if removed:
+                log.info("removed %d version directories of earlier attempts in %s",
+                         len(removed), root)
+            self._disk_ready = root
+        return disk.attempt_dir(root, self.incarnation[:12])
 
     def _staging(self, bucket: BucketMeta, device: torch.device) -> torch.Tensor:
         """The send buffer of `bucket`, kept while the layout stays (padding stays zero)."""
