@@ -133,6 +133,7 @@ class ControlPlane:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="rljob-k8s-")))
     processes: dict[str, Process] = field(default_factory=dict)
     api_port: int = 0
+    api_args: list[str] = field(default_factory=list)
 
     @property
     def pki(self) -> Path:
@@ -151,7 +152,7 @@ class ControlPlane:
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Process:
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as out:
+        with log.open("ab") as out:  # a restarted component appends to its log
             popen = subprocess.Popen(
                 args,
                 stdout=out,
@@ -218,31 +219,35 @@ class ControlPlane:
         (self.root / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
         self.api_port = free_port()
         p = self.pki
-        api = self._spawn(
-            "kube-apiserver",
-            [
-                str(self.bins / "kube-apiserver"),
-                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                f"--secure-port={self.api_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                f"--tls-cert-file={p / 'apiserver.crt'}",
-                f"--tls-private-key-file={p / 'apiserver.key'}",
-                f"--client-ca-file={p / 'ca.crt'}",
-                f"--token-auth-file={self.root / 'tokens.csv'}",
-                "--authorization-mode=RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={p / 'sa.pub'}",
-                f"--service-account-signing-key-file={p / 'sa.key'}",
-                "--service-cluster-ip-range=10.0.0.0/24",
-                "--allow-privileged=true",
-                f"--cert-dir={self.root / 'apiserver-certs'}",
-                "--profiling=false",
-                "--enable-priority-and-fairness=false",
-                "--endpoint-reconciler-type=none",
-            ],
-        )
+        self.api_args = [
+            str(self.bins / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            f"--secure-port={self.api_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--tls-cert-file={p / 'apiserver.crt'}",
+            f"--tls-private-key-file={p / 'apiserver.key'}",
+            f"--client-ca-file={p / 'ca.crt'}",
+            f"--token-auth-file={self.root / 'tokens.csv'}",
+            "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={p / 'sa.pub'}",
+            f"--service-account-signing-key-file={p / 'sa.key'}",
+            "--service-cluster-ip-range=10.0.0.0/24",
+            "--allow-privileged=true",
+            f"--cert-dir={self.root / 'apiserver-certs'}",
+            "--profiling=false",
+            "--enable-priority-and-fairness=false",
+            "--endpoint-reconciler-type=none",
+        ]
         self._write_kubeconfig()
+        self.start_apiserver(timeout, etcd)
+
+    def start_apiserver(self, timeout: float = 90, etcd: Process | None = None) -> None:
+        """(Re)start kube-apiserver with the arguments `start_core` chose: same port, same
+        certificates and etcd, so clients and their kubeconfig keep working."""
+        etcd = etcd or self.processes["etcd"]
+        api = self._spawn("kube-apiserver", self.api_args)
 
         def ready() -> bool:
             self._alive(etcd)
@@ -256,6 +261,11 @@ class ControlPlane:
             what="kube-apiserver /readyz",
             describe=lambda: api.tail(),
         )
+
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver, as an outage of the control plane; etcd keeps the objects
+        and `start_apiserver` brings it back. Connections are refused until then."""
+        self.stop_process("kube-apiserver")
 
     def _write_kubeconfig(self) -> None:
         ca = base64.b64encode((self.pki / "ca.crt").read_bytes()).decode()

@@ -7,12 +7,23 @@ attempt resumed from (`resumed`) is reported by the runtime that loaded it, beca
 it knows: the operator derives its recovery figures from that report. Non-finite figures
 cannot travel in JSON: they are left out and named in `progress.nonFinite`, never replaced
 by a number.
+
+Writing status must never cost training: a StatusReporter hands every report to a writer
+thread and returns. The thread applies the latest state of every field (a report made
+while an older one is still pending replaces it: latest state wins), with a bounded
+request timeout, and retries with capped exponential backoff while the API server is
+unreachable or refuses. A report waits a moment for its write only while the API server
+answers (so a healthy cluster shows it as soon as the call returns) and not at all during an
+outage. At exit the owner flushes with a deadline; what cannot be written by then is lost,
+never waited for.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
+import threading
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
@@ -25,6 +36,11 @@ ENV_NAMESPACE = env.JOB_NAMESPACE
 # Fields a restarted runtime carries over from its predecessor (same field manager): an
 # apply without them would remove them. `runtimeFailure` is not: a new attempt starts clean.
 CARRIED_OVER = ("progress", "checkpoint", "resumed")
+REQUEST_TIMEOUT_S = 5.0  # one request to the API server, to connect and to answer
+SETTLE_S = 1.0  # the longest a report waits for its write while the API server answers
+BACKOFF_S = (0.5, 15.0)  # first and longest pause between failed writes
+FLUSH_TIMEOUT_S = 10.0  # what `rljob run` gives the last writes at exit
+IDLE_S = 30.0  # a writer thread with nothing to write ends; the next report starts one
 
 
 def now() -> str:
@@ -48,6 +64,7 @@ class Reporter(Protocol):
     def checkpoint(self, checkpoint: CheckpointStatus) -> None: ...
     def resumed(self, resumed: ResumeReport) -> None: ...
     def failure(self, failure: RuntimeFailure) -> None: ...
+    def close(self, timeout_s: float) -> bool: ...
 
 
 class PrintReporter:
@@ -65,16 +82,21 @@ class PrintReporter:
     def failure(self, failure: RuntimeFailure) -> None:
         print(f"failure: {failure.reason}: {failure.message}", flush=True)
 
+    def close(self, timeout_s: float) -> bool:
+        return True  # everything was printed when it was reported
+
 
 class StatusReporter:
-    """Server-side applies the runtime's status fields of one RLJob.
+    """Server-side applies the runtime's status fields of one RLJob, from a writer thread.
 
     An apply removes the fields its manager applied before and left out now, so every
     apply carries everything the runtime owns (the last progress, checkpoint and failure);
     a restarted runtime first reads back what its predecessor reported.
     """
 
-    def __init__(self, name: str, namespace: str, api_client: Any = None) -> None:
+    def __init__(self, name: str, namespace: str, api_client: Any = None, *,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, settle_s: float = SETTLE_S,
+                 backoff_s: tuple[float, float] = BACKOFF_S) -> None:
         from kubernetes import client, config
 
         if api_client is None:
@@ -86,7 +108,19 @@ class StatusReporter:
         self.name = name
         self.namespace = namespace
         self.api = client.CustomObjectsApi(api_client)
-        self._owned: dict[str, Any] | None = None
+        self.request_timeout_s = request_timeout_s
+        self.settle_s = settle_s
+        self.backoff_s = backoff_s
+        self._carried: dict[str, Any] | None = None  # read back from a predecessor
+        self._reported: dict[str, Any] = {}  # the latest value of every field reported
+        self._version = 0  # bumped by every report
+        self._written = 0  # the report the API server last accepted
+        self._healthy = True  # the last write succeeded (or none was tried)
+        self._closed = False
+        self._failures = 0  # writes failed in a row
+        self.last_error = ""
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_env(cls) -> StatusReporter | None:
@@ -96,20 +130,96 @@ class StatusReporter:
             return None
         return cls(name, os.environ.get(ENV_NAMESPACE, "default"))
 
+    # ---- the caller's side: never blocks for more than `settle_s` -----------------------
+
+    def _report(self, fields: dict[str, Any]) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._reported.update(fields)
+            self._version += 1
+            mine = self._version
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rljob-status",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+            if self._healthy and self.settle_s > 0:
+                self._cond.wait_for(lambda: self._written >= mine or not self._healthy,
+                                    timeout=self.settle_s)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until everything reported is written; True if it is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._written >= self._version, timeout=timeout_s)
+
+    def close(self, timeout_s: float) -> bool:
+        """Flush with a deadline, then stop the writer; later reports are dropped."""
+        flushed = self.flush(timeout_s)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if not flushed:
+            print(f"status: the last status report was not written within {timeout_s:.0f}s "
+                  f"({self.last_error}); giving up on it", file=sys.stderr, flush=True)
+        return flushed
+
+    # ---- the writer thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = self.backoff_s[0]
+        while True:
+            with self._cond:
+                busy = self._cond.wait_for(
+                    lambda: self._closed or self._version > self._written, timeout=IDLE_S)
+                if self._closed or not busy:
+                    self._thread = None  # idle: the next report starts a writer again
+                    return
+                version, fields = self._version, dict(self._reported)
+            try:
+                self._apply(fields)
+            except Exception as err:  # any API or network error: retried, never raised
+                self._failed(err, delay)
+                with self._cond:
+                    self._cond.wait_for(lambda: self._closed, timeout=delay)
+                delay = min(delay * 2, self.backoff_s[1])
+                continue
+            with self._cond:
+                self._written = max(self._written, version)
+                self._healthy = True
+                self._cond.notify_all()
+            if self._failures:
+                print(f"status: written again after {self._failures} failed attempt(s)",
+                      file=sys.stderr, flush=True)
+                self._failures = 0
+            delay = self.backoff_s[0]
+
+    def _failed(self, err: Exception, delay: float) -> None:
+        reason = getattr(err, "reason", None) or type(err).__name__
+        status = getattr(err, "status", None)
+        self.last_error = f"{status} {reason}".strip() if status else str(reason)[:300]
+        with self._cond:
+            self._healthy = False
+            self._cond.notify_all()
+        self._failures += 1
+        if self._failures == 1:
+            print(f"status: cannot write the status of RLJob {self.namespace}/{self.name} "
+                  f"({self.last_error}); retrying with backoff, training goes on",
+                  file=sys.stderr, flush=True)
+
     def _apply(self, fields: dict[str, Any]) -> None:
-        if self._owned is None:
+        timeout = (self.request_timeout_s, self.request_timeout_s)
+        if self._carried is None:
             obj = self.api.get_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
             )
             current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
-            self._owned = {k: current[k] for k in CARRIED_OVER if k in current}
-        self._owned.update(fields)
-        status = dict(self._owned)
+            self._carried = {k: current[k] for k in CARRIED_OVER if k in current}
         body = {
             "apiVersion": API_VERSION,
             "kind": KIND,
             "metadata": {"name": self.name, "namespace": self.namespace},
-            "status": status,
+            "status": {**self._carried, **fields},
         }
         self.api.patch_namespaced_custom_object_status(
             GROUP,
@@ -121,16 +231,19 @@ class StatusReporter:
             field_manager=FIELD_MANAGER,
             force=True,
             _content_type="application/apply-patch+yaml",
+            _request_timeout=timeout,
         )
 
+    # ---- what the runtime reports -----------------------------------------------------
+
     def progress(self, progress: Progress) -> None:
-        self._apply({"progress": finite_progress(progress)})
+        self._report({"progress": finite_progress(progress)})
 
     def checkpoint(self, checkpoint: CheckpointStatus) -> None:
-        self._apply({"checkpoint": checkpoint.model_dump(by_alias=True, exclude_none=True)})
+        self._report({"checkpoint": checkpoint.model_dump(by_alias=True, exclude_none=True)})
 
     def resumed(self, resumed: ResumeReport) -> None:
-        self._apply({"resumed": resumed.model_dump(by_alias=True, exclude_none=True)})
+        self._report({"resumed": resumed.model_dump(by_alias=True, exclude_none=True)})
 
     def failure(self, failure: RuntimeFailure) -> None:
-        self._apply({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})
+        self._report({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})

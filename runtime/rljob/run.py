@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from rljob.exit_codes import INVALID as EXIT_INVALID
-from rljob.report import PrintReporter, Reporter, StatusReporter
+from rljob.report import FLUSH_TIMEOUT_S, PrintReporter, Reporter, StatusReporter
 from rljob_api.validate import InvalidJob, load_job
 
 DEFAULT_WORKDIR = Path("runs")
@@ -62,4 +62,8 @@ def run_command(args: argparse.Namespace) -> int:
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
     options = RunOptions(workdir, args.max_steps, args.ray_address, args.join)
-    return run_job(name, spec, options, reporter)
+    try:
+        return run_job(name, spec, options, reporter)
+    finally:
+        # The last reports (a failure, a stop) matter most; the API server gets a deadline.
+        reporter.close(FLUSH_TIMEOUT_S)

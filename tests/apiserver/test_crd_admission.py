@@ -87,6 +87,7 @@ def test_status_subresource_and_printer_columns(
             step=5, path="/checkpoints/cols/step-5", verified=True, saved_at="2026-01-01T00:00:00Z"
         )
     )
+    assert reporter.flush(30)  # reports are written by the reporter's own thread
     cols = _columns(cp, namespace, "cols")
     assert cols["PHASE"] == "Running"
     assert cols["STEP"] == "7"
@@ -99,6 +100,7 @@ def test_status_subresource_and_printer_columns(
     assert FIELD_MANAGER in managers
     # A later progress report keeps the checkpoint the same manager applied earlier.
     reporter.progress(Progress(rollout_step=8, mean_reward=float("nan")))
+    assert reporter.flush(30)
     status = cp.get_json("rljob", "cols", "-n", namespace)["status"]
     assert status["checkpoint"]["step"] == 5
     assert status["progress"]["rolloutStep"] == 8

@@ -43,6 +43,9 @@ class RecordingReporter:
     def failure(self, failure: RuntimeFailure) -> None:
         self.failures.append(failure)
 
+    def close(self, timeout_s: float) -> bool:
+        return True
+
 
 @pytest.fixture
 def reporter() -> Any:
