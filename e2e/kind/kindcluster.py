@@ -81,14 +81,6 @@ class KindCluster:
         run("podman", "start", node, timeout=120)
 
 
-def cluster_exists(name: str) -> bool:
-    """Whether kind's node containers of cluster `name` exist (kind labels them)."""
-    if shutil.which("podman") is None:
-        return False
-    proc = run("podman", "ps", "-aq", "--filter", f"label=io.x-k8s.kind.cluster={name}",
-               timeout=60, check=False)
-    return bool(proc.stdout.strip())
-
     def collect(self, label: str) -> Path:
         """Everything a reader needs to see why a run failed, as files."""
         out = self.artifacts / label
@@ -120,3 +112,12 @@ def cluster_exists(name: str) -> bool:
                     suffix = ".previous" if previous else ""
                     (out / f"logs-{ns}-{pod}{suffix}.txt").write_text(proc.stdout)
         return out
+
+
+def cluster_exists(name: str) -> bool:
+    """Whether kind's node containers of cluster `name` exist (kind labels them)."""
+    if shutil.which("podman") is None:
+        return False
+    proc = run("podman", "ps", "-aq", "--filter", f"label=io.x-k8s.kind.cluster={name}",
+               timeout=60, check=False)
+    return bool(proc.stdout.strip())

@@ -98,6 +98,7 @@ def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason
         assert resumed["path"] == checkpoint["path"], (rec, checkpoint)
 
 
+@pytest.mark.timeout(2700)  # three recoveries, one waiting out a lost node's grace periods
 def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
         collect_on_failure: KindCluster) -> None:
     cluster = collect_on_failure
