@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -105,7 +107,10 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
     job = labels[names.LABEL_JOB]
     hint = pod_failure(dict(body))
     if hint is not None:
-        memo.hints.record(namespace, job, name, hint)
+        # When it was seen: a failure during a start-up (a crash loop) is told from an
+        # older one by this time.
+        seen = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        memo.hints.record(namespace, job, name, replace(hint, seen_at=seen))
     memo.controller.kick((namespace, job))
 
 

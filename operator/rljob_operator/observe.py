@@ -27,6 +27,31 @@ class FailureHint:
     # tells a doomed job (invalid, non-finite) from one a restart can help.
     exit_code: int | None = None
     started_at: str | None = None
+    seen_at: str | None = None  # when the operator saw it (set by the watch handler)
+
+
+# Container waiting reasons that block a start and do not clear by waiting: an image that
+# cannot be pulled, a container that keeps crashing or cannot be created. Both image pull
+# reasons read as one (the kubelet alternates between them), so the condition holds still.
+STUCK_REASONS: Mapping[str, str] = {
+    "ErrImagePull": "ImagePullBackOff",
+    "ImagePullBackOff": "ImagePullBackOff",
+    "InvalidImageName": "InvalidImageName",
+    "ErrImageNeverPull": "ImagePullBackOff",
+    "CrashLoopBackOff": "CrashLoopBackOff",
+    "CreateContainerConfigError": "CreateContainerConfigError",
+    "CreateContainerError": "CreateContainerError",
+    "RunContainerError": "RunContainerError",
+}
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A container of a pod that cannot start, in the kubelet's words."""
+
+    reason: str  # one of STUCK_REASONS' values
+    container: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -40,6 +65,8 @@ class PodView:
     failure: FailureHint | None
     unschedulable: str | None
     annotations: Mapping[str, str] = field(default_factory=dict)
+    stuck: Stuck | None = None
+    waiting: str | None = None  # first waiting reason of a container, e.g. ContainerCreating
 
     @property
     def restarts(self) -> int | None:
@@ -90,6 +117,25 @@ def _terminated(pod: Obj) -> Obj | None:
     return None
 
 
+def _waiting(pod: Obj) -> tuple[Stuck | None, str | None]:
+    """The first container (init containers first) that cannot start, and the first waiting
+    reason of any container (what a pod that is not running yet is doing)."""
+    status = pod.get("status") or {}
+    first: str | None = None
+    for statuses in (status.get("initContainerStatuses"), status.get("containerStatuses")):
+        for cs in statuses or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            reason = waiting.get("reason")
+            if not reason:
+                continue
+            first = first or reason
+            if reason in STUCK_REASONS:
+                image = f" (image {cs['image']})" if cs.get("image") else ""
+                detail = f"{reason}{image}: {waiting.get('message') or reason}"
+                return Stuck(STUCK_REASONS[reason], str(cs.get("name") or ""), detail), first
+    return None, first
+
+
 def pod_failure(pod: Obj) -> FailureHint | None:
     """Why a pod failed, if it did: evicted, failed phase, or a dead first container."""
     status = pod.get("status") or {}
@@ -116,6 +162,7 @@ def pod_view(pod: Obj) -> PodView:
     if scheduled and scheduled.get("status") == "False":
         unschedulable = scheduled.get("message") or scheduled.get("reason") or "not scheduled"
     ready = _condition(pod, "Ready")
+    stuck, waiting = _waiting(pod)
     return PodView(
         name=meta["name"],
         component=(meta.get("labels") or {}).get(names.LABEL_COMPONENT, ""),
@@ -126,6 +173,8 @@ def pod_view(pod: Obj) -> PodView:
         failure=pod_failure(pod),
         unschedulable=unschedulable,
         annotations=dict(meta.get("annotations") or {}),
+        stuck=stuck,
+        waiting=waiting,
     )
 
 

@@ -11,6 +11,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from rljob_api.spec import RLJobSpec
@@ -34,8 +35,13 @@ class FailureHints:
         self._lock = threading.Lock()
 
     def record(self, namespace: str, job: str, pod: str, hint: FailureHint) -> None:
+        """Remember a pod's failure; a pod seen failed again (every watch re-list repeats its
+        events) keeps the time it was first seen."""
         with self._lock:
             per_job = self._hints.setdefault((namespace, job), {})
+            known = per_job.get(pod)
+            if known is not None and known.seen_at is not None:
+                hint = replace(hint, seen_at=known.seen_at)
             per_job[pod] = hint
             while len(per_job) > MAX_HINTS_PER_JOB:
                 per_job.pop(next(iter(per_job)))

@@ -14,7 +14,7 @@ and are only read here. What a restart resumed from is never predicted: it is de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,8 +29,11 @@ from rljob_operator.builders import checkpoint_claim_name, claim_names, worker_g
 from rljob_operator.observe import Observed, PodView
 
 Obj = dict[str, Any]
-OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startedAt",
-                   "finishedAt")
+OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
+                   "startedAt", "finishedAt")
+# Phases in which an attempt is starting: the start-up deadline runs.
+STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
+                             Phase.recovering.value})
 # What the operator decides itself in status.recovery; the last two are derived from the
 # runtime's report each time (resume_figures).
 RECOVERY_FIELDS = ("restarts", "maxRestarts", "lastFailure", "action", "nextAttemptAt")
@@ -94,6 +97,15 @@ class Failure:
     message: str
     pod: str | None
     retryable: bool = True  # False: the job fails at once with `kind` as the reason
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What keeps an attempt from starting: a condition reason and a message naming pods."""
+
+    reason: str
+    message: str
+    pod: str | None = None
 
 
 @dataclass(frozen=True)
@@ -224,11 +236,14 @@ class _Decider:
         self.phase = self.cur.get("phase")
         self.recovery: Obj = dict(self.cur.get("recovery") or {})
         self.restarts = int(self.recovery.get("restarts") or 0)
+        observed = self.cur.get("observedGeneration")
+        # The spec was edited since the last status write: a start-up begins afresh.
+        self.edited = observed is not None and observed != job.generation
 
     # -- status assembly -------------------------------------------------------------------
 
     def status(self, phase: str, conditions: list[tuple[str, str, str, str]],
-               recovery: Obj, finished: bool = False) -> Obj:
+               recovery: Obj, finished: bool = False, since: str | None = None) -> Obj:
         old = list(self.cur.get("conditions") or [])
         out: Obj = {
             "phase": phase,
@@ -237,6 +252,8 @@ class _Decider:
                            for k, s, r, m in conditions],
             "recovery": {k: v for k, v in recovery.items() if v is not None},
         }
+        if since is not None and phase in STARTING_PHASES:
+            out["startingSince"] = since
         started = self.cur.get("startedAt")
         if started is None and phase == Phase.running.value:
             started = iso(self.now)
@@ -396,10 +413,12 @@ class _Decider:
         message = (f"{failure.kind} (pod {failure.pod}): {failure.message}; restart "
                    f"{restart}/{spec.recovery.max_restarts} in {delay}s; the runtime resumes "
                    "from its latest verified checkpoint")
+        since = self.starting_since(rec["nextAttemptAt"])
         status = self.status(Phase.recovering.value, [
             ("Ready", "False", failure.kind, message),
             *self.scheduling_conditions(),
-        ], rec)
+            self.started_condition(since, None),
+        ], rec, since=since)
         driver = self.obs.driver
         stranded = self.stranded_pods()
         failed = tuple(p.name for p in self.obs.compute if p.failure is not None)
@@ -410,6 +429,115 @@ class _Decider:
         )
         return Decision(status, actions, Event("Warning", "Recovering", message),
                         requeue_after=float(delay), restart=failure)
+
+    # -- start-up deadline -----------------------------------------------------------------
+
+    def starting_since(self, recovering_from: str | None = None) -> str:
+        """When the current start-up began: kept from the status, unless the spec was edited
+        since (a fix restarts the clock); a restart's start-up begins when its backoff ends."""
+        stored = self.cur.get("startingSince")
+        if stored and not self.edited and parse_time(stored) is not None:
+            return str(stored)
+        due = parse_time(recovering_from)
+        return iso(max(self.now, due) if due is not None else self.now)
+
+    def deadline(self, since: str) -> datetime | None:
+        spec = self.job.spec
+        assert spec is not None
+        start = parse_time(since)
+        timeout = spec.recovery.startup_timeout_seconds
+        if timeout <= 0 or start is None:
+            return None
+        return start + timedelta(seconds=timeout)
+
+    def startup_problem(self, since: str) -> Problem | None:
+        """The first thing blocking start-up, most specific first: containers that cannot
+        start (image pulls, crashes), compute pods failing while starting, unschedulable
+        pods. The pods are named, with the kubelet's or scheduler's words."""
+        obs = self.obs
+        driver = obs.driver if obs.driver is not None and not obs.driver.deleting else None
+        pods = [p for p in obs.compute if not p.deleting] + ([driver] if driver else [])
+        stuck = [p for p in pods if p.stuck is not None]
+        if stuck:
+            first = stuck[0].stuck
+            assert first is not None
+            same = [p.name for p in stuck if p.stuck is not None
+                    and p.stuck.reason == first.reason]
+            return Problem(first.reason, f"{first.reason} in pod(s) {_pod_list(same)}: "
+                           f"container {first.container}: {first.message}", stuck[0].name)
+        started = parse_time(since)
+        failed = {p.name: p.failure for p in obs.compute if p.failure is not None}
+        present = {p.name for p in obs.compute}
+        for name, hint in obs.hints.items():
+            seen = parse_time(hint.seen_at)
+            if name not in present and seen is not None and started is not None \
+                    and seen >= started and name != names.driver_name(self.job.name):
+                failed[name] = hint
+        if failed:
+            pod_names = sorted(failed)
+            detail = failed[pod_names[0]]
+            assert detail is not None
+            return Problem("CrashLoop", f"{len(pod_names)} compute pod(s) failed while "
+                           f"starting ({_pod_list(pod_names)}): {detail.message}; KubeRay "
+                           "replaces them, so this repeats until the cause is fixed",
+                           pod_names[0])
+        unschedulable = [p for p in pods if p.unschedulable]
+        if unschedulable:
+            spec = self.job.spec
+            assert spec is not None
+            return Problem("Unschedulable", unschedulable_message(
+                unschedulable, claim_names(self.job.name, spec),
+                checkpoint_claim_name(self.job.name, spec)), unschedulable[0].name)
+        return None
+
+    def waiting_for(self) -> str:
+        """What start-up still waits for, when nothing in particular blocks it."""
+        live = self.obs.live_compute()
+        running = [p for p in live if p.phase == "Running" and p.ready]
+        out = f"{len(running)} of {sum(self.expected().values())} compute pods run"
+        driver = self.obs.driver
+        if driver is not None and not driver.deleting:
+            how = f" ({driver.waiting})" if driver.waiting else ""
+            out += f"; the driver pod {driver.name} is {driver.phase}{how}"
+        else:
+            out += "; the driver pod is not created yet"
+        return out
+
+    def started_condition(self, since: str, problem: Problem | None) -> tuple[str, str, str,
+                                                                               str]:
+        deadline = self.deadline(since)
+        assert self.job.spec is not None
+        timeout = self.job.spec.recovery.startup_timeout_seconds
+        when = (f"start-up began at {since}; the job fails at {iso(deadline)} unless it has "
+                f"started (spec.recovery.startupTimeoutSeconds: {timeout})"
+                if deadline is not None else
+                f"start-up began at {since}; no deadline (spec.recovery.startupTimeoutSeconds: "
+                "0)")
+        if problem is not None:
+            return ("Started", "False", problem.reason, f"{problem.message}; {when}")
+        return ("Started", "False", "Starting", f"{self.waiting_for()}; {when}")
+
+    def startup_failed(self, since: str, problem: Problem | None) -> Decision:
+        """Past the start-up deadline: Failed with what blocked it."""
+        assert self.job.spec is not None
+        timeout = self.job.spec.recovery.startup_timeout_seconds
+        if problem is None:
+            driver = self.obs.driver
+            reason = ("DriverNotStarted" if driver is not None and self.compute_ready()
+                      else "StartupTimeout")
+            problem = Problem(reason, self.waiting_for(),
+                              driver.name if driver is not None else None)
+        message = (f"the job did not start within {timeout}s of {since} "
+                   f"(spec.recovery.startupTimeoutSeconds): {problem.message}")
+        last: Obj = {"reason": problem.reason, "message": message, "time": iso(self.now)}
+        if problem.pod:
+            last["pod"] = problem.pod
+        decision = self.fail(problem.reason, message, last)
+        driver = self.obs.driver
+        # A driver that never got going is no evidence: it goes, with what it holds.
+        stop = driver is not None and not driver.deleting and driver.phase in {"Pending",
+                                                                                "Running"}
+        return replace(decision, actions=replace(decision.actions, delete_driver=stop))
 
     # -- the normal path -------------------------------------------------------------------
 
@@ -503,9 +631,21 @@ class _Decider:
             action = None
         rec = self.base_recovery(action, next_at)
         ready_cond = ("Ready", "True", "Running", "the driver and every compute pod run")
+        started = ("Started", "True", "Started", "the driver and every compute pod run")
+        since: str | None = None
         if phase != Phase.running.value:
             ready_cond = ("Ready", "False", action or phase, f"phase {phase}")
-        status = self.status(phase, [ready_cond, *self.scheduling_conditions()], rec)
+            since = self.starting_since(next_at if recovering else None)
+            problem = self.startup_problem(since)
+            deadline = self.deadline(since)
+            if deadline is not None and self.now >= deadline:
+                return self.startup_failed(since, problem)
+            if deadline is not None:
+                left = (deadline - self.now).total_seconds()
+                requeue = left if requeue is None else min(requeue, left)
+            started = self.started_condition(since, problem)
+        status = self.status(phase, [ready_cond, *self.scheduling_conditions(), started], rec,
+                             since=since)
         actions = Actions(
             create_cluster=self.obs.cluster == "absent",
             create_driver=create_driver,

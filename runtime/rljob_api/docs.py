@@ -192,8 +192,9 @@ def render_reference() -> str:
         "## status",
         "",
         "Written by the operator (`phase`, `conditions`, `observedGeneration`, `recovery`, "
-        "`startedAt`, `finishedAt`) and by the job's runtime (`progress`, `checkpoint`, "
-        "`runtimeFailure`). Read it with `kubectl get rljob NAME -o yaml`.",
+        "`startingSince`, `startedAt`, `finishedAt`) and by the job's runtime (`progress`, "
+        "`checkpoint`, `resumed`, `runtimeFailure`). Read it with `kubectl get rljob NAME -o "
+        "yaml`.",
         "",
         *_table(walk(status_schema(), "status", (), None), with_default=False),
         "",

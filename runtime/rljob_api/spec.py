@@ -358,6 +358,19 @@ class RecoverySpec(ApiModel):
         max_length=8,
         description="Failures that trigger a restart; any other failure fails the job.",
     )
+    startup_timeout_seconds: int = Field(
+        600,
+        ge=0,
+        le=604800,
+        description=(
+            "Deadline for an attempt to start, from when the operator starts the job, resumes "
+            "it, sees a spec edit, or ends a restart's backoff, until the driver and every "
+            "compute pod run. "
+            "What blocks start-up (image pull errors, crash loops, unschedulable pods, a driver "
+            "that does not start) is shown in the `Started` condition at once; past the deadline "
+            "the job fails with that reason. 0: no deadline."
+        ),
+    )
 
 
 class Toleration(ApiModel):

@@ -1,7 +1,7 @@
 """The RLJob status: what the operator and the runtime report.
 
 Ownership is split by field manager: the operator writes `phase`, `conditions`,
-`observedGeneration`, `recovery`, `startedAt` and `finishedAt`; the runtime writes
+`observedGeneration`, `recovery`, `startingSince`, `startedAt` and `finishedAt`; the runtime writes
 `progress`, `checkpoint`, `resumed` and `runtimeFailure` (server-side apply). Neither
 overwrites the other's fields. Facts about training (what was saved, what was loaded) come
 only from the runtime; the operator derives its recovery figures from them.
@@ -161,6 +161,14 @@ class RLJobStatus(ApiModel):
     )
     runtime_failure: RuntimeFailure | None = Field(
         None, description="A failure diagnosed by the runtime (runtime)."
+    )
+    starting_since: Timestamp | None = Field(
+        None,
+        description=(
+            "When the current start-up began (operator): creation, resumption, a spec edit or "
+            "the end of a restart's backoff; the start-up deadline is this plus "
+            "spec.recovery.startupTimeoutSeconds. Unset while the job runs."
+        ),
     )
     started_at: Timestamp | None = Field(None, description="When the job first ran.")
     finished_at: Timestamp | None = Field(None, description="When it succeeded or failed.")

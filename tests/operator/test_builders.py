@@ -217,7 +217,9 @@ def test_without_checkpoint_pvc_every_pod_mounts_the_operators_shared_claim() ->
         (volume,) = [v for v in pod["volumes"] if v["name"] == "checkpoints"]
         assert volume == {"name": "checkpoints",
                           "persistentVolumeClaim": {"claimName": "rl-checkpoints"}}
-        assert not any("emptyDir" in v for v in pod["volumes"] if v["name"] != "dshm")
+        # Only /dev/shm and the engines' /tmp handoff are pod-local; never the checkpoints.
+        assert not any("emptyDir" in v for v in pod["volumes"]
+                       if v["name"] not in {"dshm", builders.HANDOFF_VOLUME})
     for name, container in _all_containers(s).items():
         assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"], name
 

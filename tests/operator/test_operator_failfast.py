@@ -1,20 +1,26 @@
 """Jobs that cannot succeed fail fast on a real control plane: a driver exiting with the
-runtime's "invalid job" code is not restarted."""
+runtime's "invalid job" code is not restarted; pods that cannot be placed or started, and a
+driver that never starts, are named in the `Started` condition at once and fail the job at
+its start-up deadline."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from tests.controlplane import ControlPlane
+from tests.operator.hand_kubelet import hand_node, report_containers
 from tests.operator.harness import job_manifest
-from tests.operator.jobs import patch_pod_phase, pods, wait_phase
+from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import Operator
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.controlplane
 Pool = Callable[[int, int], list[str]]
+Obj = dict[str, Any]
 
 
 def test_driver_exit_2_fails_the_job_at_once_and_keeps_the_driver(
@@ -40,3 +46,93 @@ def test_driver_exit_2_fails_the_job_at_once_and_keeps_the_driver(
     reasons = [e["reason"] for e in cluster.get_json(
         "events", "-n", namespace, "--field-selector", "involvedObject.name=doom")["items"]]
     assert "Recovering" not in reasons and "Failed" in reasons
+
+
+def _started(cp: ControlPlane, ns: str, name: str, reason: str,
+             saying: str = "") -> Callable[[], Obj | None]:
+    """A probe for the job's Started condition with `reason` and a message with `saying`."""
+    def probe() -> Obj | None:
+        conds = {c["type"]: c for c in status(cp, ns, name).get("conditions", [])}
+        found = conds.get("Started")
+        ok = found and found["reason"] == reason and saying in found["message"]
+        return found if ok else None
+    return probe
+
+
+def _gone(cp: ControlPlane, kind: str, name: str, ns: str) -> bool:
+    return bool(cp.kubectl("get", kind, name, "-n", ns, check=False).returncode != 0)
+
+
+def test_unschedulable_pods_are_named_at_once_then_fail_the_job_at_its_deadline(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    gpu_pool(1, 3)  # the job needs 4 GPUs
+    recovery = {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 2,
+                "startupTimeoutSeconds": 20}
+    cluster.apply(job_manifest("big", namespace, recovery=recovery), "-n", namespace)
+    cond = wait_for(_started(cluster, namespace, "big", "Unschedulable"), timeout=20,
+                    what="Started=False/Unschedulable",
+                    describe=lambda: json.dumps(status(cluster, namespace, "big"))[-2000:])
+    assert "Insufficient nvidia.com/gpu" in cond["message"]
+    stuck = [p["metadata"]["name"] for p in pods(cluster, namespace, "big")
+             if not p["spec"].get("nodeName")]
+    assert stuck and any(name in cond["message"] for name in stuck)
+    assert "spec.recovery.startupTimeoutSeconds: 20" in cond["message"]
+
+    st = wait_phase(cluster, namespace, "big", "Failed", timeout=60)
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert failed["reason"] == "Unschedulable"
+    assert "did not start within 20s" in failed["message"]
+    assert "Insufficient nvidia.com/gpu" in failed["message"]
+    assert st["recovery"]["restarts"] == 0 and "startingSince" not in st
+    wait_for(lambda: _gone(cluster, "raycluster", "big", namespace), timeout=30,
+             what="RayCluster removed after the start-up failure")
+
+
+def test_image_pull_errors_and_a_driver_that_never_starts_fail_at_the_deadline(
+        cluster: ControlPlane, namespace: str, operator: Operator) -> None:
+    recovery = {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 2,
+                "startupTimeoutSeconds": 30}
+    with hand_node(cluster, f"{namespace}-hand", namespace, 8):
+        for name in ("pull", "nodriver"):  # 4 GPUs each
+            cluster.apply(job_manifest(name, namespace, recovery=recovery), "-n", namespace)
+
+        def bound(name: str) -> list[str] | None:
+            ps = pods(cluster, namespace, name)
+            placed = sorted(p["metadata"]["name"] for p in ps if p["spec"].get("nodeName"))
+            return placed if len(placed) == 4 else None
+
+        pull = wait_for(lambda: bound("pull"), timeout=30, what="pull's 4 pods bound")
+        nodriver = wait_for(lambda: bound("nodriver"), timeout=30,
+                            what="nodriver's 4 pods bound")
+        # As the kubelet would: one rollout pod's image cannot be pulled, the rest run.
+        blocked = next(p for p in pull if "rollout" in p)
+        for pod in pull:
+            report_containers(cluster, namespace, pod, None if pod != blocked else {
+                "reason": "ErrImagePull",
+                "message": "rpc error: code = NotFound desc = ghcr.io/rljob/rollout:0.1.0 "
+                           "not found"})
+        for pod in nodriver:
+            report_containers(cluster, namespace, pod)
+
+        cond = wait_for(_started(cluster, namespace, "pull", "ImagePullBackOff"), timeout=20,
+                        what="Started=False/ImagePullBackOff",
+                        describe=lambda: json.dumps(status(cluster, namespace, "pull"))[-2000:])
+        assert blocked in cond["message"] and "not found" in cond["message"]
+        assert "ray-worker" in cond["message"]
+        # Every compute pod of nodriver runs, so its driver pod is made; nothing starts it.
+        wait_for(_started(cluster, namespace, "nodriver", "Starting",
+                          "4 of 4 compute pods run; the driver pod nodriver-driver is Pending"),
+                 timeout=20, what="nodriver waiting for its driver",
+                 describe=lambda: json.dumps(status(cluster, namespace, "nodriver"))[-2000:])
+
+        st = wait_phase(cluster, namespace, "pull", "Failed", timeout=60)
+        failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+        assert failed["reason"] == "ImagePullBackOff" and blocked in failed["message"]
+        assert "did not start within 30s" in failed["message"]
+        st = wait_phase(cluster, namespace, "nodriver", "Failed", timeout=60)
+        failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+        assert failed["reason"] == "DriverNotStarted"
+        assert "nodriver-driver" in failed["message"]
+        # No kubelet finishes a deletion on this node: the API server marks the pod deleted.
+        wait_for(lambda: pods(cluster, namespace, "nodriver", "driver") == [], timeout=30,
+                 what="the driver that never started deleted")

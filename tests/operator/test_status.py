@@ -9,6 +9,7 @@ import pytest
 
 from rljob_operator.observe import FailureHint, observe
 from rljob_operator.status import (
+    OPERATOR_FIELDS,
     Decision,
     backoff_seconds,
     decide,
@@ -77,8 +78,10 @@ def run(body: Obj, pods: list[Obj], now: datetime = T0, cluster: bool = True,
 
 
 def applied(body: Obj, d: Decision) -> Obj:
-    """The RLJob after the operator's status write (runtime fields untouched)."""
-    return job({**body["status"], **d.status}, body["spec"], body["metadata"]["name"],
+    """The RLJob after the operator's status write (server-side apply: the operator's fields
+    are replaced, those it leaves out removed; runtime fields untouched)."""
+    kept = {k: v for k, v in body["status"].items() if k not in OPERATOR_FIELDS}
+    return job({**kept, **d.status}, body["spec"], body["metadata"]["name"],
                body["metadata"]["generation"])
 
 
@@ -366,3 +369,125 @@ def test_succeeded_driver_finishes_the_job_and_terminal_phases_stay() -> None:
     again = run(body, [driver(phase="Succeeded")], cluster=False)
     assert not needs_write(body["status"], again.status)
     assert not again.actions.create_cluster and again.actions.create_driver is None
+
+
+# -- start-up deadline -----------------------------------------------------------------------
+
+def waiting(name: str, component: str, reason: str, message: str = "",
+            init: bool = False) -> Obj:
+    """A pod placed on a node whose container waits, as the kubelet reports it."""
+    pod_ = pod(name, component, "Pending")
+    pod_["status"]["conditions"] = []
+    key = "initContainerStatuses" if init else "containerStatuses"
+    pod_["status"][key] = [{"name": "ray-worker", "image": "ghcr.io/x/trainer:9.9",
+                            "state": {"waiting": {"reason": reason, "message": message}}}]
+    return pod_
+
+
+def started(d: Decision) -> Obj:
+    return conditions(d)["Started"]
+
+
+@pytest.mark.parametrize(("kubelet", "reason"), [
+    ("ErrImagePull", "ImagePullBackOff"), ("ImagePullBackOff", "ImagePullBackOff"),
+    ("CrashLoopBackOff", "CrashLoopBackOff"),
+    ("CreateContainerConfigError", "CreateContainerConfigError")])
+def test_a_container_that_cannot_start_is_named_at_once_then_fails_the_job(
+        kubelet: str, reason: str) -> None:
+    stuck = waiting("rl-trainer-worker-a", "trainer", kubelet, "manifest unknown",
+                    init=kubelet == "CrashLoopBackOff")
+    pods = [*compute("rl-trainer-worker-a"), stuck]
+    d = run(job(), pods)
+    assert d.status["phase"] == "Initializing" and d.status["startingSince"] == iso(T0)
+    cond = started(d)
+    assert (cond["status"], cond["reason"]) == ("False", reason)
+    assert "rl-trainer-worker-a" in cond["message"] and "ray-worker" in cond["message"]
+    assert "ghcr.io/x/trainer:9.9" in cond["message"]
+    assert f"fails at {iso(T0 + timedelta(seconds=600))}" in cond["message"]
+    assert d.requeue_after == 600
+    body = applied(job(), d)
+    later = run(body, pods, now=T0 + timedelta(seconds=599))
+    assert later.status["phase"] == "Initializing" and later.status["startingSince"] == iso(T0)
+    assert not needs_write(body["status"], later.status)  # the clock is not re-written
+    late = run(body, pods, now=T0 + timedelta(seconds=600))
+    assert late.status["phase"] == "Failed" and "startingSince" not in late.status
+    failed = conditions(late)["Failed"]
+    assert failed["reason"] == reason and "rl-trainer-worker-a" in failed["message"]
+    assert "did not start within 600s" in failed["message"]
+    assert late.status["recovery"]["lastFailure"]["pod"] == "rl-trainer-worker-a"
+    assert late.actions.delete_cluster and late.status["recovery"]["restarts"] == 0
+
+
+def test_unschedulable_pods_fail_the_job_after_the_deadline() -> None:
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+    pods = [pod("rl-head-a", "head"), pod("rl-trainer-worker-a", "trainer", "Pending",
+                                          unschedulable=why)]
+    spec = {**SPEC, "recovery": {**SPEC["recovery"], "startupTimeoutSeconds": 60}}
+    body = applied(job(spec=spec), run(job(spec=spec), pods))
+    assert started(run(body, pods))["reason"] == "Unschedulable"
+    d = run(body, pods, now=T0 + timedelta(seconds=61))
+    failed = conditions(d)["Failed"]
+    assert d.status["phase"] == "Failed" and failed["reason"] == "Unschedulable"
+    assert why in failed["message"] and "rl-trainer-worker-a" in failed["message"]
+
+
+def test_compute_pods_failing_while_starting_read_as_a_crash_loop() -> None:
+    body = applied(job(), run(job(), compute("rl-rollout-worker-b")))
+    crash = FailureHint("PodFailed", "container exited with code 1 (Error)", exit_code=1,
+                        seen_at=iso(T0 + timedelta(seconds=5)))
+    older = FailureHint("PodFailed", "exited 137", seen_at=iso(T0 - timedelta(minutes=5)))
+    d = run(body, compute("rl-rollout-worker-b"), now=T0 + timedelta(seconds=6),
+            hints={"rl-rollout-worker-x": crash, "rl-old": older})
+    cond = started(d)
+    assert cond["reason"] == "CrashLoop" and "rl-rollout-worker-x" in cond["message"]
+    assert "code 1" in cond["message"] and "rl-old" not in cond["message"]
+    d = run(body, compute("rl-rollout-worker-b"), now=T0 + timedelta(seconds=6),
+            hints={"rl-old": older})  # a failure from before this start-up: not a crash loop
+    assert started(d)["reason"] == "Starting"
+
+
+def test_a_driver_that_never_runs_fails_the_job_and_goes() -> None:
+    body = applied(job(), run(job(), compute()))
+    pending = driver(phase="Pending")
+    pending["status"]["conditions"] = []
+    pending["status"]["containerStatuses"] = [
+        {"name": "c", "state": {"waiting": {"reason": "ContainerCreating"}}}]
+    d = run(body, [*compute(), pending], now=T0 + timedelta(seconds=30))
+    cond = started(d)
+    assert cond["reason"] == "Starting"
+    assert "4 of 4 compute pods run; the driver pod rl-driver is Pending (ContainerCreating)" \
+        in cond["message"]
+    d = run(body, [*compute(), pending], now=T0 + timedelta(seconds=600))
+    failed = conditions(d)["Failed"]
+    assert failed["reason"] == "DriverNotStarted" and "ContainerCreating" in failed["message"]
+    assert d.actions.delete_driver and d.actions.delete_cluster
+
+
+def test_no_deadline_with_zero_and_running_clears_the_clock() -> None:
+    spec = {**SPEC, "recovery": {**SPEC["recovery"], "startupTimeoutSeconds": 0}}
+    stuck = [*compute("rl-head-a"), waiting("rl-head-a", "head", "ImagePullBackOff")]
+    d = run(job(spec=spec), stuck, now=T0 + timedelta(days=3))
+    assert d.status["phase"] != "Failed" and "no deadline" in started(d)["message"]
+    assert d.requeue_after is None
+    body = applied(job(), run(job(), compute()))
+    d = run(body, [*compute(), driver()], now=T0 + timedelta(seconds=3))
+    assert d.status["phase"] == "Running" and "startingSince" not in d.status
+    assert (started(d)["status"], started(d)["reason"]) == ("True", "Started")
+
+
+def test_a_spec_edit_restarts_the_clock() -> None:
+    stuck = [*compute("rl-head-a"), waiting("rl-head-a", "head", "ImagePullBackOff")]
+    body = applied(job(), run(job(), stuck))
+    edited = job(body["status"], generation=2)
+    d = run(edited, stuck, now=T0 + timedelta(seconds=500))
+    assert d.status["startingSince"] == iso(T0 + timedelta(seconds=500))
+    d = run(applied(edited, d), stuck, now=T0 + timedelta(seconds=700))
+    assert d.status["phase"] != "Failed"
+
+
+def test_a_restarts_start_up_begins_when_its_backoff_ends() -> None:
+    d = run(job(RUNNING), [*compute("rl-trainer-worker-a"), driver()])
+    assert d.status["phase"] == "Recovering"
+    assert d.status["startingSince"] == d.status["recovery"]["nextAttemptAt"] == \
+        iso(T0 + timedelta(seconds=10))
+    assert started(d)["reason"] == "Starting"
