@@ -10,6 +10,7 @@ the real runtime's processes (their status reports and logs), never from the tes
 
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any
 
@@ -93,19 +94,24 @@ def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason
     assert resumed["step"] >= checkpoint["step"], (rec, checkpoint)
     assert rec["resumedFromStep"] == resumed["step"], rec
     assert rec["lastFailure"]["reason"] in reason, rec
+    # Steps redone: where the runtime was when the failure was seen, less where it resumed.
+    assert rec["lostSteps"] == max(0, rec["lastFailure"]["step"] - resumed["step"]), rec
     if resumed["step"] == checkpoint["step"]:
         assert resumed["checksum"] == checkpoint["checksum"], (rec, checkpoint)
         assert resumed["path"] == checkpoint["path"], (rec, checkpoint)
 
 
-@pytest.mark.timeout(2700)  # three recoveries, one waiting out a lost node's grace periods
+@pytest.mark.timeout(3600)  # includes a cold hack/kind-up (session fixture) and three recoveries
 def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
         collect_on_failure: KindCluster) -> None:
     cluster = collect_on_failure
     job = Job(cluster)
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
-    cluster.kubectl("create", "namespace", NAMESPACE, check=False)
+    # A job left by an earlier, interrupted run goes first (with its children).
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
+                    timeout=600)
+    cluster.kubectl("create", "namespace", NAMESPACE)
     cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
     interval = doc["spec"]["checkpoint"]["interval"]
 
@@ -123,6 +129,17 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
         # The pod's own label says what it is; Ray's node of the actor says where it runs.
         assert pods.get(actor["host"]) == meant[actor["role"]], (actor, pods)
     assert {a["role"] for a in placement} >= {"trainer", "engine"}, placement
+
+    # The job's Ray token (its Secret, as a user with access could read it) never shows in a
+    # log of the job's running pods, in its status or in its events.
+    token = base64.b64decode(cluster.get("secret", f"{JOB}-ray-token", "-n", NAMESPACE)
+                             ["data"]["auth_token"]).decode()
+    seen = [cluster.kubectl("logs", "-n", NAMESPACE, p["metadata"]["name"], "--all-containers",
+                            check=False).stdout
+            for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)]
+    seen.append(json.dumps(job.status()))
+    seen.append(cluster.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
+    assert len(token) >= 32 and not any(token in text for text in seen)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")
