@@ -96,7 +96,7 @@ def _ray_auth_env(job: JobRef) -> list[Obj]:
     are refused; the token is read from the job's Secret, so it never appears in a pod spec,
     the status, an event or a log.
     """
-    secret = {"name": names.ray_token_secret(job.name), "key": names.RAY_TOKEN_KEY}
+    secret = {"name": names.ray_token_secret(job.name, job.uid), "key": names.RAY_TOKEN_KEY}
     return [
         {"name": env.RAY_AUTH_MODE, "value": "token"},
         {"name": env.RAY_AUTH_TOKEN, "valueFrom": {"secretKeyRef": secret}},
@@ -416,7 +416,7 @@ def build_ray_token_secret(job: JobRef, token: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(job, names.ray_token_secret(job.name), names.HEAD),
+        "metadata": _metadata(job, names.ray_token_secret(job.name, job.uid), names.HEAD),
         "type": "Opaque",
         "immutable": True,
         "stringData": {names.RAY_TOKEN_KEY: token},

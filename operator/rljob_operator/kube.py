@@ -1,9 +1,12 @@
 """The operator's API calls: thin, idempotent wrappers over the kubernetes client.
 
-Every create treats 409 AlreadyExists as done and every delete treats 404 NotFound as done,
-so a reconcile that is interrupted and repeated never fails on its own earlier work (the
-kopf trap of a handler that deletes and then hits 404 on every retry). Every call carries a
-timeout so a stalled connection cannot hang a reconcile.
+A create that meets 409 AlreadyExists adopts the existing object only when it is this
+RLJob's (an owner reference with the job's UID): a reconcile that is interrupted and repeated
+never fails on its own earlier work, and an object someone else made (or an earlier job of
+the same name left behind) is never taken over, it is reported (`ObjectInTheWay`). Every
+delete treats 404 NotFound as done (the kopf trap of a handler that deletes and then hits
+404 on every retry). Every call carries a timeout so a stalled connection cannot hang a
+reconcile.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_operator import names
+from rljob_operator.observe import InTheWay, owned_by, owner_words
 from rljob_operator.status import Event
 
 Obj = dict[str, Any]
 TIMEOUT = (5.0, 30.0)  # connect, read
+MAX_KNOWN_OWNED = 20000  # ownership checks remembered (about 8 children per job)
 
 
 def load_configuration(kubeconfig: str | None) -> client.Configuration:
@@ -40,6 +45,14 @@ def _json(resp: Any) -> Obj:
     return dict(json.loads(resp.data))
 
 
+class ObjectInTheWay(Exception):
+    """A create met an object of the same name that belongs to someone else."""
+
+    def __init__(self, found: InTheWay) -> None:
+        super().__init__(f"{found.kind}/{found.name}: {found.owner}")
+        self.found = found
+
+
 class Kube:
     """The calls one reconcile makes; raw camelCase dicts in and out."""
 
@@ -48,6 +61,9 @@ class Kube:
         self.custom = client.CustomObjectsApi(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
         self.instance = socket.gethostname()
+        # (namespace, kind, name, owner uid) seen owned by that RLJob: a later 409 on the same
+        # create needs no read to know it is ours.
+        self._owned: set[tuple[str, str, str, str]] = set()
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -85,8 +101,41 @@ class Kube:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def create(self, obj: Obj) -> bool:
-        """Create `obj`; False when it already exists."""
+    def read_meta(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """The metadata of one object of a kind the operator creates; None when absent."""
+        kw: dict[str, Any] = {"_preload_content": False, "_request_timeout": TIMEOUT}
+        readers: dict[str, Any] = {
+            "Pod": self.core.read_namespaced_pod,
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "PersistentVolumeClaim": self.core.read_namespaced_persistent_volume_claim,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+        }
+        try:
+            if kind == "RayCluster":
+                resp = self.custom.get_namespaced_custom_object(
+                    names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name, **kw)
+            else:
+                resp = readers[kind](name, namespace, **kw)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return dict(_json(resp).get("metadata") or {})
+
+    def in_the_way(self, kind: str, namespace: str, name: str, uid: str) -> InTheWay | None:
+        """The object `kind/name` if it exists and is not owned by the RLJob with `uid`."""
+        meta = self.read_meta(kind, namespace, name)
+        if meta is None or owned_by(meta, uid):
+            return None
+        return InTheWay(kind, name, owner_words(meta))
+
+    def create(self, obj: Obj, owner_uid: str) -> bool:
+        """Create `obj` for the RLJob with `owner_uid`; False when it exists already and is
+        that RLJob's. Raises ObjectInTheWay when an object of that name belongs to someone
+        else. Secrets are never read: the job's Secret has the job's UID in its name, so one
+        that exists is the job's (names.ray_token_secret)."""
         ns = obj["metadata"].get("namespace", "")
         kind = obj["kind"]
         body: Any = obj  # the client accepts plain dicts as well as its models
@@ -112,14 +161,27 @@ class Kube:
             else:
                 raise ValueError(f"the operator does not create {kind} objects")
         except ApiException as err:
-            if err.status == 409:
-                return False
-            raise
+            if err.status != 409:
+                raise
+            self._adopt(kind, ns, obj["metadata"]["name"], owner_uid)
+            return False
         return True
 
-    def sync_configmap(self, obj: Obj) -> None:
-        """Create the ConfigMap, or bring its data up to date with the spec."""
-        if self.create(obj):
+    def _adopt(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """After a 409: return if the existing object is the RLJob's, raise otherwise."""
+        key = (namespace, kind, name, uid)
+        if kind == "Secret" or key in self._owned:
+            return
+        found = self.in_the_way(kind, namespace, name, uid)
+        if found is not None:
+            raise ObjectInTheWay(found)
+        if len(self._owned) >= MAX_KNOWN_OWNED:
+            self._owned.clear()
+        self._owned.add(key)
+
+    def sync_configmap(self, obj: Obj, owner_uid: str) -> None:
+        """Create the ConfigMap, or bring the data of the job's own one up to date."""
+        if self.create(obj, owner_uid):
             return
         meta = obj["metadata"]
         self.core.patch_namespaced_config_map(

@@ -69,9 +69,14 @@ def role_name(job: str) -> str:
     return f"{job}-status-writer"
 
 
-def ray_token_secret(job: str) -> str:
-    """The Secret holding the job's Ray authentication token."""
-    return f"{job}-ray-token"
+def ray_token_secret(job: str, uid: str) -> str:
+    """The Secret holding the job's Ray authentication token.
+
+    Its name carries the RLJob's UID: the operator may create Secrets but never read one, so
+    it cannot check who owns a Secret that is in the way; with the UID in the name, one that
+    exists already is this job's own (a leftover of an earlier job of the same name has
+    another name, and cannot hand this job a token someone else knows)."""
+    return f"{job}-ray-token-{uid[:8]}"
 
 
 def checkpoint_claim(job: str) -> str:

@@ -90,6 +90,7 @@ class Observed:
     compute: tuple[PodView, ...]
     lost_nodes: frozenset[str]
     hints: Mapping[str, FailureHint] = field(default_factory=dict)
+    in_the_way: InTheWay | None = None  # a child's name taken by an object not the job's
 
     def live_compute(self) -> list[PodView]:
         """Compute pods that are neither failed, going away, nor on a lost node."""
@@ -97,6 +98,32 @@ class Observed:
             p for p in self.compute
             if not p.deleting and p.failure is None and p.node not in self.lost_nodes
         ]
+
+
+@dataclass(frozen=True)
+class InTheWay:
+    """An object with a child's name that this RLJob does not own."""
+
+    kind: str
+    name: str
+    owner: str  # who owns it, in words
+
+    def describe(self, namespace: str) -> str:
+        return (f"{self.kind} {namespace}/{self.name} exists and is not this RLJob's "
+                f"({self.owner}); the job does not proceed until it is deleted or renamed")
+
+
+def owner_words(meta: Obj) -> str:
+    """Who owns an object, for a message: its controller (or first owner), else nobody."""
+    refs = list(meta.get("ownerReferences") or [])
+    if not refs:
+        return "it has no owner"
+    ref = next((r for r in refs if r.get("controller")), refs[0])
+    return f"owned by {ref.get('kind')} {ref.get('name')} (uid {ref.get('uid')})"
+
+
+def owned_by(meta: Obj, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
 
 
 def _condition(obj: Obj, kind: str) -> Obj | None:
@@ -188,8 +215,45 @@ def lost_nodes(nodes: Iterable[Obj], used: Iterable[str]) -> frozenset[str]:
     return frozenset(name for name in used if name not in ready)
 
 
+def _controller_uid(meta: Obj) -> str | None:
+    refs = meta.get("ownerReferences") or []
+    ref = next((r for r in refs if r.get("controller")), None)
+    return str(ref["uid"]) if ref and ref.get("uid") else None
+
+
 def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
-            hints: Mapping[str, FailureHint] | None = None) -> Observed:
+            hints: Mapping[str, FailureHint] | None = None, uid: str | None = None,
+            in_the_way: InTheWay | None = None) -> Observed:
+    """The job's children as one view. With the RLJob's `uid`, a RayCluster or driver pod of
+    the child's name that the job does not own is reported as in the way (never adopted,
+    patched or deleted), and pods of another RayCluster (say, of a deleted job of the same
+    name) are not taken for this job's compute pods."""
+    pods = list(pods)
+    driver_name = names.driver_name(job_name)
+    cluster_uid: str | None = None
+    if raycluster is not None and uid is not None:
+        meta = raycluster["metadata"]
+        if not owned_by(meta, uid):
+            in_the_way = in_the_way or InTheWay("RayCluster", meta["name"], owner_words(meta))
+            raycluster = None
+        else:
+            cluster_uid = meta.get("uid")
+    kept = []
+    for pod in pods:
+        meta = pod["metadata"]
+        owner = _controller_uid(meta)
+        if uid is not None and meta["name"] == driver_name:
+            if not owned_by(meta, uid):
+                in_the_way = in_the_way or InTheWay("Pod", driver_name, owner_words(meta))
+                continue
+        elif owner is not None and cluster_uid is not None and owner != cluster_uid:
+            continue  # a pod of another RayCluster
+        kept.append(pod)
+    return _observe(job_name, raycluster, kept, nodes, hints, in_the_way)
+
+
+def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
+             hints: Mapping[str, FailureHint] | None, in_the_way: InTheWay | None) -> Observed:
     views = [pod_view(p) for p in pods]
     driver_name = names.driver_name(job_name)
     driver = next((v for v in views if v.name == driver_name), None)
@@ -208,4 +272,5 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
         compute=compute,
         lost_nodes=lost_nodes(nodes, used),
         hints=dict(hints or {}),
+        in_the_way=in_the_way,
     )

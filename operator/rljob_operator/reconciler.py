@@ -18,9 +18,9 @@ from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
-from rljob_operator.kube import Kube
+from rljob_operator.kube import Kube, ObjectInTheWay
 from rljob_operator.metrics import Metrics
-from rljob_operator.observe import FailureHint, observe
+from rljob_operator.observe import FailureHint, InTheWay, observe
 from rljob_operator.status import Actions, JobView, decide, needs_write, parse_job, parse_time
 
 log = logging.getLogger("rljob_operator")
@@ -55,6 +55,27 @@ class FailureHints:
             self._hints.pop((namespace, job), None)
 
 
+class Conflicts:
+    """Per job, the last object found in the way of a child's create. Kept in memory: the
+    next reconcile checks it again (a restarted operator finds it on its next create)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[str, str], InTheWay] = {}
+        self._lock = threading.Lock()
+
+    def record(self, namespace: str, job: str, found: InTheWay) -> None:
+        with self._lock:
+            self._found[(namespace, job)] = found
+
+    def of(self, namespace: str, job: str) -> InTheWay | None:
+        with self._lock:
+            return self._found.get((namespace, job))
+
+    def forget(self, namespace: str, job: str) -> None:
+        with self._lock:
+            self._found.pop((namespace, job), None)
+
+
 # Phases in which pods are waiting to start; what they mount is made again if it is missing.
 WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
 
@@ -70,6 +91,7 @@ class Reconciler:
         self.metrics = metrics
         self.hints = hints
         self.clock = clock
+        self.conflicts = Conflicts()
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """Bring one job one step closer to its desired state; returns seconds until it
@@ -89,13 +111,21 @@ class Reconciler:
             # Children go with the RLJob through owner references; nothing to do.
             self.metrics.set_phase((namespace, name), None)
             self.hints.forget(namespace, name)
+            self.conflicts.forget(namespace, name)
             return None
         job = parse_job(body)
+        ref = JobRef.of(body)
         pods = self.kube.list_pods(namespace, name)
         nodes = self.kube.list_nodes() if any(p.get("spec", {}).get("nodeName")
                                               for p in pods) else []
+        in_the_way = self.conflicts.of(namespace, name)
+        if in_the_way is not None:  # still there, still not ours?
+            in_the_way = self.kube.in_the_way(in_the_way.kind, namespace, in_the_way.name,
+                                              ref.uid)
+            if in_the_way is None:
+                self.conflicts.forget(namespace, name)
         observed = observe(name, self.kube.get_raycluster(namespace, name), pods, nodes,
-                           self.hints.of(namespace, name))
+                           self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
         now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
@@ -109,11 +139,18 @@ class Reconciler:
         if decision.restart is not None:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
         restarts = int(decision.status.get("recovery", {}).get("restarts") or 0)
-        if job.spec is not None and decision.status.get("phase") in WAITING_PHASES:
-            # While pods wait, what they mount is made again if it went missing (e.g. the
-            # claim of a deleted job of the same name was still terminating at creation).
-            self._ensure_support(JobRef.of(body), body, job.spec)
-        self._act(JobRef.of(body), body, job, decision.actions, restarts)
+        try:
+            if job.spec is not None and decision.status.get("phase") in WAITING_PHASES \
+                    and observed.in_the_way is None:
+                # While pods wait, what they mount is made again if it went missing (e.g. the
+                # claim of a deleted job of the same name was still terminating at creation).
+                self._ensure_support(ref, body, job.spec)
+            self._act(ref, body, job, decision.actions, restarts)
+        except ObjectInTheWay as err:
+            # Not adopted, not touched: the next reconcile (at once) says so in the status.
+            log.warning("%s/%s: %s is in the way", namespace, name, err)
+            self.conflicts.record(namespace, name, err.found)
+            return 0.0
         self.metrics.set_phase((namespace, name), decision.status.get("phase"))
         return decision.requeue_after
 
@@ -127,14 +164,14 @@ class Reconciler:
         claim and the spec. Each is created once (an existing one is kept as it is: the
         token and the checkpoints must survive restarts); only the spec is refreshed."""
         for obj in builders.build_rbac(ref):
-            self.kube.create(obj)
+            self.kube.create(obj, ref.uid)
         # A fresh token only matters the first time: the create of an existing Secret is a
         # no-op, so the job keeps the token its Ray processes already use.
-        self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)))
+        self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)), ref.uid)
         claim = builders.build_checkpoint_claim(ref, spec)
         if claim is not None:
-            self.kube.create(claim)
-        self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}))
+            self.kube.create(claim, ref.uid)
+        self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}), ref.uid)
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
              restarts: int) -> None:
@@ -149,8 +186,8 @@ class Reconciler:
             return
         if actions.create_cluster:
             self._ensure_support(ref, body, job.spec)
-            self.kube.create(builders.build_raycluster(ref, job.spec))
+            self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
             self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_driver(ref, job.spec, restarts,
-                                                   list(actions.create_driver)))
+                                                   list(actions.create_driver)), ref.uid)

@@ -26,7 +26,7 @@ from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
 from rljob_operator import names
 from rljob_operator.builders import checkpoint_claim_name, claim_names, worker_groups
-from rljob_operator.observe import Observed, PodView
+from rljob_operator.observe import InTheWay, Observed, PodView
 
 Obj = dict[str, Any]
 OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
@@ -66,6 +66,8 @@ class JobView:
     spec: RLJobSpec | None
     spec_error: str | None
     status: Obj
+    namespace: str = ""
+    uid: str = ""
 
 
 def parse_job(body: Obj) -> JobView:
@@ -88,6 +90,8 @@ def parse_job(body: Obj) -> JobView:
         spec=spec,
         spec_error="; ".join(errors) if errors else None,
         status=dict(body.get("status") or {}),
+        namespace=str(meta.get("namespace") or ""),
+        uid=str(meta.get("uid") or ""),
     )
 
 
@@ -323,6 +327,32 @@ class _Decider:
         )
         return Decision(status, actions,
                         self.transition_event(Phase.suspended.value, "Normal", message))
+
+    def blocked(self, found: InTheWay) -> Decision:
+        """A child's name is taken by an object this job does not own: nothing is created,
+        adopted, patched or deleted; the conditions name the object, and the start-up
+        deadline runs (an object nobody removes fails the job like any other blocked start)."""
+        problem = Problem("ObjectInTheWay", found.describe(self.job.namespace))
+        recovering = self.phase == Phase.recovering.value
+        phase = self.phase if self.phase in STARTING_PHASES else Phase.pending.value
+        next_at = self.recovery.get("nextAttemptAt") if recovering else None
+        since = self.starting_since(next_at)
+        deadline = self.deadline(since)
+        if deadline is not None and self.now >= deadline:
+            return self.startup_failed(since, problem)
+        rec = self.base_recovery(problem.reason if recovering else None, next_at)
+        status = self.status(phase, [
+            ("Ready", "False", problem.reason, problem.message),
+            *self.scheduling_conditions(),
+            self.started_condition(since, problem),
+        ], rec, since=since)
+        ready: Obj = next((c for c in self.cur.get("conditions") or []
+                           if c.get("type") == "Ready"), {})
+        event = None
+        if ready.get("reason") != problem.reason or ready.get("message") != problem.message:
+            event = Event("Warning", problem.reason, problem.message)
+        left = (deadline - self.now).total_seconds() if deadline is not None else None
+        return Decision(status, Actions(), event, left)
 
     # -- failures and recovery -------------------------------------------------------------
 
@@ -696,6 +726,8 @@ def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
                       str(runtime.get("message") or "the runtime stopped the job"))
     if job.spec.scheduling.suspend:
         return d.suspended()
+    if obs.in_the_way is not None:
+        return d.blocked(obs.in_the_way)
     return d.active()
 
 

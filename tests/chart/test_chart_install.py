@@ -177,7 +177,9 @@ def test_service_account_holds_no_more_than_the_operator_uses(
     for verb, resource in [("watch", "rljobs.rljob.io"), ("patch", "rljobs.rljob.io/status"),
                            ("create", "rayclusters.ray.io"), ("delete", "pods"),
                            ("create", "roles.rbac.authorization.k8s.io"), ("create", "events"),
-                           ("create", "secrets"), ("create", "persistentvolumeclaims")]:
+                           ("create", "secrets"), ("create", "persistentvolumeclaims"),
+                           ("get", "configmaps"), ("get", "persistentvolumeclaims"),
+                           ("patch", "rayclusters.ray.io")]:
         assert _can(cluster, token, verb, resource, namespace), f"cannot {verb} {resource}"
     assert _can(cluster, token, "list", "nodes", None)
     for verb, resource in [("get", "secrets"), ("update", "secrets"), ("list", "secrets"),

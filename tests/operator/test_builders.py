@@ -183,14 +183,15 @@ def test_every_ray_container_and_only_those_get_the_token_from_the_secret(
         env = env_of(container)
         if name in ray or name.endswith("/ray-worker"):
             assert env["RAY_AUTH_MODE"] == "token", name
-            assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "rl-ray-token",
+            assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "rl-ray-token-uid-1",
                                                               "key": "auth_token"}}, name
         else:  # weight-sync sidecars talk to their engine and the store, never to Ray
             assert name.split("/")[1].startswith("weight-sync"), name
             assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(env), name
     # The token never appears in a manifest, only the reference to the Secret.
     secret = builders.build_ray_token_secret(JOB, "f" * 64)
-    assert secret["metadata"]["name"] == "rl-ray-token" and secret["immutable"] is True
+    # Named after the job and its UID: an existing Secret of that name can only be this job's.
+    assert secret["metadata"]["name"] == "rl-ray-token-uid-1" and secret["immutable"] is True
     assert secret["stringData"] == {"auth_token": "f" * 64}
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert "f" * 64 not in yaml.safe_dump([builders.build_raycluster(JOB, s),

@@ -21,6 +21,12 @@ pytestmark = pytest.mark.controlplane
 Pool = Callable[[int, int], list[str]]
 
 
+def token_secret(cp: ControlPlane, ns: str, job: str) -> str:
+    """The name of the job's Ray token Secret: the job's name and UID."""
+    uid: str = cp.get_json("rljob", job, "-n", ns)["metadata"]["uid"]
+    return f"{job}-ray-token-{uid[:8]}"
+
+
 def test_job_runs_reports_progress_and_is_quiet_when_idle(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
         api_client: Any) -> None:
@@ -106,13 +112,13 @@ def test_job_runs_reports_progress_and_is_quiet_when_idle(
 
     # The Ray token: one immutable Secret owned by the job, referenced by every Ray
     # container, its value in no status, event or pod spec.
-    secret = cluster.get_json("secret", "rl-ray-token", "-n", namespace)
+    secret = cluster.get_json("secret", token_secret(cluster, namespace, "rl"), "-n", namespace)
     assert secret["immutable"] is True and secret["metadata"]["ownerReferences"][0]["uid"]
     token = base64.b64decode(secret["data"]["auth_token"]).decode()
     assert len(token) == 64
     visible = json.dumps([status(cluster, namespace, "rl"), events,
                           cluster.get_json("pods,rayclusters", "-n", namespace)])
-    assert token not in visible and "rl-ray-token" in visible
+    assert token not in visible and secret["metadata"]["name"] in visible
     # The shared checkpoint claim, bound, mounted by every pod.
     claim = cluster.get_json("pvc", "rl-checkpoints", "-n", namespace)
     assert claim["status"]["phase"] == "Bound"
@@ -141,7 +147,8 @@ def test_driver_success_tears_down_compute_and_delete_collects_children(
             "-n", namespace, "-l", "rljob.io/job=ok", "-o", "name").stdout
         return out.split()
 
-    assert {"secret/ok-ray-token", "persistentvolumeclaim/ok-checkpoints"} <= set(children())
+    assert {f"secret/{token_secret(cluster, namespace, 'ok')}",
+            "persistentvolumeclaim/ok-checkpoints"} <= set(children())
     cluster.kubectl("delete", "rljob", "ok", "-n", namespace, "--wait=false")
 
     wait_for(lambda: children() == [], timeout=60, what="children garbage-collected",
@@ -213,7 +220,7 @@ def test_suspend_releases_compute_and_resume_runs_again(
         cluster.kubectl("patch", "rljob", "sus", "-n", namespace, "--type=merge", "-p",
                         json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
 
-    secret = cluster.get_json("secret", "sus-ray-token", "-n", namespace)
+    secret = cluster.get_json("secret", token_secret(cluster, namespace, "sus"), "-n", namespace)
     claim = cluster.get_json("pvc", "sus-checkpoints", "-n", namespace)
     suspend(True)
     st = wait_phase(cluster, namespace, "sus", "Suspended")
@@ -234,6 +241,6 @@ def test_suspend_releases_compute_and_resume_runs_again(
         assert after["metadata"]["uid"] == before["metadata"]["uid"]
         assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"] \
             or kind == "pvc"  # the binder may still annotate the claim
-    assert cluster.get_json("secret", "sus-ray-token", "-n", namespace)["data"] == \
+    assert cluster.get_json("secret", secret["metadata"]["name"], "-n", namespace)["data"] == \
         secret["data"]
 

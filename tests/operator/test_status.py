@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
-from rljob_operator.observe import FailureHint, observe
+from rljob_operator.observe import FailureHint, InTheWay, observe
 from rljob_operator.status import (
     OPERATOR_FIELDS,
+    Actions,
     Decision,
     backoff_seconds,
     decide,
@@ -491,3 +492,67 @@ def test_a_restarts_start_up_begins_when_its_backoff_ends() -> None:
     assert d.status["startingSince"] == d.status["recovery"]["nextAttemptAt"] == \
         iso(T0 + timedelta(seconds=10))
     assert started(d)["reason"] == "Starting"
+
+
+# -- objects in the way --------------------------------------------------------------------
+
+OURS = [{"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "rl", "uid": "u",
+         "controller": True}]
+
+
+def decide_owned(body: Obj, rc: Obj | None, pods: list[Obj],
+                 in_the_way: InTheWay | None = None, now: datetime = T0) -> Decision:
+    """A decision on what observe makes of the children when it knows the job's UID."""
+    obs = observe("rl", rc, pods, [READY_NODE], uid="u", in_the_way=in_the_way)
+    return decide(parse_job(body), obs, now)
+
+
+def test_a_raycluster_of_the_jobs_name_that_is_not_its_own_blocks_the_job() -> None:
+    foreign = {"metadata": {"name": "rl", "uid": "rc-x", "ownerReferences": [
+        {"kind": "RLJob", "name": "rl", "uid": "an-earlier-rl", "controller": True}]}}
+    d = decide_owned(job(), foreign, [])
+    assert d.status["phase"] == "Pending"
+    assert d.actions == Actions()  # nothing created, patched or deleted
+    ready, start = conditions(d)["Ready"], started(d)
+    assert ready["reason"] == start["reason"] == "ObjectInTheWay"
+    assert "RayCluster ns/rl exists and is not this RLJob's (owned by RLJob rl (uid " \
+           "an-earlier-rl))" in ready["message"]
+    assert d.event is not None and d.event.type == "Warning"
+    body = applied(job(), d)
+    assert decide_owned(body, foreign, []).event is None  # said once
+    late = decide_owned(body, foreign, [], now=T0 + timedelta(seconds=600))
+    assert late.status["phase"] == "Failed"
+    assert conditions(late)["Failed"]["reason"] == "ObjectInTheWay"
+    assert not late.actions.delete_cluster  # never someone else's
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+
+
+def test_a_driver_pod_name_taken_by_someone_else_blocks_and_is_left_alone() -> None:
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    squatter = pod("rl-driver", "driver")
+    d = decide_owned(job(RUNNING), mine, [*compute(), squatter])
+    assert started(d)["reason"] == "ObjectInTheWay"
+    assert "Pod ns/rl-driver exists" in started(d)["message"]
+    assert "it has no owner" in started(d)["message"]
+    assert not d.actions.delete_driver and d.actions.create_driver is None
+
+
+def test_an_object_found_by_a_create_blocks_until_it_is_gone() -> None:
+    found = InTheWay("ConfigMap", "rl-spec", "it has no owner")
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    d = decide_owned(job(), None, [], in_the_way=found)
+    assert "ConfigMap ns/rl-spec" in conditions(d)["Ready"]["message"]
+    assert not d.actions.create_cluster
+    assert decide_owned(applied(job(), d), None, []).actions.create_cluster
+    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+
+
+def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    old = pod("rl-trainer-worker-old", "trainer")
+    old["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "uid": "rc-0",
+                                           "controller": True}]
+    obs = observe("rl", mine, [*compute(), old], [READY_NODE], uid="u")
+    assert "rl-trainer-worker-old" not in {p.name for p in obs.compute}
+    assert len(obs.compute) == len(COMPUTE)

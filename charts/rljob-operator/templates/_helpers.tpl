@@ -49,7 +49,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 Namespaced rights of the operator: exactly the calls it makes (rljob_operator.kube and kopf's
 watches). The per-job ServiceAccount/Role/RoleBinding it creates may grant only rights it
 holds itself (RBAC refuses anything else), so no `escalate` or `bind` is needed. The driver
-is a bare Pod; failed or stranded compute pods are deleted for recovery.
+is a bare Pod; failed or stranded compute pods are deleted for recovery. `get` on what it
+creates: when a child's name is taken, it reads the owner references to adopt only the
+job's own object. RayClusters are patched when the spec of a running job changes.
 */}}
 {{- define "rljob-operator.namespacedRules" -}}
 - apiGroups: ["rljob.io"]
@@ -60,24 +62,24 @@ is a bare Pod; failed or stranded compute pods are deleted for recovery.
   verbs: ["get", "patch"]
 - apiGroups: ["ray.io"]
   resources: ["rayclusters"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
-  resources: ["serviceaccounts"]
-  verbs: ["create"]
-{{- /* The job's Ray token (created once, never read back or rewritten) and its shared
-checkpoint claim. */}}
+  resources: ["serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["get", "create"]
+{{- /* The job's Ray token: created once, never read back or rewritten (its name carries
+the job's UID, so one that exists is the job's own). */}}
 - apiGroups: [""]
-  resources: ["secrets", "persistentvolumeclaims"]
+  resources: ["secrets"]
   verbs: ["create"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
