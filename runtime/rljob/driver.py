@@ -20,7 +20,6 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_wor
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter, now
 from rljob.rollout import RolloutWorker
+from rljob.stop import StopSignals
 from rljob.store_lease import writer_identity
 from rljob.tasks import DatasetError, load_task
 from rljob.tiny_model import BUILTIN_TINY, write_tiny
@@ -58,6 +58,7 @@ from rljob_api.status import (
     Progress,
     ResumeReport,
     RuntimeFailure,
+    RuntimeStop,
 )
 
 EXIT_OK = exit_codes.OK
@@ -143,27 +144,6 @@ def _mtime(path: Path) -> str:
     return stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-class Interrupt:
-    """First Ctrl-C asks the loop to stop after saving; a second one aborts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def __enter__(self) -> Interrupt:
-        self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
-        print("\ninterrupt: finishing this step, then saving (Ctrl-C again to abort)",
-              file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, self._previous)
-
-
 def rendezvous_address() -> str:
     """`tcp://<this node's IP>:<free port>`, run where trainer rank 0 will run."""
     with socket.socket() as sock:
@@ -192,6 +172,9 @@ class Job:
         self.node: ray_node.JoinedNode | None = None
         self.sync_settings = SyncSettings()
         self.weight_sync = WeightSyncActors(self.sync_settings)
+        self.stop = StopSignals()
+        self.loop_started = False
+        self.checkpoint_step: int | None = None  # the latest verified one: resumed or saved
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -238,6 +221,7 @@ class Job:
             ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=False)
             self.started_ray = True
+        self.stop.install()  # ray.init replaced the SIGTERM handler with an exit that saves nothing
 
     def place(self, model_dir: Path) -> None:
         spec = self.spec
@@ -328,6 +312,7 @@ class Job:
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         metrics_log.keep_until(self.metrics_path, self.state.step)
+        self.checkpoint_step = latest.step
         return latest
 
     def save(self) -> Verified:
@@ -339,6 +324,7 @@ class Job:
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
                     "torch": torch.get_rng_state()}, tmp / DRIVER_RNG_FILE)
         verified = self.store.commit(tmp, self.state.step)
+        self.checkpoint_step = verified.step
         history = [CheckpointRecord(step=s, path=str(p), saved_at=_mtime(p))
                    for s, p in self.store.published()[-16:]]
         self.reporter.checkpoint(CheckpointStatus(
@@ -449,6 +435,15 @@ class Job:
         self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
                                              step=self.state.step, time=now()))
 
+    def report_stop(self, aborted: bool) -> None:
+        """Tell the RLJob this attempt stopped on a signal (not a failure): where it was,
+        the checkpoint the next attempt resumes from, and whether it stopped at once."""
+        signum = self.stop.signum or 0
+        self.reporter.stopped(RuntimeStop(
+            signal=self.stop.name, attempt=attempt_number(dict(os.environ)),
+            step=self.state.step, checkpoint_step=self.checkpoint_step, aborted=aborted,
+            exit_code=exit_codes.for_signal(signum), time=now()))
+
     def run(self) -> int:
         try:  # set by the operator on a cluster; defaults for `rljob run` on one machine
             self.sync_settings = SyncSettings.from_env(os.environ)
@@ -473,18 +468,21 @@ class Job:
         saved_at = self.state.step if resumed is not None else -1
         bar = ProgressBar(self.state.step, end)
         started = time.monotonic()
-        code = EXIT_OK
-        with Interrupt() as interrupt:
-            while self.state.step < end and not interrupt.requested:
+        # A first signal from here on lets the step in progress finish and be saved.
+        self.loop_started = True
+        with self.stop.deferred():
+            while self.state.step < end and not self.stop.requested:
                 self.one_step(bar)
                 if self.state.step % self.spec.checkpoint.interval == 0 or self.state.step == end:
                     self.save()
                     saved_at = self.state.step
-            if interrupt.requested:
-                code = EXIT_INTERRUPTED
-        bar.close()
-        if saved_at != self.state.step:
-            self.save()
+            bar.close()
+            if saved_at != self.state.step:
+                self.save()
+        code = EXIT_OK
+        if self.stop.requested and self.state.step < end:  # stopped before its end: not done
+            code = exit_codes.for_signal(self.stop.signum or 0)
+            self.report_stop(aborted=False)
         rows = metrics_log.read(self.metrics_path)
         if rows:
             metrics_log.plot(rows, self.workdir / metrics_log.PLOT_FILE)
@@ -553,7 +551,9 @@ class Job:
         tail = rewards[-5:]
         latest = self.store.latest()
         lines = [
-            "interrupted; state saved" if code == EXIT_INTERRUPTED else "done",
+            "done" if code == EXIT_OK else
+            "interrupted; state saved" if code == EXIT_INTERRUPTED else
+            f"stopped by {self.stop.name}; state saved",
             f"  steps        {self.state.step}/{self.spec.algorithm.total_steps} "
             f"({self.state.train_step} optimizer steps, {self.state.skipped_steps} skipped)",
         ]
@@ -570,16 +570,23 @@ class Job:
 
     def shutdown(self) -> None:
         """Stop sidecars, engines and trainers, free the slots; stop Ray if this run started it;
-        then let the next writer of the checkpoint store in."""
+        then let the next writer of the checkpoint store in. After an abort (or when a signal
+        arrives meanwhile) nothing is waited for: every actor is killed at once."""
         try:
-            self.weight_sync.shutdown()
-            for handle, method in [*((e, "stop") for e in self.engines),
-                                   *((t, "shutdown") for t in self.trainers)]:
-                with contextlib.suppress(ray.exceptions.RayError):  # already dead: nothing to stop
-                    ray.get(getattr(handle, method).remote(), timeout=30)
+            if not self.stop.aborted:
+                try:
+                    self.weight_sync.shutdown()
+                    for handle, method in [*((e, "stop") for e in self.engines),
+                                           *((t, "shutdown") for t in self.trainers)]:
+                        with contextlib.suppress(ray.exceptions.RayError):  # dead: nothing to stop
+                            ray.get(getattr(handle, method).remote(), timeout=30)
+                except KeyboardInterrupt:
+                    pass  # a second signal (Aborted, or as ray.get re-raises it): kill the rest
+            self.weight_sync.shutdown(graceful=False)
             for handle in [*self.engines, *self.trainers,
                            *([self.rollout] if self.rollout else [])]:
-                ray.kill(handle)
+                with contextlib.suppress(ray.exceptions.RayError):
+                    ray.kill(handle)
             if self.pg is not None:
                 remove_placement_group(self.pg)
             if self.started_ray:
@@ -590,22 +597,27 @@ class Job:
             self.store.release()
 
 
-def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:
-    """Run `spec` to its end (or max_steps); return the process exit code."""
-    try:
-        job = Job(name, spec, options, reporter)
-    except OSError as err:
-        # The workdir (on a cluster: the checkpoint volume) cannot be written: a restart on
-        # the same volume cannot help, so the reason is reported as not retryable.
-        message = (f"the workdir {options.workdir} cannot be written ({err.strerror}: "
-                   f"{err.filename}); on a cluster, spec.checkpoint's volume must be writable "
-                   "by the pods' user")
-        print(f"rljob run: {message}", file=sys.stderr, flush=True)
-        reporter.failure(RuntimeFailure(reason="WorkdirNotWritable", message=message,
-                                        retryable=False, step=0, time=now()))
-        return EXIT_INVALID
+def _run(job: Job) -> int:
+    """`job.run()`, its failures and stops turned into exit codes and status reports."""
     try:
         return job.run()
+    except KeyboardInterrupt:  # Aborted, or what ray.get raises in its place
+        if not job.stop.aborted:
+            # Ctrl-C where the stop handler could not be installed (not the main thread):
+            # nothing saved here; the latest checkpoint, if any, is untouched.
+            print("rljob run: interrupted; nothing was saved", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+        # During start-up, or a second signal: the step and save in progress are abandoned;
+        # published checkpoints are whole (a save appears only by its final rename).
+        if job.loop_started:
+            what = (f"at once; the next run resumes from the checkpoint of step "
+                    f"{job.checkpoint_step}" if job.checkpoint_step is not None else
+                    "at once; no checkpoint was saved yet")
+        else:
+            what = "during start-up; nothing was trained"
+        print(f"rljob run: stopped by {job.stop.name} {what}", file=sys.stderr, flush=True)
+        job.report_stop(aborted=True)
+        return exit_codes.for_signal(job.stop.signum or 0)
     except JobError as err:
         print(f"rljob run: {err}", file=sys.stderr, flush=True)
         if err.code == EXIT_FAILED:
@@ -621,11 +633,29 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
         job.fail("WorkerFailed", str(err)[:4000], retryable=True)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        # Ctrl-C before the loop installed its handler (start-up): nothing trained, nothing
-        # to save; the latest checkpoint, if any, is untouched.
-        print("rljob run: interrupted during start-up; nothing was trained", file=sys.stderr,
-              flush=True)
-        return EXIT_INTERRUPTED
-    finally:
-        job.shutdown()
+
+
+def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:
+    """Run `spec` to its end (or max_steps); return the process exit code (rljob.exit_codes).
+    SIGTERM and SIGINT stop it as `rljob.stop` describes."""
+    try:
+        job = Job(name, spec, options, reporter)
+    except OSError as err:
+        # The workdir (on a cluster: the checkpoint volume) cannot be written: a restart on
+        # the same volume cannot help, so the reason is reported as not retryable.
+        message = (f"the workdir {options.workdir} cannot be written ({err.strerror}: "
+                   f"{err.filename}); on a cluster, spec.checkpoint's volume must be writable "
+                   "by the pods' user")
+        print(f"rljob run: {message}", file=sys.stderr, flush=True)
+        reporter.failure(RuntimeFailure(reason="WorkdirNotWritable", message=message,
+                                        retryable=False, step=0, time=now()))
+        return EXIT_INVALID
+    with job.stop.installed():
+        try:
+            try:
+                return _run(job)
+            finally:
+                job.shutdown()
+        except KeyboardInterrupt:
+            # A first signal while a failure was being handled, or during the shutdown.
+            return exit_codes.for_signal(job.stop.signum or signal.SIGINT)

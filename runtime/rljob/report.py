@@ -1,8 +1,8 @@
 """Report training progress and checkpoints to the job's RLJob status, or print them locally.
 
-Inside a cluster the runtime owns `status.progress`, `status.checkpoint`, `status.resumed`
-and `status.runtimeFailure` and writes them with server-side apply under its own field
-manager, so the operator (another manager) never overwrites them and vice versa. What an
+Inside a cluster the runtime owns `status.progress`, `status.checkpoint`, `status.resumed`,
+`status.runtimeFailure` and `status.stopped` and writes them with server-side apply under its
+own field manager, so the operator (another manager) never overwrites them and vice versa. What an
 attempt resumed from (`resumed`) is reported by the runtime that loaded it, because only
 it knows: the operator derives its recovery figures from that report. Non-finite figures
 cannot travel in JSON: they are left out and named in `progress.nonFinite`, never replaced
@@ -28,13 +28,20 @@ from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION, env
-from rljob_api.status import CheckpointStatus, Progress, ResumeReport, RuntimeFailure
+from rljob_api.status import (
+    CheckpointStatus,
+    Progress,
+    ResumeReport,
+    RuntimeFailure,
+    RuntimeStop,
+)
 
 FIELD_MANAGER = "rljob-runtime"
 ENV_NAME = env.JOB_NAME
 ENV_NAMESPACE = env.JOB_NAMESPACE
 # Fields a restarted runtime carries over from its predecessor (same field manager): an
-# apply without them would remove them. `runtimeFailure` is not: a new attempt starts clean.
+# apply without them would remove them. `runtimeFailure` and `stopped` are not: they say how
+# an attempt ended, and a new attempt starts clean.
 CARRIED_OVER = ("progress", "checkpoint", "resumed")
 REQUEST_TIMEOUT_S = 5.0  # one request to the API server, to connect and to answer
 SETTLE_S = 1.0  # the longest a report waits for its write while the API server answers
@@ -64,6 +71,7 @@ class Reporter(Protocol):
     def checkpoint(self, checkpoint: CheckpointStatus) -> None: ...
     def resumed(self, resumed: ResumeReport) -> None: ...
     def failure(self, failure: RuntimeFailure) -> None: ...
+    def stopped(self, stop: RuntimeStop) -> None: ...
     def close(self, timeout_s: float) -> bool: ...
 
 
@@ -81,6 +89,9 @@ class PrintReporter:
 
     def failure(self, failure: RuntimeFailure) -> None:
         print(f"failure: {failure.reason}: {failure.message}", flush=True)
+
+    def stopped(self, stop: RuntimeStop) -> None:
+        return None  # the run's summary says how it stopped
 
     def close(self, timeout_s: float) -> bool:
         return True  # everything was printed when it was reported
@@ -247,3 +258,6 @@ class StatusReporter:
 
     def failure(self, failure: RuntimeFailure) -> None:
         self._report({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})
+
+    def stopped(self, stop: RuntimeStop) -> None:
+        self._report({"stopped": stop.model_dump(by_alias=True, exclude_none=True)})

@@ -1,9 +1,11 @@
 """`rljob run FILE`: validate, then run the job on this machine or a given Ray cluster.
 
-Exit codes: 0 finished; 1 runtime failure (worker or engine failed, weight sync refused);
-2 invalid job (spec, dataset, model source or hooks); 3 stopped on non-finite loss,
-gradients or weights (evidence saved under the workdir); 130 interrupted by Ctrl-C after
-saving a checkpoint.
+Exit codes: 0 finished; 1 runtime failure (worker or engine failed, weight sync refused,
+checkpoint store held by another driver); 2 invalid job (spec, dataset, model source or
+hooks; `rljob validate` gives 2 for the same file); 3 stopped on non-finite loss, gradients
+or weights (evidence saved under the workdir); 130 stopped by SIGINT (Ctrl-C), 143 stopped
+by SIGTERM: the first signal lets the step in progress finish and be saved, a second one
+stops at once.
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def render_reference() -> str:
         "",
         "Written by the operator (`phase`, `conditions`, `observedGeneration`, `recovery`, "
         "`startingSince`, `startedAt`, `finishedAt`) and by the job's runtime (`progress`, "
-        "`checkpoint`, `resumed`, `runtimeFailure`). Read it with `kubectl get rljob NAME -o "
-        "yaml`.",
+        "`checkpoint`, `resumed`, `runtimeFailure`, `stopped`). Read it with "
+        "`kubectl get rljob NAME -o yaml`.",
         "",
         *_table(walk(status_schema(), "status", (), None), with_default=False),
         "",

@@ -2,8 +2,8 @@
 
 Ownership is split by field manager: the operator writes `phase`, `conditions`,
 `observedGeneration`, `recovery`, `startingSince`, `startedAt` and `finishedAt`; the runtime writes
-`progress`, `checkpoint`, `resumed` and `runtimeFailure` (server-side apply). Neither
-overwrites the other's fields. Facts about training (what was saved, what was loaded) come
+`progress`, `checkpoint`, `resumed`, `runtimeFailure` and `stopped` (server-side apply).
+Neither overwrites the other's fields. Facts about training (what was saved, what was loaded) come
 only from the runtime; the operator derives its recovery figures from them.
 """
 
@@ -145,6 +145,34 @@ class RuntimeFailure(ApiModel):
     time: Timestamp = Field(description="When it happened.")
 
 
+class RuntimeStop(ApiModel):
+    """The runtime stopped on a signal (suspend, preemption, pod deletion, Ctrl-C): not a
+    failure. Written by the runtime as it exits; the next attempt's runtime removes it."""
+
+    signal: ShortText = Field(description="The signal that stopped it: SIGTERM or SIGINT.")
+    attempt: int = Field(
+        description="The attempt that stopped (the operator's restart count at its start)."
+    )
+    step: int = Field(description="Rollout steps completed when it stopped.")
+    checkpoint_step: int | None = Field(
+        None,
+        description=(
+            "Step of the latest verified checkpoint when it stopped, which the next attempt "
+            "resumes from; unset when there is none."
+        ),
+    )
+    aborted: bool = Field(
+        False,
+        description=(
+            "True when it stopped at once (a second signal, or a signal during start-up) "
+            "without finishing its step and saving; false when it finished the step in "
+            "progress and saved it."
+        ),
+    )
+    exit_code: int = Field(description="Its exit code: 128 + the signal number (143, 130).")
+    time: Timestamp = Field(description="When it stopped.")
+
+
 class RLJobStatus(ApiModel):
     """Observed state of an RLJob."""
 
@@ -155,6 +183,9 @@ class RLJobStatus(ApiModel):
     observed_generation: int | None = Field(None, description="Spec generation last acted on.")
     progress: Progress | None = Field(None, description="Training progress (runtime).")
     checkpoint: CheckpointStatus | None = Field(None, description="Latest checkpoint (runtime).")
+    stopped: RuntimeStop | None = Field(
+        None, description="The running attempt stopped on a signal, not a failure (runtime)."
+    )
     recovery: RecoveryStatus | None = Field(None, description="Restarts (operator).")
     resumed: ResumeReport | None = Field(
         None, description="What the running attempt resumed from (runtime)."

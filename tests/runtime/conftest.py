@@ -9,7 +9,13 @@ import pytest
 import ray
 
 from rljob.driver import worker_env
-from rljob_api.status import CheckpointStatus, Progress, ResumeReport, RuntimeFailure
+from rljob_api.status import (
+    CheckpointStatus,
+    Progress,
+    ResumeReport,
+    RuntimeFailure,
+    RuntimeStop,
+)
 
 
 @pytest.fixture
@@ -30,6 +36,7 @@ class RecordingReporter:
         self.checkpoints: list[CheckpointStatus] = []
         self.failures: list[RuntimeFailure] = []
         self.resumes: list[ResumeReport] = []
+        self.stops: list[RuntimeStop] = []
 
     def progress(self, progress: Progress) -> None:
         self.progresses.append(progress)
@@ -42,6 +49,9 @@ class RecordingReporter:
 
     def failure(self, failure: RuntimeFailure) -> None:
         self.failures.append(failure)
+
+    def stopped(self, stop: RuntimeStop) -> None:
+        self.stops.append(stop)
 
     def close(self, timeout_s: float) -> bool:
         return True

@@ -1,4 +1,5 @@
-"""`rljob run` as a user runs it: exit codes, Ctrl-C, and the other placements/backends."""
+"""`rljob run` as a user runs it: exit codes, Ctrl-C and SIGTERM, and the other
+placements/backends."""
 
 from __future__ import annotations
 
@@ -7,14 +8,27 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from rljob import metrics_log
-from rljob.driver import EXIT_INTERRUPTED, EXIT_INVALID, EXIT_OK, RunOptions, run_job
+from rljob.driver import (
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    RunOptions,
+    run_job,
+)
+from rljob_api import env
+from tests.controlplane import ControlPlane
 from tests.polling import wait_for
 from tests.runtime.conftest import RecordingReporter
+from tests.runtime.hooks_for_tests import GATE_ENV
 from tests.runtime.jobs import job_file, job_spec
 
 pytestmark = pytest.mark.runtime
@@ -54,6 +68,121 @@ def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     assert [p.name for p in saved] == [f"step_{steps:08d}"]
     assert json.loads((saved[0] / "state.json").read_text())["step"] == steps
     assert "interrupted; state saved" in output
+
+
+class Driver:
+    """`rljob run` as the driver pod runs it: job identity and attempt in the environment,
+    status reported to the test control plane; its output goes to a file the test reads."""
+
+    def __init__(self, cp: ControlPlane, namespace: str, job: Path, workdir: Path,
+                 log: Path) -> None:
+        self.cp, self.namespace, self.job, self.workdir, self.log = (
+            cp, namespace, job, workdir, log)
+        self.name = str(yaml.safe_load(job.read_text())["metadata"]["name"])
+        cp.kubectl("apply", "-n", namespace, "-f", str(job))
+
+    def start(self, attempt: int, *args: str, **extra: str) -> subprocess.Popen[bytes]:
+        environ = {**os.environ, env.JOB_NAME: self.name, env.JOB_NAMESPACE: self.namespace,
+                   env.RESTARTS: str(attempt), "KUBECONFIG": str(self.cp.kubeconfig), **extra}
+        with self.log.open("ab") as out:
+            return subprocess.Popen(
+                [*RLJOB, "run", str(self.job), "--workdir", str(self.workdir), *args],
+                env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def steps(self) -> int:
+        return len(metrics_log.read(self.workdir / metrics_log.METRICS_FILE))
+
+    def status(self) -> dict[str, Any]:
+        obj = self.cp.get_json("rljob", self.name, "-n", self.namespace)
+        return dict(obj.get("status") or {})
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.controlplane
+def test_sigterm_stops_after_saving_and_the_next_run_resumes_there(
+    control_plane: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    """What a pod deletion (suspend, preemption) does to the driver: SIGTERM mid-run. The
+    step in progress finishes and is saved, the exit code says SIGTERM, the status says it
+    stopped (not failed), and the next attempt resumes from exactly that checkpoint."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                              "checkpoint": {"interval": 1000}})
+    driver = Driver(control_plane, namespace, job, tmp_path / "w", tmp_path / "driver.log")
+    first = driver.start(0)
+    try:
+        wait_for(lambda: driver.steps() >= 2, timeout=300, what="two rollout steps",
+                 describe=lambda: driver.output()[-3000:])
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=300) == EXIT_TERMINATED, driver.output()[-3000:]
+    finally:
+        _reap(first)
+    steps = driver.steps()
+    saved = sorted((driver.workdir / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == [f"step_{steps:08d}"]  # interval 1000: the stop saved it
+    assert "stopped by SIGTERM; state saved" in driver.output()
+    status = driver.status()
+    assert "runtimeFailure" not in status
+    stopped = status["stopped"]
+    assert (stopped["signal"], stopped["attempt"], stopped["step"], stopped["checkpointStep"],
+            stopped["aborted"], stopped["exitCode"]) == ("SIGTERM", 0, steps, steps, False, 143)
+
+    second = driver.start(1, "--max-steps", "1")
+    try:
+        assert second.wait(timeout=600) == EXIT_OK, driver.output()[-3000:]
+    finally:
+        _reap(second)
+    assert f"resumed from {saved[0]} (step {steps}, " in driver.output()
+    rows = metrics_log.read(driver.workdir / metrics_log.METRICS_FILE)
+    assert [r["step"] for r in rows] == list(range(1, steps + 2))
+    status = driver.status()
+    resumed = status["resumed"]
+    assert (resumed["attempt"], resumed["found"], resumed["step"], resumed["path"]) == (
+        1, True, steps, str(saved[0]))
+    assert "stopped" not in status  # how attempt 0 ended is not carried into attempt 1
+
+
+@pytest.mark.controlplane
+def test_a_second_sigterm_aborts_the_step_at_once(
+    control_plane: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    """The first SIGTERM waits for a step that cannot finish (its rewards are held back); a
+    second one ends the run at once without saving, and the status says it aborted."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                              "checkpoint": {"interval": 1000},
+                              "reward": {"function": "tests.runtime.hooks_for_tests:gated_reward"}})
+    gate = tmp_path / "gate"
+    driver = Driver(control_plane, namespace, job, tmp_path / "w", tmp_path / "driver.log")
+    proc = driver.start(0, **{GATE_ENV: str(gate)})
+    try:
+        wait_for(lambda: driver.steps() >= 1, timeout=300, what="a first rollout step",
+                 describe=lambda: driver.output()[-3000:])
+        gate.touch()
+        wait_for(lambda: (tmp_path / "gate.BLOCKED").exists(), timeout=120,
+                 what="a step held in its rewards")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "finishing this step" in driver.output(), timeout=60,
+                 what="the first SIGTERM to be taken", describe=lambda: driver.output()[-2000:])
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == EXIT_TERMINATED, driver.output()[-3000:]
+        took = time.monotonic() - start
+    finally:
+        gate.unlink(missing_ok=True)
+        _reap(proc)
+    assert took < 60, f"the abort took {took:.0f}s"
+    assert "stopped by SIGTERM at once" in driver.output()
+    assert not list((driver.workdir / "checkpoints").glob("step_*"))  # nothing was saved
+    stopped = driver.status()["stopped"]
+    assert (stopped["signal"], stopped["aborted"], stopped["exitCode"]) == ("SIGTERM", True, 143)
+    assert "checkpointStep" not in stopped  # no checkpoint to resume from
 
 
 def test_colocated_ppo_with_disk_weight_sync(

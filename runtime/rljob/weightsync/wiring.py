@@ -148,11 +148,14 @@ class WeightSyncActors:
         """Each local sidecar's `/health` answer (empty when the pods run them)."""
         return list(ray.get([s.health.remote() for s in self.sidecars]))
 
-    def shutdown(self) -> None:
-        for sidecar in self.sidecars:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the sidecars (each within a deadline, unless not `graceful`), then kill them
+        and the store."""
+        for sidecar in self.sidecars if graceful else []:
             # One already gone needs no stopping: killing it below is all that is left.
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(sidecar.stop.remote(), timeout=STOP_TIMEOUT_S)
         for handle in [*self.sidecars, *([self.store] if self.store is not None else [])]:
-            ray.kill(handle)
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(handle)
         self.sidecars, self.store = [], None
