@@ -132,8 +132,9 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
 
     # The job's Ray token (its Secret, as a user with access could read it) never shows in a
     # log of the job's running pods, in its status or in its events.
-    token = base64.b64decode(cluster.get("secret", f"{JOB}-ray-token", "-n", NAMESPACE)
-                             ["data"]["auth_token"]).decode()
+    (secret,) = [s for s in cluster.get("secrets", "-n", NAMESPACE)["items"]
+                 if s["metadata"]["name"].startswith(f"{JOB}-ray-token")]
+    token = base64.b64decode(secret["data"]["auth_token"]).decode()
     seen = [cluster.kubectl("logs", "-n", NAMESPACE, p["metadata"]["name"], "--all-containers",
                             check=False).stdout
             for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)]
