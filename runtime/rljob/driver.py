@@ -439,9 +439,13 @@ class Job:
         """Tell the RLJob this attempt stopped on a signal (not a failure): where it was,
         the checkpoint the next attempt resumes from, and whether it stopped at once."""
         signum = self.stop.signum or 0
+        checkpoint = self.checkpoint_step
+        if checkpoint is None:  # stopped before it resumed: what the store has published
+            published = self.store.published()
+            checkpoint = published[-1][0] if published else None
         self.reporter.stopped(RuntimeStop(
             signal=self.stop.name, attempt=attempt_number(dict(os.environ)),
-            step=self.state.step, checkpoint_step=self.checkpoint_step, aborted=aborted,
+            step=self.state.step, checkpoint_step=checkpoint, aborted=aborted,
             exit_code=exit_codes.for_signal(signum), time=now()))
 
     def run(self) -> int:

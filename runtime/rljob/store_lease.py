@@ -18,6 +18,7 @@ well within the TTL (NTP does).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -148,14 +149,32 @@ class WriterLease:
 
     def _take(self, generation: int) -> bool:
         """Create lease file `generation`, complete, only if it does not exist yet."""
-        tmp = self._write_aside(replace(self.me, renewed_at=time.time()))
+        holder = replace(self.me, renewed_at=time.time())
+        tmp = self._write_aside(holder)
         try:
             os.link(tmp, self._file(generation))
             return True
         except FileExistsError:
             return False
+        except OSError as err:
+            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            return self._create(generation, holder)  # a filesystem without hard links
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _create(self, generation: int, holder: Holder) -> bool:
+        """Exclusive create, then the content: a reader that sees the file still empty
+        judges it by its age, so it counts as live and nobody else takes it."""
+        try:
+            fd = os.open(self._file(generation), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump(asdict(holder), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return True
 
     def acquire(self, wait_s: float = WAIT_S,
                 on_wait: Callable[[str], None] | None = None) -> None:

@@ -3,6 +3,7 @@ was taken over cannot publish, and no published checkpoint is ever replaced."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -186,3 +187,24 @@ def test_a_torn_step_directory_is_set_aside_not_deleted(tmp_path: Path) -> None:
     (aside,) = tmp_path.glob(".rejected-step_00000002-*")
     assert (aside / "model.bin").read_bytes() == b"torn"
     store.release()
+
+
+def test_without_hard_links_the_lease_is_still_exclusive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filesystems without hard links (SMB shares) refuse `link`: the lease is then taken by
+    an exclusive create, and a second writer still cannot get in while it is live."""
+    def no_links(src: object, dst: object) -> None:
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = CheckpointStore(tmp_path, keep_last=10, writer="first")
+    first.acquire()
+    second = CheckpointStore(tmp_path, keep_last=10, writer="second", lease_wait_s=1)
+    with pytest.raises(LeaseHeld, match="in use by first"):
+        second.acquire()
+    _save(first, 1, b"a")
+    first.release()
+    second.acquire()
+    _save(second, 2, b"b")
+    assert sorted(_published(tmp_path)) == ["step_00000001", "step_00000002"]
+    second.release()
