@@ -1,17 +1,19 @@
-"""Shared RLJob fixtures: a valid base job and a table of bad variants, one per rule.
+"""Shared RLJob fixtures: a valid base job, a table of bad variants (one per rule) and a
+table of refused edits (one per immutable field).
 
-The same table drives the Python validator tests and the API-server admission tests, so the
+The same tables drive the Python validator tests and the API-server admission tests, so the
 two implementations of every rule are checked against each other.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from rljob_api.mutability import FIELD_EFFECTS
 from rljob_api.rules import RULES, TRANSITION_RULES, Rule, TransitionRule
 from tests.controlplane import REPO
 
@@ -124,4 +126,58 @@ BAD_SPECS: list[BadSpec] = [
     BadSpec("weight-sync-enum", {"weightSync.mode": "rdma"}, "spec.weightSync.mode"),
     BadSpec("wrong-type", {"algorithm.lr": "fast"}, "spec.algorithm.lr"),
     BadSpec("unknown-field", {"trainer.gpuCount": 4}, "spec.trainer.gpuCount"),
+]
+
+
+def immutable_message(path: str) -> str:
+    """The API server's (and `rljob validate`'s) message refusing an edit of `path`."""
+    (msg,) = [e.immutable_message() for e in FIELD_EFFECTS if e.path == path]
+    return msg
+
+
+@dataclass(frozen=True)
+class BadUpdate:
+    """An edit of an existing job that both the API server and `update_problems` refuse."""
+
+    id: str
+    changes: dict[str, Any]  # dotted path under spec -> new value
+    message: str  # the one rule message both must give
+    before: dict[str, Any] = field(default_factory=dict)  # set at creation, if anything
+
+    def docs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The job as created, and as edited."""
+        created = BadSpec(self.id, self.before, "").apply_to(base_job(f"upd-{self.id}"))
+        return created, BadSpec(self.id, self.changes, "").apply_to(created)
+
+
+# One per immutable field of rljob_api.mutability (a unit test checks none is missing).
+BAD_UPDATES: list[BadUpdate] = [
+    BadUpdate("model", {"model.dtype": "bfloat16"}, immutable_message("model")),
+    BadUpdate("trainer-backend", {"trainer.backend": "megatron", "trainer.gpusPerReplica": 1},
+              immutable_message("trainer.backend")),
+    BadUpdate("trainer-parallelism", {"trainer.parallelism": {"tensor": 2}},
+              immutable_message("trainer.parallelism")),
+    BadUpdate("rollout-backend", {"rollout.backend": "sglang"},
+              immutable_message("rollout.backend")),
+    BadUpdate("placement", {"placement": "colocated", "rollout.gpus": 1,
+                            "trainer.gpusPerReplica": 1}, immutable_message("placement")),
+    BadUpdate("estimator", {"algorithm.estimator": "reinforce++"},
+              immutable_message("algorithm.estimator")),
+    BadUpdate("seed", {"algorithm.seed": 7}, immutable_message("algorithm.seed")),
+    BadUpdate("dataset", {"data.dataset": "builtin:reverse"},
+              immutable_message("data.dataset")),
+    BadUpdate("data-pvc-set", {"data.pvc": "prompts"}, immutable_message("data.pvc")),
+    BadUpdate("shuffle", {"data.shuffle": False}, immutable_message("data.shuffle")),
+    BadUpdate("checkpoint-pvc-set", {"checkpoint.pvc": "team-nfs"},
+              immutable_message("checkpoint.pvc")),
+    BadUpdate("checkpoint-pvc-changed", {"checkpoint.pvc": "other-nfs"},
+              immutable_message("checkpoint.pvc"), before={"checkpoint.pvc": "team-nfs"}),
+    BadUpdate("checkpoint-size", {"checkpoint.size": "20Gi"},
+              immutable_message("checkpoint.size")),
+    BadUpdate("storage-class-set", {"checkpoint.storageClassName": "nfs"},
+              immutable_message("checkpoint.storageClassName")),
+    BadUpdate("checkpoint-path", {"checkpoint.path": "/ckpt"},
+              immutable_message("checkpoint.path")),
+    BadUpdate("queue-set", {"scheduling.queue": "team-a"},
+              immutable_message("scheduling.queue")),
 ]

@@ -6,7 +6,9 @@ building it twice gives the same object (the reconciler relies on that for idemp
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import yaml
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, env
 from rljob_api.layout import engines_per_pod, group_resource
+from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
 from rljob_operator import names
 
@@ -291,29 +294,95 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
     }
 
 
+def _revision(obj: Any) -> str:
+    """A short digest of something built: equal builds give equal revisions, so comparing a
+    child's revision with the one the current spec builds says whether it is outdated."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _stamp(meta: Obj, revision: str) -> None:
+    meta.setdefault("annotations", {})[names.ANNOTATION_REVISION] = revision
+
+
 def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
-    """The RayCluster: a CPU-only head and the trainer/rollout (or one colocated) groups."""
+    """The RayCluster: a CPU-only head and the trainer/rollout (or one colocated) groups.
+
+    Every pod template carries its revision (KubeRay copies it onto the pods), and the
+    RayCluster the revision of its whole spec: after a spec edit the operator patches a
+    RayCluster of another revision and replaces the pods whose template revision changed.
+    A worker template's revision includes the head's, since workers cannot outlive their
+    head; replica counts are in no template, so scaling replaces no pod."""
     # KubeRay's head Service exposes exactly the head container's ports.
     head_ports = [{"containerPort": names.RAY_GCS_PORT, "name": "gcs"},
                   {"containerPort": names.WEIGHT_SYNC_PORT, "name": "weight-sync"}]
     head = _ray_container(job, spec, "ray-head", names.HEAD, spec.trainer.image,
                           HEAD_RESOURCES, head_ports)
+    head_group: Obj = {
+        # No work on the head: every actor lands on a trainer or rollout pod.
+        "rayStartParams": {"num-cpus": "0"},
+        "template": _pod_template(job, spec, names.HEAD, [head], 0),
+    }
+    head_revision = _revision(head_group)
+    _stamp(head_group["template"]["metadata"], head_revision)
+    groups = []
+    for group, replicas in worker_groups(spec).items():
+        worker = _worker_group(job, spec, group, replicas)
+        shape = {k: v for k, v in worker.items()
+                 if k not in ("replicas", "minReplicas", "maxReplicas")}
+        _stamp(worker["template"]["metadata"], _revision({"head": head_revision, **shape}))
+        groups.append(worker)
+    cluster_spec: Obj = {"headGroupSpec": head_group, "workerGroupSpecs": groups}
+    meta = _metadata(job, names.raycluster_name(job.name), names.HEAD)
+    _stamp(meta, _revision(cluster_spec))
     return {
         "apiVersion": names.RAY_API_VERSION,
         "kind": "RayCluster",
-        "metadata": _metadata(job, names.raycluster_name(job.name), names.HEAD),
-        "spec": {
-            "headGroupSpec": {
-                # No work on the head: every actor lands on a trainer or rollout pod.
-                "rayStartParams": {"num-cpus": "0"},
-                "template": _pod_template(job, spec, names.HEAD, [head], 0),
-            },
-            "workerGroupSpecs": [
-                _worker_group(job, spec, group, replicas)
-                for group, replicas in worker_groups(spec).items()
-            ],
-        },
+        "metadata": meta,
+        "spec": cluster_spec,
     }
+
+
+def runtime_config(spec: RLJobSpec) -> Obj:
+    """The spec as far as the driver's runtime depends on it: everything but the fields the
+    operator alone applies (`rljob_api.mutability`, effect `operator`), whose edits must not
+    restart the driver."""
+    doc: Obj = spec.model_dump(by_alias=True, mode="json")
+    for path in paths_with(Effect.operator):
+        *parents, leaf = path.split(".")
+        node = doc
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    return doc
+
+
+@dataclass(frozen=True)
+class Revisions:
+    """What the current spec builds, as revisions: the RayCluster's, each pod template's by
+    component (`head`, `trainer`, `rollout`, `colocated`), and the driver's."""
+
+    cluster: str
+    templates: Mapping[str, str]
+    driver: str
+
+
+def revisions(job: JobRef, spec: RLJobSpec) -> Revisions:
+    rc = build_raycluster(job, spec)
+    head = rc["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
+    templates = {names.HEAD: head[names.ANNOTATION_REVISION]}
+    for group in rc["spec"]["workerGroupSpecs"]:
+        templates[group["groupName"]] = group["template"]["metadata"]["annotations"][
+            names.ANNOTATION_REVISION]
+    cluster = rc["metadata"]["annotations"][names.ANNOTATION_REVISION]
+    return Revisions(cluster, templates, _driver_revision(job, spec, cluster))
+
+
+def _driver_revision(job: JobRef, spec: RLJobSpec, cluster: str) -> str:
+    """The driver restarts when its pod, the config its runtime reads, or the RayCluster it
+    drives would change; not for an edit the operator alone applies (recovery, suspend)."""
+    pod = _driver_pod(job, spec, 0, [])
+    return _revision({"cluster": cluster, "pod": pod["spec"], "config": runtime_config(spec)})
 
 
 def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
@@ -332,11 +401,19 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
     A bare pod, not a batch Job: the operator owns restarts (with backoff and the
     checkpoint bookkeeping), so nothing else should retry it. The annotations record which
     attempt it is and which compute pods it started with; a later reconcile compares them
-    with what exists to tell that a pod was lost, even across operator restarts.
+    with what exists to tell that a pod was lost, even across operator restarts. Its
+    revision says which spec it runs: after an edit that changes it, the driver is replaced
+    (not counted as a restart) and resumes from the latest checkpoint.
 
     The driver runs a Ray node of its own (`rljob run --join`): it gets the Ray token, its
     pod IP as the node address, and a /dev/shm for that node's object store.
     """
+    pod = _driver_pod(job, spec, restarts, compute_pods)
+    _stamp(pod["metadata"], revisions(job, spec).driver)
+    return pod
+
+
+def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[str]) -> Obj:
     volumes, mounts = _data_volumes(job, spec)
     meta = _metadata(job, names.driver_name(job.name), names.DRIVER)
     meta["annotations"] = {

@@ -196,6 +196,23 @@ class Kube:
             if err.status != 404:
                 raise
 
+    def patch_raycluster(self, obj: Obj) -> None:
+        """Bring the RayCluster's groups to `obj`'s (built from the current spec), then its
+        revision annotation: replaced wholesale (a JSON patch), so a field the new spec drops
+        goes too; `spec.suspend` and anything else in the RayCluster are left alone."""
+        meta = obj["metadata"]
+        ops: Any = [{"op": "replace", "path": f"/spec/{key}", "value": obj["spec"][key]}
+                    for key in ("headGroupSpec", "workerGroupSpecs")]
+        args = (names.RAY_GROUP, names.RAY_VERSION, meta["namespace"], names.RAY_PLURAL,
+                meta["name"])
+        self.custom.patch_namespaced_custom_object(
+            *args, ops, _content_type="application/json-patch+json", _request_timeout=TIMEOUT)
+        revision: Any = {"metadata": {"annotations": {
+            names.ANNOTATION_REVISION: meta["annotations"][names.ANNOTATION_REVISION]}}}
+        self.custom.patch_namespaced_custom_object(
+            *args, revision, _content_type="application/merge-patch+json",
+            _request_timeout=TIMEOUT)
+
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
             self.custom.delete_namespaced_custom_object(

@@ -14,6 +14,9 @@ LABEL_COMPONENT = f"{GROUP}/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_RESTARTS = f"{GROUP}/restarts"
 ANNOTATION_COMPUTE_PODS = f"{GROUP}/compute-pods"
+# What a child was built from (builders.revisions): a RayCluster, pod template or driver
+# whose revision differs from what the current spec builds is patched or replaced.
+ANNOTATION_REVISION = f"{GROUP}/revision"
 
 HEAD = "head"
 TRAINER = "trainer"

@@ -75,6 +75,11 @@ class PodView:
         return int(raw) if raw is not None and raw.isdigit() else None
 
     @property
+    def revision(self) -> str | None:
+        """What the pod was built from (`rljob.io/revision`, copied from its template)."""
+        return self.annotations.get(names.ANNOTATION_REVISION)
+
+    @property
     def recorded_compute(self) -> frozenset[str]:
         """The compute pods a driver pod started with."""
         raw = self.annotations.get(names.ANNOTATION_COMPUTE_PODS, "")
@@ -91,6 +96,7 @@ class Observed:
     lost_nodes: frozenset[str]
     hints: Mapping[str, FailureHint] = field(default_factory=dict)
     in_the_way: InTheWay | None = None  # a child's name taken by an object not the job's
+    cluster_revision: str | None = None  # the RayCluster's `rljob.io/revision`
 
     def live_compute(self) -> list[PodView]:
         """Compute pods that are neither failed, going away, nor on a lost node."""
@@ -263,9 +269,12 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
     ))
     used = {v.node for v in views if v.node}
     cluster = "absent"
+    revision = None
     if raycluster is not None:
         deleting = raycluster["metadata"].get("deletionTimestamp") is not None
         cluster = "deleting" if deleting else "present"
+        revision = (raycluster["metadata"].get("annotations") or {}).get(
+            names.ANNOTATION_REVISION)
     return Observed(
         cluster=cluster,
         driver=driver,
@@ -273,4 +282,5 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
         lost_nodes=lost_nodes(nodes, used),
         hints=dict(hints or {}),
         in_the_way=in_the_way,
+        cluster_revision=revision,
     )

@@ -184,6 +184,12 @@ class Reconciler:
             self.kube.delete_raycluster(ns, names.raycluster_name(ref.name))
         if job.spec is None:
             return
+        if actions.patch_cluster:
+            # Patched before its outdated pods go, so KubeRay remakes them from the new spec
+            # (one made from a stale cache is outdated too, and goes at the next reconcile).
+            self.kube.patch_raycluster(builders.build_raycluster(ref, job.spec))
+        for pod in actions.replace_pods:
+            self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
             self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)

@@ -25,7 +25,14 @@ from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
 from rljob_operator import names
-from rljob_operator.builders import checkpoint_claim_name, claim_names, worker_groups
+from rljob_operator.builders import (
+    JobRef,
+    Revisions,
+    checkpoint_claim_name,
+    claim_names,
+    revisions,
+    worker_groups,
+)
 from rljob_operator.observe import InTheWay, Observed, PodView
 
 Obj = dict[str, Any]
@@ -118,6 +125,8 @@ class Actions:
 
     create_cluster: bool = False
     delete_cluster: bool = False
+    patch_cluster: bool = False  # the RayCluster was built from another spec: patch it
+    replace_pods: tuple[str, ...] = ()  # deleted gracefully: built from an outdated template
     create_driver: tuple[str, ...] | None = None  # compute pods the new driver starts with
     delete_driver: bool = False
     delete_pods: tuple[str, ...] = ()  # force-deleted: failed, or stranded on a lost node
@@ -243,6 +252,10 @@ class _Decider:
         observed = self.cur.get("observedGeneration")
         # The spec was edited since the last status write: a start-up begins afresh.
         self.edited = observed is not None and observed != job.generation
+        # What the current spec builds; children of other revisions are patched or replaced.
+        self.want: Revisions | None = None
+        if job.spec is not None:
+            self.want = revisions(JobRef(job.name, job.namespace, job.uid), job.spec)
 
     # -- status assembly -------------------------------------------------------------------
 
@@ -522,8 +535,7 @@ class _Decider:
 
     def waiting_for(self) -> str:
         """What start-up still waits for, when nothing in particular blocks it."""
-        live = self.obs.live_compute()
-        running = [p for p in live if p.phase == "Running" and p.ready]
+        running = [p for p in self.live() if p.phase == "Running" and p.ready]
         out = f"{len(running)} of {sum(self.expected().values())} compute pods run"
         driver = self.obs.driver
         if driver is not None and not driver.deleting:
@@ -581,17 +593,43 @@ class _Decider:
         assert self.job.spec is not None
         return {names.HEAD: 1, **worker_groups(self.job.spec)}
 
+    def current(self, pod: PodView) -> bool:
+        """Whether a compute pod was built from the template the current spec builds."""
+        assert self.want is not None
+        return pod.revision == self.want.templates.get(pod.component)
+
+    def live(self) -> list[PodView]:
+        """Compute pods that are alive and built from the current spec."""
+        return [p for p in self.obs.live_compute() if self.current(p)]
+
+    def outdated_pods(self) -> tuple[str, ...]:
+        """Compute pods of another template revision (the spec changed since they were made):
+        deleted, so that KubeRay makes them again from the patched RayCluster."""
+        if self.obs.cluster != "present" or self.want is None:
+            return ()
+        return tuple(p.name for p in self.obs.compute if not p.deleting and not self.current(p))
+
+    def cluster_outdated(self) -> bool:
+        assert self.want is not None
+        return self.obs.cluster == "present" and self.obs.cluster_revision != self.want.cluster
+
+    def driver_outdated(self, driver: PodView | None) -> bool:
+        """A driver built from another spec (its pod, its config or its RayCluster)."""
+        return (driver is not None and self.want is not None
+                and driver.revision != self.want.driver)
+
     def compute_ready(self) -> bool:
-        live = self.obs.live_compute()
+        """Exactly the expected compute pods of the current revision exist and run (a pod
+        about to be scaled away must not become part of an attempt)."""
+        live = self.live()
         for component, count in self.expected().items():
-            ready = [p for p in live
-                     if p.component == component and p.phase == "Running" and p.ready]
-            if len(ready) < count:
+            pods = [p for p in live if p.component == component]
+            if len(pods) != count or not all(p.phase == "Running" and p.ready for p in pods):
                 return False
         return self.obs.cluster == "present"
 
     def all_scheduled(self) -> bool:
-        live = [p for p in self.obs.live_compute() if p.unschedulable is None and p.node]
+        live = [p for p in self.live() if p.unschedulable is None and p.node]
         return self.obs.cluster == "present" and len(live) >= sum(self.expected().values())
 
     def scheduling_conditions(self) -> list[tuple[str, str, str, str]]:
@@ -603,7 +641,7 @@ class _Decider:
                                             checkpoint_claim_name(self.job.name, spec))
             sched = ("Scheduled", "False", "Unschedulable", message)
         elif not self.all_scheduled():
-            live = len([p for p in self.obs.live_compute() if p.node])
+            live = len([p for p in self.live() if p.node])
             sched = ("Scheduled", "False", "WaitingForPods",
                      f"{live} of {sum(self.expected().values())} compute pods are placed")
         else:
@@ -613,7 +651,9 @@ class _Decider:
 
     def active(self) -> Decision:
         driver = self.obs.driver
-        stale = driver is not None and driver.restarts != self.restarts
+        # A driver of an earlier attempt, or one built from an earlier spec, is replaced.
+        stale = driver is not None and (driver.restarts != self.restarts
+                                        or self.driver_outdated(driver))
         attempt = driver if driver is not None and not stale and not driver.deleting else None
         running = self.phase == Phase.running.value
         if attempt is not None and attempt.phase == "Succeeded":
@@ -656,15 +696,18 @@ class _Decider:
                 phase, action = waiting_phase, "StartingDriver"
                 if not recovering:
                     phase = Phase.initializing.value
-                create_driver = tuple(p.name for p in self.obs.live_compute())
+                create_driver = tuple(p.name for p in self.live())
         if not recovering and phase != Phase.running.value:
             action = None
         rec = self.base_recovery(action, next_at)
         ready_cond = ("Ready", "True", "Running", "the driver and every compute pod run")
         started = ("Started", "True", "Started", "the driver and every compute pod run")
         since: str | None = None
+        change = self.spec_change(driver)
         if phase != Phase.running.value:
             ready_cond = ("Ready", "False", action or phase, f"phase {phase}")
+            if change is not None:
+                ready_cond = ("Ready", "False", "ApplyingSpecChange", change)
             since = self.starting_since(next_at if recovering else None)
             problem = self.startup_problem(since)
             deadline = self.deadline(since)
@@ -681,8 +724,31 @@ class _Decider:
             create_driver=create_driver,
             delete_driver=stale and driver is not None and not driver.deleting,
             delete_pods=self.stranded_pods(),
+            patch_cluster=self.cluster_outdated(),
+            replace_pods=tuple(p for p in self.outdated_pods()
+                               if p not in self.stranded_pods()),
         )
-        return Decision(status, actions, self.phase_event(phase, rec), requeue)
+        event = self.phase_event(phase, rec)
+        if change is not None and (actions.patch_cluster or (
+                self.driver_outdated(driver) and driver is not None and not driver.deleting)):
+            event = Event("Normal", "SpecChanged", change)
+        return Decision(status, actions, event, requeue)
+
+    def spec_change(self, driver: PodView | None) -> str | None:
+        """What applying an edited spec still takes, in words; None when nothing is left."""
+        steps = []
+        if self.cluster_outdated():
+            steps.append("patching the RayCluster")
+        outdated = self.outdated_pods()
+        if outdated:
+            steps.append(f"replacing pod(s) {_pod_list(list(outdated))} built from the "
+                         "previous spec")
+        if self.driver_outdated(driver) and driver is not None:
+            steps.append("stopping the driver, which restarts from the latest checkpoint (not "
+                         "a failure, not counted as a restart)")
+        if not steps:
+            return None
+        return f"applying generation {self.job.generation} of the spec: " + "; ".join(steps)
 
     def phase_event(self, phase: str, rec: Obj) -> Event | None:
         resume = self.resume_event(rec)

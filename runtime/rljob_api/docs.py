@@ -15,12 +15,19 @@ from typing import Any
 
 from rljob_api import API_VERSION, KIND, SHORT_NAME
 from rljob_api.crd import PRINTER_COLUMNS, spec_schema, status_schema
+from rljob_api.mutability import EFFECT_WORDS, FIELD_EFFECTS, Effect
 from rljob_api.rules import RULES, TRANSITION_RULES
 from rljob_api.spec import RLJobSpec
 
 Schema = dict[str, Any]
 
 DOCS_FILE = "docs/reference.md"
+# docs/operator.md carries the field-effects table between these markers; `python -m
+# rljob_api.docs` rewrites it (and docs/reference.md), a unit test fails when it is stale.
+OPERATOR_DOC = "docs/operator.md"
+EFFECTS_BEGIN = ("<!-- field-effects: generated from rljob_api.mutability by "
+                 "`python -m rljob_api.docs`; do not edit by hand -->")
+EFFECTS_END = "<!-- /field-effects -->"
 HEADER = "<!-- Generated from the API model by `rljob docs --write`; do not edit by hand. -->\n"
 NO_VALUE = "—"
 
@@ -150,6 +157,40 @@ def _where(at: tuple[str, ...]) -> str:
     return _code(".".join(("spec", *at)))
 
 
+_EFFECT_CELL = {
+    Effect.immutable: "refused",
+    Effect.operator: "applies at once",
+    Effect.restart: "driver restarts",
+    Effect.compute: "RayCluster patched, then driver restarts",
+}
+
+
+def render_field_effects() -> str:
+    """What editing each spec field of an existing job does, one row per table entry."""
+    lines = [
+        "| Field | On a running job | Why / what happens |",
+        "| --- | --- | --- |",
+    ]
+    for entry in FIELD_EFFECTS:
+        narrower = any(e.path.startswith(entry.path + ".") for e in FIELD_EFFECTS)
+        field = _code(f"spec.{entry.path}") + (" (its other fields)" if narrower else "")
+        why = entry.why[0].upper() + entry.why[1:]
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            field, _EFFECT_CELL[Effect(entry.effect)], why)) + " |")
+    lines += ["", "Effects: " + "; ".join(
+        f"*{_EFFECT_CELL[e]}*: {EFFECT_WORDS[e]}" for e in Effect) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def with_field_effects(doc: str) -> str:
+    """`doc` (docs/operator.md) with the generated table between its markers."""
+    head, begin, rest = doc.partition(EFFECTS_BEGIN)
+    _, end, tail = rest.partition(EFFECTS_END)
+    if not begin or not end:
+        raise ValueError(f"{OPERATOR_DOC} lacks the field-effects markers")
+    return f"{head}{EFFECTS_BEGIN}\n{render_field_effects()}{EFFECTS_END}{tail}"
+
+
 def render_reference() -> str:
     """The whole reference page, as committed at `docs/reference.md`."""
     defaults = RLJobSpec.model_validate({}).model_dump(by_alias=True, mode="json")
@@ -189,6 +230,13 @@ def render_reference() -> str:
         )
     lines += [
         "",
+        "## Editing a running job",
+        "",
+        "Every field either takes effect on a running job or is refused by a transition rule "
+        "above (docs/operator.md, \"Editing a running job\", says how).",
+        "",
+        render_field_effects().rstrip("\n"),
+        "",
         "## status",
         "",
         "Written by the operator (`phase`, `conditions`, `observedGeneration`, `recovery`, "
@@ -217,3 +265,12 @@ def render_reference() -> str:
             + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    # `python -m rljob_api.docs`: rewrite the generated docs (run from the repository root).
+    from pathlib import Path
+
+    Path(DOCS_FILE).write_text(render_reference())
+    Path(OPERATOR_DOC).write_text(with_field_effects(Path(OPERATOR_DOC).read_text()))
+    print(f"wrote {DOCS_FILE} and the field-effects table of {OPERATOR_DOC}")

@@ -13,6 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rljob_api.mutability import FIELD_EFFECTS, Effect, FieldEffect
+from rljob_api.spec import RLJobSpec
+
 Obj = dict[str, Any]
 
 # SGLang server arguments that rljob sets itself; a user value would break the wiring.
@@ -165,31 +168,39 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-TRANSITION_RULES: tuple[TransitionRule, ...] = (
-    TransitionRule(
-        at=("model",),
-        cel="self == oldSelf",
-        message="spec.model is immutable on an existing job; create a new RLJob to train "
-        "another model",
-        check=lambda old, new: old == new,
-    ),
-    TransitionRule(
-        at=("trainer",),
-        cel="self.backend == oldSelf.backend",
-        message="spec.trainer.backend is immutable on an existing job; create a new RLJob "
-        "(checkpoints are backend-specific)",
-        check=lambda old, new: old["backend"] == new["backend"],
-    ),
-    TransitionRule(
-        at=("rollout",),
-        cel="self.backend == oldSelf.backend",
-        message="spec.rollout.backend is immutable on an existing job; create a new RLJob",
-        check=lambda old, new: old["backend"] == new["backend"],
-    ),
-    TransitionRule(
-        at=(),
-        cel="self.placement == oldSelf.placement",
-        message="spec.placement is immutable on an existing job; create a new RLJob",
-        check=lambda old, new: old["placement"] == new["placement"],
-    ),
+_DEFAULTS: Obj = RLJobSpec().model_dump(by_alias=True, mode="json")
+
+
+def _default_at(parts: tuple[str, ...]) -> Any:
+    value: Any = _DEFAULTS
+    for part in parts:
+        value = value[part]
+    return value
+
+
+def _transition(entry: FieldEffect) -> TransitionRule:
+    """The API server's check that an immutable field keeps its value: a section at its own
+    level (`self == oldSelf`), a field on its parent object; an optional field (no default)
+    must also stay set or unset."""
+    *parent, leaf = entry.parts
+    message = entry.immutable_message()
+    if not parent and isinstance(_default_at(entry.parts), dict):
+        return TransitionRule(at=entry.parts, cel="self == oldSelf", message=message,
+                              check=lambda old, new: old == new)
+    if _default_at(entry.parts) is None:
+        cel = (f"has(self.{leaf}) == has(oldSelf.{leaf}) && "
+               f"(!has(self.{leaf}) || self.{leaf} == oldSelf.{leaf})")
+    else:
+        cel = f"self.{leaf} == oldSelf.{leaf}"
+
+    def unchanged(old: Obj, new: Obj) -> bool:
+        return bool(old.get(leaf) == new.get(leaf))
+
+    return TransitionRule(at=tuple(parent), cel=cel, message=message, check=unchanged)
+
+
+# One rule per immutable field of rljob_api.mutability, so the API server, `rljob validate`
+# and the docs all refuse the same edits with the same words.
+TRANSITION_RULES: tuple[TransitionRule, ...] = tuple(
+    _transition(entry) for entry in FIELD_EFFECTS if entry.effect == Effect.immutable
 )

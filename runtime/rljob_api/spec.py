@@ -395,7 +395,13 @@ class SchedulingSpec(ApiModel):
         default_factory=list, max_length=32, description="Tolerations of every pod."
     )
     priority_class_name: ShortText | None = Field(None, description="PriorityClass of the pods.")
-    queue: ShortText | None = Field(None, description="Kueue LocalQueue name.")
+    queue: ShortText | None = Field(
+        None,
+        description=(
+            "Kueue LocalQueue name, reserved: recorded on the job but not acted on yet (the "
+            "operator does not submit jobs to Kueue)."
+        ),
+    )
     suspend: bool = Field(False, description="Tear compute down, keep checkpoints; false resumes.")
 
 

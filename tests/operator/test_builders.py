@@ -143,8 +143,9 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     s = spec(checkpoint={"path": "/ckpt/"})
     pod = builders.build_driver(JOB, s, restarts=2, compute_pods=["b", "a"])
     assert pod["metadata"]["name"] == "rl-driver"
-    assert pod["metadata"]["annotations"] == {"rljob.io/restarts": "2",
-                                              "rljob.io/compute-pods": "a,b"}
+    assert pod["metadata"]["annotations"] == {
+        "rljob.io/restarts": "2", "rljob.io/compute-pods": "a,b",
+        "rljob.io/revision": builders.revisions(JOB, s).driver}
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["serviceAccountName"] == "rl-runtime"
     (container,) = pod["spec"]["containers"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
+from rljob_api.spec import RLJobSpec
+from rljob_api.validate import spec_problems
+from rljob_operator.builders import JobRef, revisions
 from rljob_operator.observe import FailureHint, InTheWay, observe
 from rljob_operator.status import (
     OPERATOR_FIELDS,
@@ -71,9 +75,29 @@ def job(status: Obj | None = None, spec: Obj | None = None, name: str = "rl",
             "spec": spec if spec is not None else SPEC, "status": status or {}}
 
 
+def built(body: Obj, pods: list[Obj], rc: Obj | None) -> tuple[list[Obj], Obj | None]:
+    """The children as the operator built them from `body`'s spec: a pod or RayCluster
+    without a revision gets the one the spec builds (a test sets another to mean outdated)."""
+    spec = RLJobSpec.model_validate(body["spec"])
+    meta = body["metadata"]
+    want = revisions(JobRef(meta["name"], meta["namespace"], meta["uid"]), spec)
+    out = copy.deepcopy(pods)
+    for p in out:
+        component = p["metadata"]["labels"]["rljob.io/component"]
+        rev = want.driver if component == "driver" else want.templates.get(component, "?")
+        p["metadata"].setdefault("annotations", {}).setdefault("rljob.io/revision", rev)
+    if rc is not None:
+        rc = copy.deepcopy(rc)
+        rc["metadata"].setdefault("annotations", {}).setdefault("rljob.io/revision",
+                                                                want.cluster)
+    return out, rc
+
+
 def run(body: Obj, pods: list[Obj], now: datetime = T0, cluster: bool = True,
         nodes: list[Obj] | None = None, hints: dict[str, FailureHint] | None = None) -> Decision:
     rc = {"metadata": {"name": "rl"}} if cluster else None
+    if spec_problems(body["spec"]) == []:
+        pods, rc = built(body, pods, rc)
     obs = observe("rl", rc, pods, [READY_NODE] if nodes is None else nodes, hints)
     return decide(parse_job(body), obs, now)
 
@@ -503,6 +527,7 @@ OURS = [{"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "rl", "uid"
 def decide_owned(body: Obj, rc: Obj | None, pods: list[Obj],
                  in_the_way: InTheWay | None = None, now: datetime = T0) -> Decision:
     """A decision on what observe makes of the children when it knows the job's UID."""
+    pods, rc = built(body, pods, rc)
     obs = observe("rl", rc, pods, [READY_NODE], uid="u", in_the_way=in_the_way)
     return decide(parse_job(body), obs, now)
 
@@ -556,3 +581,83 @@ def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
     obs = observe("rl", mine, [*compute(), old], [READY_NODE], uid="u")
     assert "rl-trainer-worker-old" not in {p.name for p in obs.compute}
     assert len(obs.compute) == len(COMPUTE)
+
+
+# -- spec edits on a running job --------------------------------------------------------------
+
+def edited(changes: Obj, status: Obj = RUNNING) -> tuple[Obj, Obj]:
+    """The job before (generation 1) and after an edit merging `changes` into its spec."""
+    before = job(status)
+    spec = copy.deepcopy(SPEC)
+    for key, value in changes.items():
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
+    return before, job({**status, "observedGeneration": 1}, spec=spec, generation=2)
+
+
+def test_a_runtime_field_edit_restarts_only_the_driver_and_is_no_failure() -> None:
+    before, after = edited({"algorithm": {"lr": 3e-6}})
+    pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
+    d = decide(parse_job(after), observe("rl", rc, pods, [READY_NODE]), T0)
+    assert d.status["phase"] == "Initializing" and d.status["observedGeneration"] == 2
+    assert d.actions.delete_driver and not d.actions.patch_cluster
+    assert d.actions.replace_pods == () and d.actions.create_driver is None
+    ready = conditions(d)["Ready"]
+    assert ready["reason"] == "ApplyingSpecChange" and "generation 2" in ready["message"]
+    assert "restarts from the latest checkpoint" in ready["message"]
+    assert d.event is not None and d.event.reason == "SpecChanged"
+    assert d.restart is None and d.status["recovery"]["restarts"] == 0
+    # The old driver is gone: a new one starts on the same compute pods, then runs.
+    body = applied(after, d)
+    d = decide(parse_job(body), observe("rl", rc, pods[:-1], [READY_NODE]), T0)
+    assert d.actions.create_driver == tuple(sorted(n for n, _ in COMPUTE))
+    d = run(applied(body, d), [*pods[:-1], driver()])
+    assert d.status["phase"] == "Running" and d.status["recovery"]["restarts"] == 0
+    assert not d.actions.delete_driver
+
+
+def test_a_compute_field_edit_patches_the_raycluster_and_replaces_changed_pods() -> None:
+    before, after = edited({"rollout": {"gpus": 2, "gpusPerEngine": 1, "image": "r:2"}})
+    old_pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
+    d = decide(parse_job(after), observe("rl", rc, old_pods, [READY_NODE]), T0)
+    assert d.actions.patch_cluster and d.actions.delete_driver
+    assert set(d.actions.replace_pods) == {"rl-rollout-worker-a", "rl-rollout-worker-b"}
+    assert "patching the RayCluster" in conditions(d)["Ready"]["message"]
+    # Patched and replaced: the new rollout pods start, and only then a new driver.
+    new_rc = built(after, [], {"metadata": {"name": "rl"}})[1]
+    fresh, _ = built(after, [pod("rl-rollout-worker-c", "rollout"),
+                             pod("rl-rollout-worker-d", "rollout")], None)
+    keep = [p for p in old_pods if p["metadata"]["labels"]["rljob.io/component"]
+            in ("head", "trainer")]
+    body = applied(after, d)
+    d = decide(parse_job(body), observe("rl", new_rc, [*keep, *fresh], [READY_NODE]), T0)
+    assert not d.actions.patch_cluster and d.actions.replace_pods == ()
+    assert d.actions.create_driver is not None and "rl-rollout-worker-c" in \
+        d.actions.create_driver
+
+
+def test_scaling_waits_for_exactly_the_new_count_before_the_driver_starts() -> None:
+    before, after = edited({"trainer": {"replicas": 2, "gpusPerReplica": 2}})
+    old_pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
+    d = decide(parse_job(after), observe("rl", rc, old_pods, [READY_NODE]), T0)
+    assert d.actions.patch_cluster and d.actions.replace_pods == ()  # same template
+    body = applied(after, d)
+    new_rc = built(after, [], {"metadata": {"name": "rl"}})[1]
+    one = [p for p in old_pods if p["metadata"]["name"] != "rl-driver"]
+    d = decide(parse_job(body), observe("rl", new_rc, one, [READY_NODE]), T0)
+    assert d.actions.create_driver is None  # 1 of 2 trainers
+    two, _ = built(after, [*one, pod("rl-trainer-worker-b", "trainer")], None)
+    d = decide(parse_job(body), observe("rl", new_rc, two, [READY_NODE]), T0)
+    assert d.actions.create_driver is not None and len(d.actions.create_driver) == 5
+    # Scaling back down: a pod about to be removed never joins an attempt.
+    down = job(applied(body, d)["status"], spec=before["spec"], generation=3)
+    d = decide(parse_job(down), observe("rl", new_rc, two, [READY_NODE]), T0)
+    assert d.actions.patch_cluster and d.actions.create_driver is None
+
+
+def test_an_operator_field_edit_restarts_nothing() -> None:
+    before, after = edited({"recovery": {"maxRestarts": 7, "backoffSeconds": 1,
+                                         "maxBackoffSeconds": 1, "startupTimeoutSeconds": 60}})
+    pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
+    d = decide(parse_job(after), observe("rl", rc, pods, [READY_NODE]), T0)
+    assert d.status["phase"] == "Running" and d.status["recovery"]["maxRestarts"] == 7
+    assert d.actions == Actions() and d.event is None

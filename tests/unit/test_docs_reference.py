@@ -77,3 +77,15 @@ def test_cli_docs_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert target.read_text() == render_reference()
     assert main(["docs"]) == 0
     assert capsys.readouterr().out.endswith(render_reference())
+
+
+def test_operator_doc_carries_the_current_field_effects_table() -> None:
+    from rljob_api.docs import OPERATOR_DOC, render_field_effects, with_field_effects
+
+    committed = (REPO / OPERATOR_DOC).read_text()
+    assert committed == with_field_effects(committed), (
+        f"the field-effects table in {OPERATOR_DOC} is stale: run `python -m rljob_api.docs`")
+    table = render_field_effects()
+    assert "| `spec.trainer.image` | RayCluster patched, then driver restarts |" in table
+    assert "| `spec.model` | refused |" in table and "| `spec.recovery` | applies at once |" \
+        in table
