@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import POOL_LABEL, Operator, stop_kubelet
 from tests.polling import wait_for
+from tests.processes import reap
 from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.controlplane
@@ -194,12 +194,6 @@ def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
 @pytest.mark.runtime
 def test_resume_figures_come_from_the_runtime_that_resumed(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
@@ -227,7 +221,7 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
                  what="the runtime to report step 4 and stop inside the save of step 4",
                  describe=lambda: log.read_text(errors="replace")[-3000:])
     finally:
-        _kill(first)
+        reap(first)
     st = status(cluster, namespace, "real")
     fresh = st["resumed"]
     assert (fresh["attempt"], fresh["found"], fresh["step"]) == (0, False, 0)
@@ -249,7 +243,7 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
         rec = wait_for(figures, timeout=300, what="the resumed runtime's report",
                        describe=lambda: log.read_text(errors="replace")[-3000:])
     finally:
-        _kill(second)
+        reap(second)
     assert (rec["resumedFromStep"], rec["lostSteps"]) == (2, 2)
     resumed = status(cluster, namespace, "real")["resumed"]
     assert resumed["attempt"] == 1 and resumed["found"] is True

@@ -27,6 +27,7 @@ from rljob.driver import (
 from rljob_api import env
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for
+from tests.processes import reap
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.hooks_for_tests import GATE_ENV
 from tests.runtime.jobs import job_file, job_spec
@@ -100,12 +101,6 @@ class Driver:
         return dict(obj.get("status") or {})
 
 
-def _reap(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
 @pytest.mark.controlplane
 def test_sigterm_stops_after_saving_and_the_next_run_resumes_there(
     control_plane: ControlPlane, namespace: str, tmp_path: Path
@@ -123,7 +118,7 @@ def test_sigterm_stops_after_saving_and_the_next_run_resumes_there(
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=300) == EXIT_TERMINATED, driver.output()[-3000:]
     finally:
-        _reap(first)
+        reap(first)
     steps = driver.steps()
     saved = sorted((driver.workdir / "checkpoints").glob("step_*"))
     assert [p.name for p in saved] == [f"step_{steps:08d}"]  # interval 1000: the stop saved it
@@ -138,7 +133,7 @@ def test_sigterm_stops_after_saving_and_the_next_run_resumes_there(
     try:
         assert second.wait(timeout=600) == EXIT_OK, driver.output()[-3000:]
     finally:
-        _reap(second)
+        reap(second)
     assert f"resumed from {saved[0]} (step {steps}, " in driver.output()
     rows = metrics_log.read(driver.workdir / metrics_log.METRICS_FILE)
     assert [r["step"] for r in rows] == list(range(1, steps + 2))
@@ -176,7 +171,7 @@ def test_a_second_sigterm_aborts_the_step_at_once(
         took = time.monotonic() - start
     finally:
         gate.unlink(missing_ok=True)
-        _reap(proc)
+        reap(proc)
     assert took < 60, f"the abort took {took:.0f}s"
     assert "stopped by SIGTERM at once" in driver.output()
     assert not list((driver.workdir / "checkpoints").glob("step_*"))  # nothing was saved
