@@ -163,7 +163,9 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.stop_node(lost)
     try:
         rec = job.resumed_after(rec["restarts"])
-        _assert_resumed_from(rec, third, {"NodeLost", "PodDeleted", "PodFailed"})
+        # Ray sees the node go before Kubernetes does; the reason is Kubernetes' word by the
+        # time the next attempt starts (that attempt waits for the pod's replacement).
+        _assert_resumed_from(rec, third, {"NodeLost"})
         for component in ("trainer", "rollout", "head", "driver"):
             for pod in job.pods(component):
                 assert pod["spec"].get("nodeName") == survivor, (component, pod["spec"])

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from rljob_api import exits
 from rljob_api.spec import FailureKind, RLJobSpec
-from rljob_api.status import TERMINAL_PHASES, Phase
+from rljob_api.status import MESSAGE_MAX, TERMINAL_PHASES, Phase
 from rljob_api.validate import spec_problems
 from rljob_operator import names
 from rljob_operator.builders import (
@@ -238,6 +238,23 @@ def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None)
     return out
 
 
+def refine_last_failure(recovery: Obj, obs: Observed) -> Obj:
+    """A `WorkerLost` failure (Ray lost a pod's node before Kubernetes noticed) renamed
+    `NodeLost` once the pod's node is seen lost, before the next attempt starts (which waits
+    for that pod's replacement): the reason then says what happened, the message what Ray saw
+    first."""
+    last: Obj = dict(recovery.get("lastFailure") or {})
+    if last.get("reason") != FailureKind.worker_lost.value:
+        return recovery
+    pod = next((p for p in obs.compute if p.name == last.get("pod")), None)
+    if pod is None or pod.node not in obs.lost_nodes:
+        return recovery
+    last["reason"] = FailureKind.node_lost.value
+    last["message"] = (f"node {pod.node} is not Ready or was removed; Ray saw it first: "
+                       f"{last.get('message', '')}")[:MESSAGE_MAX]
+    return {**recovery, "lastFailure": last}
+
+
 class _Decider:
     """One decision; helpers share the job, observation and clock."""
 
@@ -248,6 +265,8 @@ class _Decider:
         self.cur = job.status
         self.phase = self.cur.get("phase")
         self.recovery: Obj = dict(self.cur.get("recovery") or {})
+        if self.phase == Phase.recovering.value:
+            self.recovery = refine_last_failure(self.recovery, obs)
         self.restarts = int(self.recovery.get("restarts") or 0)
         observed = self.cur.get("observedGeneration")
         # The spec was edited since the last status write: a start-up begins afresh.
@@ -379,6 +398,9 @@ class _Decider:
             doomed = self.terminal_exit(driver)
             if doomed is not None:
                 return doomed
+            lost = self.lost_worker(driver)
+            if lost is not None:
+                return lost
             kind = driver.failure.kind
             if kind == FailureKind.pod_failed.value:
                 kind = FailureKind.driver_failed.value
@@ -414,16 +436,50 @@ class _Decider:
         reason = exits.TERMINAL_REASONS[code]
         message = (f"the driver exited with code {code}: {exits.TERMINAL_MEANING[code]}; "
                    "a restart cannot help, so the job is not retried")
-        runtime = self.cur.get("runtimeFailure") or {}
-        reported = parse_time(runtime.get("time"))
-        started = parse_time(hint.started_at)
-        if runtime.get("reason") and (reported is None or started is None
-                                      or reported >= started):
-            # Reported by the runtime of this attempt (not left over from an earlier one).
+        runtime = self.attempt_failure(driver)
+        if runtime.get("reason"):
             reason = str(runtime["reason"])
             detail = runtime.get("message")
             message += f"; {reason}: {detail}" if detail else f"; {reason}"
         return Failure(reason, message, driver.name, retryable=False)
+
+    def attempt_failure(self, driver: PodView) -> Obj:
+        """`status.runtimeFailure` when the runtime of this driver's attempt reported it
+        (not one left over from an earlier attempt); else {}."""
+        runtime: Obj = self.cur.get("runtimeFailure") or {}
+        reported = parse_time(runtime.get("time"))
+        started = parse_time(driver.failure.started_at if driver.failure else None)
+        if reported is None or started is None or reported >= started:
+            return runtime
+        return {}
+
+    def lost_worker(self, driver: PodView) -> Failure | None:
+        """The driver failed because Ray lost the node of pods its runtime names
+        (`runtimeFailure.lostPods`): the failure is named after what Kubernetes knows of those
+        pods (a lost node, a deletion, a failure). Ray usually notices first (a node's
+        NotReady takes Kubernetes about 40 s), so until Kubernetes agrees it is `WorkerLost`,
+        renamed while the job recovers (`refine_last_failure`)."""
+        runtime = self.attempt_failure(driver)
+        lost = [str(p) for p in runtime.get("lostPods") or []]
+        if not lost:
+            return None
+        pods = {p.name: p for p in self.obs.compute}
+        for name in lost:
+            pod = pods.get(name)
+            if pod is not None and pod.node in self.obs.lost_nodes:
+                return Failure(FailureKind.node_lost.value,
+                               f"node {pod.node} is not Ready or was removed", name)
+        for name in lost:
+            pod = pods.get(name)
+            if pod is None or pod.deleting:
+                hint = self.obs.hints.get(name)
+                if hint is not None:
+                    return Failure(hint.kind, hint.message, name)
+                return Failure(FailureKind.pod_deleted.value, "the pod was deleted", name)
+            if pod.failure is not None:
+                return Failure(pod.failure.kind, pod.failure.message, name)
+        return Failure(FailureKind.worker_lost.value, str(runtime.get("message") or
+                                                          "Ray lost the pod's node"), lost[0])
 
     def recover_or_fail(self, failure: Failure) -> Decision:
         spec = self.job.spec
@@ -465,6 +521,12 @@ class _Decider:
         driver = self.obs.driver
         stranded = self.stranded_pods()
         failed = tuple(p.name for p in self.obs.compute if p.failure is not None)
+        if failure.kind == FailureKind.worker_lost.value:
+            # Ray says the pod's node is gone while Kubernetes still counts the pod ready: it
+            # is deleted so that no attempt starts on it (on a lost node it stays terminating
+            # until the node is NotReady, then is force-deleted as stranded).
+            failed += tuple(p.name for p in self.obs.compute
+                            if p.name == failure.pod and not p.deleting)
         actions = Actions(
             create_cluster=self.obs.cluster == "absent",
             delete_driver=driver is not None and not driver.deleting,

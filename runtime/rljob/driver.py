@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -73,6 +74,10 @@ ROLLOUT_FILE = "rollout_state.json"
 DRIVER_RNG_FILE = "driver_rng.pt"
 WEIGHT_SYNC_LOG = "weight_sync.jsonl"
 ENGINE_JOIN_TIMEOUT_S = 300.0
+# How long a failed attempt waits for Ray to say whether a node of it died: Ray's GCS marks a
+# node dead at once when its raylet exits, and after its health checks fail (about 15-30 s
+# with Ray's defaults) when the node's host vanished.
+NODE_DEATH_WAIT_S = 45.0
 
 
 class JobError(Exception):
@@ -175,6 +180,7 @@ class Job:
         self.stop = StopSignals()
         self.loop_started = False
         self.checkpoint_step: int | None = None  # the latest verified one: resumed or saved
+        self.placed: list[Placed] = []  # where this attempt's actors run, from Ray
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -424,6 +430,7 @@ class Job:
                    if checked and (role != whereabouts.ROLLOUT_WORKER or self.node) else None)
             for (role, index, _), fact in zip(actors, facts, strict=True)
         ]
+        self.placed = rows
         print(whereabouts.table(rows), flush=True)
         print(whereabouts.json_line(rows), flush=True)
         wrong = [f"{r.role}-{r.index} on {r.host} ({r.group or 'no rljob pod'}), meant for "
@@ -431,9 +438,28 @@ class Job:
         if wrong:
             raise JobError(EXIT_FAILED, "PlacementMismatch: " + "; ".join(wrong))
 
-    def fail(self, reason: str, message: str, retryable: bool) -> None:
+    def fail(self, reason: str, message: str, retryable: bool,
+             lost_pods: list[str] | None = None) -> None:
         self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
-                                             step=self.state.step, time=now()))
+                                             step=self.state.step, time=now(),
+                                             lost_pods=lost_pods or []))
+
+    def lost_pods(self, wait_s: float) -> dict[str, str]:
+        """Pods whose Ray node died under this attempt (pod → Ray's reason), waiting up to
+        `wait_s` for Ray to notice. A worker's death shows first as an error in whichever
+        call touched it (often a collective on a surviving peer); which pod went away is what
+        the operator needs to name the cause (a lost node, a deleted pod). Empty on one
+        machine, before placement, and when no node of the attempt died."""
+        if not self.options.on_cluster or not self.placed:
+            return {}
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            nodes = _ray_nodes(max(1.0, min(10.0, left)))
+            dead = whereabouts.dead_hosts(self.placed, nodes or [])
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(1.0)
 
     def report_stop(self, aborted: bool) -> None:
         """Tell the RLJob this attempt stopped on a signal (not a failure): where it was,
@@ -635,8 +661,30 @@ def _run(job: Job) -> int:
     except ray.exceptions.RayError as err:
         # A worker or engine died or raised: a restart from the checkpoint may help.
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
-        job.fail("WorkerFailed", str(err)[:4000], retryable=True)
+        lost = job.lost_pods(NODE_DEATH_WAIT_S)
+        if lost:
+            pods = "; ".join(f"{pod} ({why})" for pod, why in sorted(lost.items()))
+            print(f"rljob run: Ray lost the node of {pods}", file=sys.stderr, flush=True)
+            job.fail("WorkerLost", f"Ray lost the node of {pods}; first error: {str(err)[:3000]}",
+                     retryable=True, lost_pods=sorted(lost))
+        else:
+            job.fail("WorkerFailed", str(err)[:4000], retryable=True)
         return EXIT_FAILED
+
+
+def _ray_nodes(timeout_s: float) -> list[dict[str, Any]] | None:
+    """`ray.nodes()`, or None when the GCS does not answer in time (its client retries for
+    a minute when the head is gone, and a failing attempt must not hang on that)."""
+    box: list[list[dict[str, Any]]] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            box.append(ray.nodes())
+
+    thread = threading.Thread(target=ask, name="ray-nodes", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else None
 
 
 def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter) -> int:

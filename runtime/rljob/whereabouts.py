@@ -107,3 +107,18 @@ def parse_line(line: str) -> dict[str, Any] | None:
         return None
     data: dict[str, Any] = json.loads(line[len(LINE_PREFIX):])
     return data
+
+
+def dead_hosts(placed: Iterable[Placed], nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Host (on a cluster: pod) → why Ray says its node died, for the nodes this attempt's
+    actors ran on that Ray no longer counts alive. Nodes of earlier attempts (a Ray head
+    outlives attempts, so its node table keeps them) are not this attempt's and are left out:
+    node ids are unique per raylet start."""
+    hosts = {p.node_id: p.host for p in placed}
+    out: dict[str, str] = {}
+    for node in nodes:
+        node_id = str(node.get("NodeID"))
+        if node_id in hosts and not node.get("Alive", True):
+            why = str(node.get("DeathReasonMessage") or node.get("DeathReason") or "")
+            out[hosts[node_id]] = why or "Ray marked its node dead"
+    return out

@@ -84,6 +84,7 @@ class FailureKind(str, Enum):
     pod_evicted = "PodEvicted"
     node_lost = "NodeLost"
     driver_failed = "DriverFailed"
+    worker_lost = "WorkerLost"
 
 
 class ResourceRequirements(ApiModel):

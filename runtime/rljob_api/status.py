@@ -16,7 +16,8 @@ from pydantic import Field, StringConstraints
 
 from rljob_api.spec import ApiModel, ShortText
 
-Message = Annotated[str, StringConstraints(max_length=32768)]
+MESSAGE_MAX = 32768
+Message = Annotated[str, StringConstraints(max_length=MESSAGE_MAX)]
 Timestamp = Annotated[str, StringConstraints(max_length=64)]
 
 
@@ -143,6 +144,15 @@ class RuntimeFailure(ApiModel):
     retryable: bool = Field(False, description="Whether a restart can help.")
     step: int | None = Field(None, description="Rollout step it happened at.")
     time: Timestamp = Field(description="When it happened.")
+    lost_pods: list[ShortText] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Pods whose Ray node died under the failed attempt, from Ray's node table; the "
+            "operator names the failure after their Kubernetes state (NodeLost, PodDeleted, "
+            "...), or WorkerLost while Kubernetes has not noticed yet."
+        ),
+    )
 
 
 class RuntimeStop(ApiModel):

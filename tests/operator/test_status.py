@@ -362,6 +362,58 @@ def test_other_driver_exits_are_restarted(code: int) -> None:
     assert last["reason"] == "DriverFailed" and f"code {code}" in last["message"]
 
 
+def lost_worker_report(*pods: str) -> Obj:
+    """What a runtime reports when Ray lost the nodes of `pods` under its attempt."""
+    return {"reason": "WorkerLost", "message": "Ray lost the node of rl-trainer-worker-a "
+            "(health check failed); first error: ActorDiedError", "retryable": True,
+            "time": iso(T0 + timedelta(seconds=20)), "lostPods": list(pods)}
+
+
+def test_a_worker_ray_lost_is_named_after_what_kubernetes_knows_of_its_pod() -> None:
+    status = {**RUNNING, "runtimeFailure": lost_worker_report("rl-trainer-worker-a")}
+    # Kubernetes has not noticed yet: WorkerLost, and the pod goes, so that no attempt
+    # starts on it while it still reads Ready.
+    d = run(job(status), [*compute(), exited(1)])
+    last = d.status["recovery"]["lastFailure"]
+    assert (last["reason"], last["pod"]) == ("WorkerLost", "rl-trainer-worker-a")
+    assert "health check failed" in last["message"]
+    assert d.actions.delete_pods == ("rl-trainer-worker-a",)
+    # Its node is already NotReady: NodeLost.
+    lost = {"metadata": {"name": "n2"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown"}]}}
+    pods = [pod(n, c, node="n2" if n == "rl-trainer-worker-a" else "n1") for n, c in COMPUTE]
+    d = run(job(status), [*pods, exited(1)], nodes=[READY_NODE, lost])
+    last = d.status["recovery"]["lastFailure"]
+    assert (last["reason"], last["pod"]) == ("NodeLost", "rl-trainer-worker-a")
+    # The pod is being deleted: PodDeleted; a report of an earlier attempt names nothing.
+    pods = [pod(n, c, deleting=n == "rl-trainer-worker-a") for n, c in COMPUTE]
+    d = run(job(status), [*pods, exited(1)])
+    assert d.status["recovery"]["lastFailure"]["reason"] == "PodDeleted"
+    old = {**status["runtimeFailure"], "time": iso(T0 - timedelta(minutes=5))}
+    d = run(job({**RUNNING, "runtimeFailure": old}), [*compute(), exited(1)])
+    assert d.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
+
+
+def test_worker_lost_reads_node_lost_once_kubernetes_sees_the_node_go() -> None:
+    status = {**RUNNING, "runtimeFailure": lost_worker_report("rl-trainer-worker-a")}
+    first = run(job(status), [*compute(), exited(1)])
+    body = applied(job(status), first)
+    # Still Ready in Kubernetes: the reason stays as Ray saw it.
+    same = run(body, [*compute(), exited(1)], now=T0 + timedelta(seconds=5))
+    assert same.status["recovery"]["lastFailure"]["reason"] == "WorkerLost"
+    lost = {"metadata": {"name": "n2"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown"}]}}
+    pods = [pod(n, c, node="n2" if n == "rl-trainer-worker-a" else "n1",
+                deleting=n == "rl-trainer-worker-a") for n, c in COMPUTE]
+    later = run(body, pods, now=T0 + timedelta(seconds=50), nodes=[READY_NODE, lost])
+    rec = later.status["recovery"]
+    assert rec["restarts"] == 1 and later.restart is None  # the same failure, not another
+    assert rec["lastFailure"]["reason"] == "NodeLost"
+    assert rec["lastFailure"]["message"].startswith("node n2 is not Ready")
+    assert "health check failed" in rec["lastFailure"]["message"]
+    assert "rl-trainer-worker-a" in later.actions.delete_pods  # stranded: force-deleted
+
+
 def test_invalid_spec_and_overlong_name_fail_naming_the_field() -> None:
     bad = {**SPEC, "rollout": {"gpus": 3, "gpusPerEngine": 2}}
     d = run(job(spec=bad), [])

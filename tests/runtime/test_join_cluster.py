@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from rljob.driver import EXIT_OK
+from rljob.driver import EXIT_FAILED, EXIT_OK
 from rljob.ray_node import JoinedNode
 from rljob.whereabouts import parse_line
 from rljob_api.layout import group_resource
 from tests.controlplane import free_port
+from tests.polling import wait_for
 from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.runtime
@@ -120,3 +123,34 @@ def test_driver_joins_as_a_node_and_every_actor_runs_where_it_belongs(
     # The driver's node left with the driver: no process of its temp dir is left.
     assert not [c for c in _cmdlines() if node_temp.encode() in c]
     assert not Path(node_temp).exists()
+
+
+def test_a_lost_worker_node_is_named_by_the_failing_driver(
+        pod_like_cluster: PodLikeCluster, tmp_path: Path) -> None:
+    """The trainer's Ray node dies (every process of it killed, as when its pod's node goes):
+    the driver fails retryably and names the node Ray lost, which is what lets the operator
+    say NodeLost or PodDeleted rather than a bare driver failure."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 500}, "checkpoint": {"interval": 50}})
+    log_path = tmp_path / "driver.log"
+    with log_path.open("wb") as log_file:
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(tmp_path / "w"),
+             "--join", pod_like_cluster.address],
+            env={**pod_like_cluster.env, "PYTHONPATH": str(Path(__file__).parents[2])},
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: driver.poll() is not None or any(
+            parse_line(line) for line in log_path.read_text().splitlines()),
+            timeout=300, what="the driver's placement line")
+        assert driver.poll() is None, log_path.read_text()[-4000:]
+        trainer_group, _ = pod_like_cluster.groups[1]  # the node with the trainer resource
+        os.killpg(trainer_group, signal.SIGKILL)
+        assert driver.wait(timeout=300) == EXIT_FAILED, log_path.read_text()[-4000:]
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    log = log_path.read_text()
+    (failure,) = [line for line in log.splitlines() if line.startswith("failure: ")]
+    lost = f"failure: WorkerLost: Ray lost the node of {socket.gethostname()} ("
+    assert failure.startswith(lost), log[-4000:]

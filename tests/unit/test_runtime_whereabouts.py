@@ -10,7 +10,7 @@ import pytest
 
 from rljob.driver import attempt_number, expected_group
 from rljob.ray_node import node_ip, parse_address, ray_start_command
-from rljob.whereabouts import Placed, json_line, node_groups, parse_line, table
+from rljob.whereabouts import Placed, dead_hosts, json_line, node_groups, parse_line, table
 
 pytestmark = pytest.mark.unit
 
@@ -83,3 +83,17 @@ def test_placement_table_and_line_flag_a_misplaced_actor() -> None:
         ("rollout-worker", "rl-head-xyz", "head", "driver", False),
         ("engine", "laptop", "", None, True)]
     assert parse_line("ray: joined ...") is None
+
+
+def test_dead_hosts_are_this_attempts_nodes_that_ray_counts_dead() -> None:
+    placed = [Placed("trainer", 0, "n-t", "rl-trainer-x", "trainer", "trainer"),
+              Placed("engine", 0, "n-r", "rl-rollout-y", "rollout", "rollout")]
+    nodes = [
+        {"NodeID": "n-t", "Alive": False, "DeathReasonMessage": "health check failed"},
+        {"NodeID": "n-r", "Alive": True},
+        {"NodeID": "n-old", "Alive": False, "DeathReasonMessage": "an earlier attempt's"},
+    ]
+    assert dead_hosts(placed, nodes) == {"rl-trainer-x": "health check failed"}
+    assert dead_hosts(placed, [{"NodeID": "n-r", "Alive": False}]) == {
+        "rl-rollout-y": "Ray marked its node dead"}
+    assert dead_hosts(placed, nodes[1:]) == {}
