@@ -1,11 +1,12 @@
 """The tiny CPU job in real pods on kind, driven as a user would (kubectl, helm).
 
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
-meant for it, it checkpoints, loses a trainer pod, its driver pod and a whole worker node
-(each time resuming from its last verified checkpoint, as reported by the runtime that
-resumed), finishes with step, reward and checkpoint in `kubectl get rljobs`, and deleting it
-removes every child. Every fact asserted about progress, placement and recovery comes from
-the real runtime's processes (their status reports and logs), never from the test.
+meant for it, it checkpoints, loses a trainer pod and its driver pod, is suspended and
+resumed, and loses a whole worker node (each time resuming from its last verified checkpoint,
+as reported by the runtime that resumed), finishes with step, reward and checkpoint in
+`kubectl get rljobs`, and deleting it removes every child. Every fact asserted about
+progress, placement and recovery comes from the real runtime's processes (their status
+reports and logs), never from the test.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def _placement(log: str) -> list[dict[str, Any]]:
     return actors
 
 
+def _suspend(cluster: KindCluster, flag: bool) -> None:
+    cluster.kubectl("patch", "rljob", JOB, "-n", NAMESPACE, "--type=merge", "-p",
+                    json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
+
+
 def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason: set[str]) -> None:
     """The restarted runtime loaded a checkpoint at least as new as the one seen before the
     fault, and the digest it verified is the one its saver published."""
@@ -154,6 +160,37 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "pod", "-n", NAMESPACE, f"{JOB}-driver", "--wait=false")
     rec = job.resumed_after(rec["restarts"])
     _assert_resumed_from(rec, second, {"PodDeleted", "PodFailed", "DriverFailed"})
+
+    # Suspended: the driver stops on SIGTERM (it finishes the step, saves and says so), the
+    # compute goes, the checkpoints stay; unsuspended, the next runtime resumes from the very
+    # checkpoint its predecessor said it stopped at. Neither is a restart.
+    restarts = rec["restarts"]
+    job.checkpoint_after(rec["resumed"]["step"])
+    _suspend(cluster, True)
+
+    def stopped() -> dict[str, Any] | None:
+        status = job.status()
+        stop = status.get("stopped") or {}
+        done = status.get("phase") == "Suspended" and not job.pods("driver") and all(
+            not job.pods(c) for c in ("trainer", "rollout", "head"))
+        return stop if done and stop.get("attempt") == restarts else None
+
+    stop = job.wait(stopped, "the suspended job's runtime to report its stop, and its pods gone")
+    assert stop["signal"] == "SIGTERM" and stop["exitCode"] == 143, stop
+    assert stop["aborted"] is False and stop["checkpointStep"] == stop["step"], stop
+    _suspend(cluster, False)
+
+    def resumed() -> dict[str, Any] | None:
+        status = job.status()
+        loaded = status.get("resumed") or {}
+        return status if loaded.get("at", "") >= stop["time"] and loaded.get(
+            "attempt") == restarts and status.get("phase") == "Running" else None
+
+    status = job.wait(resumed, "the unsuspended job's runtime to report what it resumed from")
+    assert status["resumed"]["found"] is True, status
+    assert status["resumed"]["step"] == stop["checkpointStep"], (status, stop)
+    assert status["recovery"]["restarts"] == restarts and "stopped" not in status, status
+    rec = {**status["recovery"], "resumed": status["resumed"]}
 
     # The worker node running the trainer is lost: its pods come back on the other worker.
     third = job.checkpoint_after(rec["resumed"]["step"])

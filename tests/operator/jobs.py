@@ -1,13 +1,12 @@
 """Helpers to read an RLJob and its children from the test control plane, and to play the
-runtime (its own `StatusReporter`) and the kubelet (pod status patches)."""
+kubelet (pod status patches)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from rljob.report import StatusReporter, now
-from rljob_api.status import CheckpointStatus, Progress
+from rljob.report import now
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for
 
@@ -50,15 +49,3 @@ def patch_pod_phase(cp: ControlPlane, ns: str, pod: str, phase: str, exit_code: 
     patch = {"status": {"phase": phase, "containerStatuses": statuses}}
     cp.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge",
                "-p", json.dumps(patch))
-
-
-def report(api_client: Any, ns: str, name: str, step: int, checkpoint: int | None,
-           reward: float = 0.5) -> None:
-    """Progress and a verified checkpoint, sent by the runtime's own reporter code."""
-    reporter = StatusReporter(name, ns, api_client=api_client)
-    reporter.progress(Progress(rollout_step=step, train_step=step, total_steps=100,
-                               samples=step * 256, mean_reward=reward, updated_at=now()))
-    if checkpoint is not None:
-        reporter.checkpoint(CheckpointStatus(
-            step=checkpoint, path=f"/checkpoints/{name}/step-{checkpoint}", saved_at=now(),
-            verified=True))
