@@ -126,7 +126,7 @@ class Actions:
     create_cluster: bool = False
     delete_cluster: bool = False
     patch_cluster: bool = False  # the RayCluster was built from another spec: patch it
-    replace_pods: tuple[str, ...] = ()  # deleted gracefully: built from an outdated template
+    replace_pods: tuple[str, ...] = ()  # deleted gracefully: an outdated template, a lost worker
     create_driver: tuple[str, ...] | None = None  # compute pods the new driver starts with
     delete_driver: bool = False
     delete_pods: tuple[str, ...] = ()  # force-deleted: failed, or stranded on a lost node
@@ -521,16 +521,19 @@ class _Decider:
         driver = self.obs.driver
         stranded = self.stranded_pods()
         failed = tuple(p.name for p in self.obs.compute if p.failure is not None)
+        lost: tuple[str, ...] = ()
         if failure.kind == FailureKind.worker_lost.value:
             # Ray says the pod's node is gone while Kubernetes still counts the pod ready: it
-            # is deleted so that no attempt starts on it (on a lost node it stays terminating
-            # until the node is NotReady, then is force-deleted as stranded).
-            failed += tuple(p.name for p in self.obs.compute
-                            if p.name == failure.pod and not p.deleting)
+            # is deleted (gracefully: on a lost node it stays terminating, bound to that node,
+            # until the node is seen NotReady and it is force-deleted as stranded) so that no
+            # attempt starts on it.
+            lost = tuple(p.name for p in self.obs.compute
+                         if p.name == failure.pod and not p.deleting)
         actions = Actions(
             create_cluster=self.obs.cluster == "absent",
             delete_driver=driver is not None and not driver.deleting,
             delete_pods=tuple(sorted(set(stranded) | set(failed))),
+            replace_pods=lost,
         )
         return Decision(status, actions, Event("Warning", "Recovering", message),
                         requeue_after=float(delay), restart=failure)

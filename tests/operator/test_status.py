@@ -377,7 +377,7 @@ def test_a_worker_ray_lost_is_named_after_what_kubernetes_knows_of_its_pod() -> 
     last = d.status["recovery"]["lastFailure"]
     assert (last["reason"], last["pod"]) == ("WorkerLost", "rl-trainer-worker-a")
     assert "health check failed" in last["message"]
-    assert d.actions.delete_pods == ("rl-trainer-worker-a",)
+    assert d.actions.replace_pods == ("rl-trainer-worker-a",) and not d.actions.delete_pods
     # Its node is already NotReady: NodeLost.
     lost = {"metadata": {"name": "n2"}, "status": {"conditions": [
         {"type": "Ready", "status": "Unknown"}]}}
