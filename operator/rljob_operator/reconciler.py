@@ -21,7 +21,15 @@ from rljob_operator.builders import JobRef, Obj
 from rljob_operator.kube import Kube, ObjectInTheWay
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import FailureHint, InTheWay, observe
-from rljob_operator.status import Actions, JobView, decide, needs_write, parse_job, parse_time
+from rljob_operator.status import (
+    Actions,
+    Event,
+    JobView,
+    decide,
+    needs_write,
+    parse_job,
+    parse_time,
+)
 
 log = logging.getLogger("rljob_operator")
 MAX_HINTS_PER_JOB = 64
@@ -140,11 +148,14 @@ class Reconciler:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
         restarts = int(decision.status.get("recovery", {}).get("restarts") or 0)
         try:
-            if job.spec is not None and decision.status.get("phase") in WAITING_PHASES \
-                    and observed.in_the_way is None:
-                # While pods wait, what they mount is made again if it went missing (e.g. the
-                # claim of a deleted job of the same name was still terminating at creation).
-                self._ensure_support(ref, body, job.spec)
+            waiting = job.spec is not None and observed.in_the_way is None \
+                and decision.status.get("phase") in WAITING_PHASES
+            # While pods wait, what they mount is made again if it went missing (e.g. the
+            # claim of a deleted job of the same name was still terminating at creation).
+            if waiting and job.spec is not None and self._ensure_support(ref, body, job.spec) \
+                    and observed.cluster == "present":
+                self._token_replaced(ref, body)
+                return 0.0
             self._act(ref, body, job, decision.actions, restarts)
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
@@ -159,19 +170,36 @@ class Reconciler:
         if created is not None and not old.get("startedAt") and new.get("startedAt"):
             self.metrics.time_to_running.observe((now - created).total_seconds())
 
-    def _ensure_support(self, ref: JobRef, body: Obj, spec: RLJobSpec) -> None:
+    def _ensure_support(self, ref: JobRef, body: Obj, spec: RLJobSpec) -> bool:
         """What the pods need before they start: RBAC, the Ray token, the shared checkpoint
         claim and the spec. Each is created once (an existing one is kept as it is: the
-        token and the checkpoints must survive restarts); only the spec is refreshed."""
+        token and the checkpoints must survive restarts); only the spec is refreshed.
+        Returns whether the Ray token was made now (the first time, or after someone deleted
+        its Secret)."""
         for obj in builders.build_rbac(ref):
             self.kube.create(obj, ref.uid)
         # A fresh token only matters the first time: the create of an existing Secret is a
         # no-op, so the job keeps the token its Ray processes already use.
-        self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)), ref.uid)
+        made = self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)),
+                                ref.uid)
         claim = builders.build_checkpoint_claim(ref, spec)
         if claim is not None:
             self.kube.create(claim, ref.uid)
         self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}), ref.uid)
+        return made
+
+    def _token_replaced(self, ref: JobRef, body: Obj) -> None:
+        """The token Secret was deleted and made anew while the RayCluster runs with the old
+        token (its pods read it at start): a driver or pod started now would carry the new one
+        and be refused by the head. The RayCluster goes, and the next reconcile makes it
+        again, every pod with the new token; the checkpoints are untouched."""
+        message = (f"the Ray token Secret {names.ray_token_secret(ref.name, ref.uid)} was "
+                   "deleted and made anew; the RayCluster is recreated so that every Ray pod "
+                   "uses the new token")
+        log.warning("%s/%s: %s", ref.namespace, ref.name, message)
+        self.kube.post_event(body, Event("Warning", "RayTokenReplaced", message))
+        self.kube.delete_pod(ref.namespace, names.driver_name(ref.name))
+        self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
              restarts: int) -> None:
@@ -194,6 +222,8 @@ class Reconciler:
             self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
-            self._ensure_support(ref, body, job.spec)
+            if self._ensure_support(ref, body, job.spec):
+                self._token_replaced(ref, body)
+                return
             self.kube.create(builders.build_driver(ref, job.spec, restarts,
                                                    list(actions.create_driver)), ref.uid)

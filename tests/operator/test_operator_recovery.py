@@ -252,3 +252,34 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
                               "involvedObject.name=real")["items"]
     said = [e["message"] for e in events if e["reason"] == "ResumedFromCheckpoint"]
     assert len(said) == 1 and "step 2" in said[0], said
+
+
+def test_a_deleted_ray_token_is_made_anew_with_a_new_raycluster(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    """Ray pods read the token at start, so a driver started with a new token could never
+    join the old head: when the Secret is gone at the next start, the RayCluster goes too."""
+    gpu_pool(1, 8)
+    cluster.apply(job_manifest("tok", namespace), "-n", namespace)
+    wait_phase(cluster, namespace, "tok", "Running")
+    uid = cluster.get_json("rljob", "tok", "-n", namespace)["metadata"]["uid"]
+    secret_name = f"tok-ray-token-{uid[:8]}"
+    old_token = cluster.get_json("secret", secret_name, "-n", namespace)["data"]["auth_token"]
+    old_rc = cluster.get_json("raycluster", "tok", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "secret", secret_name, "-n", namespace)
+    # The running attempt goes on (its processes hold the token); the next start needs one.
+    trainer = pods(cluster, namespace, "tok", "trainer")[0]["metadata"]["name"]
+    cluster.kubectl("delete", "pod", trainer, "-n", namespace, "--wait=false")
+
+    def new_cluster() -> str | None:
+        rc_uid: str = cluster.get_json("raycluster", "tok", "-n", namespace)["metadata"]["uid"]
+        return rc_uid if rc_uid != old_rc else None  # absent for a while: a probe error
+
+    wait_for(new_cluster, timeout=90, what="a new RayCluster after the token was replaced")
+    st = recovered(cluster, namespace, "tok", 1)
+    assert st["recovery"]["restarts"] == 1  # the token's replacement is no further restart
+    new_token = cluster.get_json("secret", secret_name, "-n", namespace)["data"]["auth_token"]
+    assert new_token != old_token
+    events = cluster.get_json("events", "-n", namespace,
+                              "--field-selector", "involvedObject.name=tok")["items"]
+    (replaced,) = [e for e in events if e["reason"] == "RayTokenReplaced"]
+    assert secret_name in replaced["message"] and new_token not in json.dumps(events)
