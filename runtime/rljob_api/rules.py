@@ -118,20 +118,28 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         at=("trainer",),
-        cel="(self.replicas * self.gpusPerReplica) % (self.parallelism.tensor * "
-        "self.parallelism.pipeline * self.parallelism.context) == 0",
-        message="spec.trainer: replicas × gpusPerReplica must be a multiple of "
-        "parallelism.tensor × pipeline × context; change the GPU count or the parallel sizes",
-        check=lambda t: (
-            (t["replicas"] * t["gpusPerReplica"])
-            % (
-                t["parallelism"]["tensor"]
-                * t["parallelism"]["pipeline"]
-                * t["parallelism"]["context"]
-            )
-            == 0
+        cel="self.backend != 'megatron' || (self.parallelism.tensor == 1 && "
+        "self.parallelism.pipeline == 1 && self.parallelism.context == 1)",
+        message="spec.trainer.parallelism: the megatron backend needs tensor, pipeline and "
+        "context 1 (it publishes the engines' weights from trainer rank 0 alone, without "
+        "gathering them across model-parallel ranks); set them to 1: every trainer GPU "
+        "(replicas × gpusPerReplica) is then a data-parallel rank",
+        check=lambda t: t["backend"] != "megatron" or (
+            t["parallelism"]["tensor"] == 1
+            and t["parallelism"]["pipeline"] == 1
+            and t["parallelism"]["context"] == 1
         ),
         field_path=".parallelism",
+    ),
+    Rule(
+        at=(),
+        cel="self.trainer.backend != 'megatron' || self.algorithm.estimator != 'ppo'",
+        message="spec.algorithm.estimator ppo needs a critic, which the megatron backend does "
+        "not train; use grpo or reinforce++, or spec.trainer.backend torch",
+        check=lambda s: (
+            s["trainer"]["backend"] != "megatron" or s["algorithm"]["estimator"] != "ppo"
+        ),
+        field_path=".algorithm.estimator",
     ),
     Rule(
         at=(),

@@ -131,11 +131,22 @@ class ModelSpec(ApiModel):
 
 
 class Parallelism(ApiModel):
-    """Megatron model parallelism; the data-parallel size is what remains."""
+    """Megatron model parallelism; the data-parallel size is what remains.
 
-    tensor: int = Field(1, ge=1, le=64, description="Tensor-parallel size.")
-    pipeline: int = Field(1, ge=1, le=64, description="Pipeline-parallel size.")
-    context: int = Field(1, ge=1, le=64, description="Context-parallel size.")
+    Kept in the API for when weight sync gathers across model-parallel ranks; until then a
+    rule (`rljob_api.rules`) refuses sizes above 1 for the megatron backend at admission, so
+    no job starts only to fail in the driver. The torch backend is data parallel only.
+    """
+
+    tensor: int = Field(
+        1, ge=1, le=64, description="Tensor-parallel size (megatron: only 1 for now)."
+    )
+    pipeline: int = Field(
+        1, ge=1, le=64, description="Pipeline-parallel size (megatron: only 1 for now)."
+    )
+    context: int = Field(
+        1, ge=1, le=64, description="Context-parallel size (megatron: only 1 for now)."
+    )
 
 
 class TrainerSpec(ApiModel):
