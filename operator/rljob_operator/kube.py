@@ -93,6 +93,17 @@ class Kube:
             _preload_content=False, _request_timeout=TIMEOUT)
         return list(_json(resp).get("items") or [])
 
+    def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+        """The access modes a PersistentVolumeClaim asks for; None when it does not exist."""
+        try:
+            resp = self.core.read_namespaced_persistent_volume_claim(
+                name, namespace, _preload_content=False, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return tuple((_json(resp).get("spec") or {}).get("accessModes") or ())
+
     def list_nodes(self) -> list[Obj]:
         # resourceVersion "0" is served from the API server's watch cache: cheap.
         resp = self.core.list_node(resource_version="0", _preload_content=False,

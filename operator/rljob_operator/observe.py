@@ -97,6 +97,9 @@ class Observed:
     hints: Mapping[str, FailureHint] = field(default_factory=dict)
     in_the_way: InTheWay | None = None  # a child's name taken by an object not the job's
     cluster_revision: str | None = None  # the RayCluster's `rljob.io/revision`
+    # Access modes of the user's checkpoint claim (`spec.checkpoint.pvc`); None when the job
+    # brings none or it does not exist (yet: pods wait for it under the start-up deadline).
+    checkpoint_modes: tuple[str, ...] | None = None
 
     def live_compute(self) -> list[PodView]:
         """Compute pods that are neither failed, going away, nor on a lost node."""

@@ -134,6 +134,9 @@ class Reconciler:
                 self.conflicts.forget(namespace, name)
         observed = observe(name, self.kube.get_raycluster(namespace, name), pods, nodes,
                            self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
+        if job.spec is not None and job.spec.checkpoint.pvc:
+            observed = replace(observed, checkpoint_modes=self.kube.claim_access_modes(
+                namespace, job.spec.checkpoint.pvc))
         now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):

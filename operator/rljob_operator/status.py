@@ -859,7 +859,21 @@ def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
         return d.suspended()
     if obs.in_the_way is not None:
         return d.blocked(obs.in_the_way)
+    modes = obs.checkpoint_modes
+    if modes is not None and "ReadWriteMany" not in modes:
+        return d.fail("CheckpointVolumeNotShared", unshared_claim_message(
+            str(job.spec.checkpoint.pvc), modes))
     return d.active()
+
+
+def unshared_claim_message(claim: str, modes: tuple[str, ...]) -> str:
+    """Why a user's checkpoint claim without ReadWriteMany cannot work, and the fixes."""
+    return (f"spec.checkpoint.pvc: the claim {claim} has access modes "
+            f"{', '.join(modes) or 'none'}, but the driver, the Ray head, the trainers and the "
+            "engines are different pods, often on different nodes, that all write the "
+            "checkpoint directory: it must be a ReadWriteMany claim (NFS, CephFS, a cloud file "
+            "store), or leave spec.checkpoint.pvc unset and set spec.checkpoint.storageClassName "
+            "to a class that provides ReadWriteMany volumes")
 
 
 __all__ = ["Actions", "Decision", "Event", "Failure", "JobView", "decide", "needs_write",

@@ -136,3 +136,25 @@ def test_image_pull_errors_and_a_driver_that_never_starts_fail_at_the_deadline(
         # No kubelet finishes a deletion on this node: the API server marks the pod deleted.
         wait_for(lambda: pods(cluster, namespace, "nodriver", "driver") == [], timeout=30,
                  what="the driver that never started deleted")
+
+
+def test_a_checkpoint_claim_that_is_not_read_write_many_fails_naming_the_field(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
+    gpu_pool(1, 8)
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": "rwo-checkpoints"},
+             "spec": {"accessModes": ["ReadWriteOnce"],
+                      "resources": {"requests": {"storage": "1Gi"}}}}
+    cluster.apply(claim, "-n", namespace)
+    job = job_manifest("rwo", namespace, checkpoint={"path": "/checkpoints", "interval": 1,
+                                                     "pvc": "rwo-checkpoints"})
+    cluster.apply(job, "-n", namespace)
+    st = wait_phase(cluster, namespace, "rwo", "Failed", timeout=60)
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert failed["reason"] == "CheckpointVolumeNotShared"
+    assert failed["message"].startswith(
+        "spec.checkpoint.pvc: the claim rwo-checkpoints has access modes ReadWriteOnce")
+    assert "ReadWriteMany" in failed["message"] and st["recovery"]["restarts"] == 0
+    # Nothing of the job runs on it; the user's claim is the user's and stays.
+    wait_for(lambda: not pods(cluster, namespace, "rwo"), timeout=60, what="no pod of the job")
+    assert cluster.get_json("pvc", "rwo-checkpoints", "-n", namespace)["metadata"]["name"]
