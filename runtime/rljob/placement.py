@@ -1,7 +1,9 @@
 """Where the trainer ranks and rollout engines go: one Ray placement group, slime's layout.
 
 Colocated: trainer and engines share the same slots (each actor takes half a slot);
-disaggregated: trainer slots first, engine slots after them. A slot is a GPU on a GPU
+disaggregated: trainer slots first, engine slots after them. An engine of `gpusPerEngine`
+GPUs holds that many consecutive slots (`engine_slot_groups`): SGLang runs one
+tensor-parallel rank on each. A slot is a GPU on a GPU
 cluster and a CPU when the job runs on CPUs (a laptop, the tests), so the same spec
 places the same way everywhere. On a Kubernetes cluster every bundle also asks for one unit
 of the custom resource the operator gives its worker group's pods (`rljob_trainer`,
@@ -25,6 +27,11 @@ class Layout:
     engine_slots: tuple[int, ...]  # first slot of each engine
     share: float  # fraction of a slot each actor requests
     colocated: bool = False
+    per_engine: int = 1  # slots of each engine (spec.rollout.gpusPerEngine)
+
+    def engine_slot_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Every slot of each engine, its first slot first."""
+        return tuple(tuple(range(first, first + self.per_engine)) for first in self.engine_slots)
 
     def slot_resource(self, slot: int) -> str:
         """The operator's custom Ray resource of the worker group that holds `slot`."""
@@ -50,9 +57,11 @@ def plan(spec: RLJobSpec) -> Layout:
     engines = spec.rollout.gpus // per_engine
     if spec.placement == "colocated":
         return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
-                      tuple(i * per_engine for i in range(engines)), 0.5, colocated=True)
+                      tuple(i * per_engine for i in range(engines)), 0.5, colocated=True,
+                      per_engine=per_engine)
     return Layout(world + spec.rollout.gpus, tuple(range(world)),
-                  tuple(world + i * per_engine for i in range(engines)), 1.0)
+                  tuple(world + i * per_engine for i in range(engines)), 1.0,
+                  per_engine=per_engine)
 
 
 def engine_port(spec: RLJobSpec, base: int, slot: int) -> int:

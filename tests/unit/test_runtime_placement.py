@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from rljob.engine.slots import SlotDeviceError, engine_gpus
 from rljob.placement import engine_port, plan, port_clashes
 from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, SidecarConfig, parse_args
 from rljob.weightsync.wiring import SyncSettings
@@ -34,6 +35,25 @@ def test_disaggregated_slots_and_cluster_bundles() -> None:
     assert [b.get("rljob_rollout", 0) for b in bundles] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(b["GPU"] == 1 for b in bundles)
     assert all(set(b) == {"CPU"} for b in layout.bundles(use_gpu=False))
+
+
+@pytest.mark.parametrize(("placement", "groups"), [
+    ("disaggregated", ((4, 5), (6, 7))),
+    ("colocated", ((0, 1), (2, 3))),
+])
+def test_each_engine_holds_gpus_per_engine_slots(
+    placement: str, groups: tuple[tuple[int, ...], ...]
+) -> None:
+    layout = plan(_spec(placement, 4, 4, 2))
+    assert layout.engine_slot_groups() == groups
+    assert tuple(g[0] for g in groups) == layout.engine_slots
+
+
+def test_an_engines_gpus_come_from_all_its_slots_on_one_node() -> None:
+    assert engine_gpus(("n1", ["3"]), [("n1", ["5"]), ("n1", ["4"])]) == ["3", "5", "4"]
+    assert engine_gpus(("n1", []), []) == []
+    with pytest.raises(SlotDeviceError, match=r"Ray nodes n1 and n2.*gpusPerEngine"):
+        engine_gpus(("n1", ["0"]), [("n2", ["0"])])
 
 
 def test_colocated_shares_slots() -> None:
