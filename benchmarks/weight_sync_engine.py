@@ -1,6 +1,7 @@
 """A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
-`/update_weights_from_tensor`, `/get_weight_version` and `/health`, installing exactly as an
-engine must (decode the handles, check the update, copy in, synchronize, report).
+`/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
+`/health`, installing exactly as an engine must (decode the handles, check the update, copy
+in, synchronize, report).
 
 Run as `python benchmarks/weight_sync_engine.py --layout FILE --device cpu|cuda:0 --port-file F`.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -45,13 +47,18 @@ def main() -> None:
         def do_GET(self) -> None:
             if self.path == "/health":
                 self._send(200, {})
-            else:
+            elif self.path == "/get_server_info":
+                self._send(200, {"tp_size": 1})
+            else:  # /get_model_info, and /get_weight_version of older clients
                 self._send(200, {"weight_version": state["version"]})
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            start = time.perf_counter()
             named = [t for e in body["serialized_named_tensors"] for t in decode_named_tensors(e)]
+            decoded = time.perf_counter()
             problems = update_problems(params, named)
+            checked = time.perf_counter()
             if problems:
                 self._send(400, {"success": False, "message": "; ".join(problems[:3])})
                 return
@@ -60,9 +67,14 @@ def main() -> None:
                     params[name].copy_(tensor, non_blocking=True)
             if args.device != "cpu":
                 torch.cuda.synchronize(args.device)
+            copied = time.perf_counter()
             del named
             state["version"] = str(body["weight_version"])
-            self._send(200, {"success": True, "message": "ok"})
+            # The phases in ms, for the benchmark's breakdown (the check ends in a host sync).
+            phases = {"decode": decoded - start, "check": checked - decoded,
+                      "copy": copied - checked}
+            message = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in phases.items())
+            self._send(200, {"success": True, "message": message})
 
         def log_message(self, format: str, *a: Any) -> None:
             return

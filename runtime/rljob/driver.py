@@ -355,8 +355,10 @@ class Job:
         """The store on the Ray head, a sidecar per engine (unless the pods run them), and
         trainer rank 0 joined as the publisher; versions continue from the checkpoint."""
         store = self.weight_sync.start_store()
+        assert self.pg is not None
         self.weight_sync.start_sidecars(self.engines, self.urls, store,
-                                        loopback=not self.options.on_cluster)
+                                        loopback=not self.options.on_cluster,
+                                        placement=(self.pg, list(plan(self.spec).engine_slots)))
         # Every actor exists now: show where, before waiting on anything they must do.
         self.report_placement()
         trainer = self.trainers[0]

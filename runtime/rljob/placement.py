@@ -1,7 +1,9 @@
 """Where the trainer ranks and rollout engines go: one Ray placement group, slime's layout.
 
-Colocated: trainer and engines share the same slots (each actor takes half a slot);
-disaggregated: trainer slots first, engine slots after them. An engine of `gpusPerEngine`
+Colocated: trainer and engines share the same slots (each takes a little under half a
+slot); disaggregated: trainer slots first, engine slots after them. Every slot leaves
+`SIDECAR_SHARE` unclaimed for the weight-sync sidecar of the engine that starts there,
+which asks Ray for that engine's GPU (`rljob.weightsync.wiring`). An engine of `gpusPerEngine`
 GPUs holds that many consecutive slots (`engine_slot_groups`): SGLang runs one
 tensor-parallel rank on each. A slot is a GPU on a GPU
 cluster and a CPU when the job runs on CPUs (a laptop, the tests), so the same spec
@@ -18,6 +20,11 @@ from dataclasses import dataclass
 
 from rljob_api.layout import engine_local_index, group_resource
 from rljob_api.spec import RLJobSpec
+
+# What a weight-sync sidecar asks of its engine's first slot. It stages each version on
+# that GPU, so it must hold a share of that very GPU (Ray then shows it that GPU alone);
+# the actors that place the slot's main work take the rest.
+SIDECAR_SHARE = 0.05
 
 
 @dataclass(frozen=True)
@@ -57,10 +64,11 @@ def plan(spec: RLJobSpec) -> Layout:
     engines = spec.rollout.gpus // per_engine
     if spec.placement == "colocated":
         return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
-                      tuple(i * per_engine for i in range(engines)), 0.5, colocated=True,
+                      tuple(i * per_engine for i in range(engines)), (1.0 - SIDECAR_SHARE) / 2,
+                      colocated=True,
                       per_engine=per_engine)
     return Layout(world + spec.rollout.gpus, tuple(range(world)),
-                  tuple(world + i * per_engine for i in range(engines)), 1.0,
+                  tuple(world + i * per_engine for i in range(engines)), 1.0 - SIDECAR_SHARE,
                   per_engine=per_engine)
 
 

@@ -63,7 +63,7 @@ class Cluster:
     urls: dict[str, str] = field(default_factory=dict)
     seeds: int = 0
 
-    def start_engine(self, name: str) -> None:
+    def start_engine(self, name: str, device: str = "cpu") -> None:
         self.seeds += 1
         model = write_tiny(self.workdir / f"model-{self.seeds}", SHAPE, ALPHABET, self.seeds,
                            "float32")
@@ -71,7 +71,7 @@ class Cluster:
         log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
         self.engines[name] = subprocess.Popen(
             [sys.executable, "-m", "rljob.engine.hf_server", "--model-path", str(model),
-             "--port", "0"],
+             "--port", "0", "--device", device],
             cwd=REPO,
             env=_env(),
             stdout=log,
@@ -88,7 +88,7 @@ class Cluster:
         assert url is not None
         self.urls[name] = url
 
-    def start_sidecar(self, name: str) -> None:
+    def start_sidecar(self, name: str, device: str = "cpu") -> None:
         log = open(self.workdir / f"{name}-sidecar.log", "ab")  # noqa: SIM115
         self.sidecars[name] = subprocess.Popen(
             [
@@ -106,7 +106,7 @@ class Cluster:
                 "--advertise-host",
                 "127.0.0.1",
                 "--device",
-                "cpu",
+                device,
                 "--collective-timeout",
                 "6",
                 "--connect-timeout",

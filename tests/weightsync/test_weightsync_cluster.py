@@ -124,6 +124,33 @@ def test_nan_in_one_bucket_is_rejected_and_engines_keep_serving_the_previous_ver
         assert_engine_matches(cluster, name, trainer.params())
 
 
+@pytest.mark.parametrize("error", [ValueError, TypeError, RuntimeError])
+def test_a_collective_error_of_any_type_fails_only_that_delivery(
+    cluster: Cluster, trainer: Trainer, fault: dict[str, object], error: type[Exception]
+) -> None:
+    """NCCL reports a CPU tensor as ValueError, other misuse as TypeError, a lost peer as
+    RuntimeError: each is this version's failure for the engines, reported with its type,
+    and the second delivery (through a fresh group) installs the version."""
+
+    def fail(_: torch.Tensor) -> None:
+        raise error("Tensors must be CUDA and dense")
+
+    fault.update(at=1, action=fail)
+    version = trainer.step()
+    result = cluster.publisher.publish(version, trainer.params().items())
+    assert result.acked == list(ENGINES) and result.stale == {}, cluster.logs()
+    assert result.attempts == 2
+    cause = (
+        f"broadcast of version {version} failed at the trainer: "
+        f"{error.__name__}: Tensors must be CUDA and dense"
+    )
+    assert sorted(r.split(":")[0] for r in result.rejections) == list(ENGINES)
+    assert all(cause in r for r in result.rejections), result.rejections
+    for name in ENGINES:
+        assert cluster.version(name) == str(version)
+        assert_engine_matches(cluster, name, trainer.params())
+
+
 def test_restarted_sidecar_rejoins_at_the_next_version(cluster: Cluster, trainer: Trainer) -> None:
     old = cluster.registered("e1")
     cluster.kill(cluster.sidecars, "e1")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._C._distributed_c10d import HashStore
 
 from rljob.engine.sglang_launcher import (
     EngineStartError,
@@ -18,11 +19,13 @@ from rljob.engine.sglang_launcher import (
     wait_healthy,
 )
 from rljob.weightsync import disk
+from rljob.weightsync.group import BroadcastGroup
 from rljob.weightsync.protocol import (
     ALIGN_BYTES,
     bucket_digest,
     layout_from_json,
     layout_to_json,
+    nonfinite_names,
     nonfinite_report,
     pack_bucket,
     plan_buckets,
@@ -99,6 +102,51 @@ def test_nonfinite_report_names_the_tensor_and_counts() -> None:
     assert report == ["bad: 1 NaN, 1 Inf"]
 
 
+def test_the_fused_scan_names_exactly_the_nonfinite_tensors() -> None:
+    nan = torch.ones(5, dtype=torch.bfloat16)
+    nan[2] = float("nan")
+    neg_inf = torch.ones(3, 3)
+    neg_inf[1, 1] = float("-inf")
+    inf = torch.ones(4, dtype=torch.float16)
+    inf[0] = float("inf")
+    # Finite, but its sum of magnitudes overflows float16: the screen flags it, the
+    # element-wise confirmation clears it.
+    loud = torch.full((8,), 60000.0, dtype=torch.float16)
+    named = [
+        ("ok", torch.randn(6, 2)),
+        ("nan", nan),
+        ("loud", loud),
+        ("empty", torch.empty(0)),
+        ("ints", torch.arange(4)),
+        ("neg_inf", neg_inf),
+        ("inf", inf),
+        ("ok16", torch.ones(3, dtype=torch.bfloat16)),
+    ]
+    assert nonfinite_names(named) == ["nan", "neg_inf", "inf"]
+    assert nonfinite_report(named) == ["nan: 1 NaN, 0 Inf", "neg_inf: 0 NaN, 1 Inf",
+                                       "inf: 0 NaN, 1 Inf"]
+    assert nonfinite_names([("loud", loud), ("ok", torch.zeros(2))]) == []
+
+
+def test_a_group_member_is_handed_only_buffers_on_its_own_device() -> None:
+    store = HashStore()
+    with pytest.raises(ValueError, match="nccl group needs cuda buffers, but rank 0 stages on cpu"):
+        BroadcastGroup(store, epoch_prefix="p/", rank=0, size=1, backend="nccl", device="cpu",
+                       timeout_s=5)
+    group = BroadcastGroup(store, epoch_prefix="q/", rank=0, size=1, backend="gloo",
+                           device="cpu", timeout_s=5)
+    try:
+        buf = torch.arange(4, dtype=torch.uint8)
+        group.broadcast(buf)
+        assert buf.tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="works on cpu; refusing to hand it a buffer on meta"):
+            group.broadcast(torch.empty(4, dtype=torch.uint8, device="meta"))
+    finally:
+        group.close()
+    with pytest.raises(ValueError, match="backend nccl cannot stage on cpu"):
+        WeightPublisher(PublisherConfig(port=0, backend="nccl", device="cpu"))
+
+
 def test_publisher_refuses_nonfinite_weights_and_old_versions() -> None:
     publisher = WeightPublisher(PublisherConfig(port=0), start_version=5)
     try:
@@ -116,7 +164,8 @@ def test_publisher_settings_follow_the_spec(tmp_path: Path) -> None:
     spec = WeightSyncSpec.model_validate(
         {"mode": "disk", "bucketSizeMb": 3, "ackTimeoutSeconds": 9, "scanNonfinite": False}
     )
-    cfg = PublisherConfig.from_spec(spec, port=1234, backend="gloo", disk_dir=tmp_path)
+    cfg = PublisherConfig.from_spec(spec, port=1234, backend="gloo", device="cpu",
+                                   disk_dir=tmp_path)
     assert (cfg.transport, cfg.bucket_bytes, cfg.ack_timeout_s) == ("disk", 3 << 20, 9.0)
     assert cfg.scan_nonfinite is False and cfg.verify_digest is True
     with pytest.raises(ValueError, match="disk_dir"):
@@ -160,9 +209,9 @@ def test_engine_side_checks_refuse_a_bad_update_whole() -> None:
         [("a", torch.tensor([1.0, float("nan")])), ("b", torch.zeros(3)), ("c", torch.zeros(1))],
     )
     assert problems == [
-        "a: non-finite values",
         "b: dtype torch.float32 != torch.bfloat16",
         "unknown parameter c",
+        "a: non-finite values",
     ]
 
 

@@ -207,9 +207,10 @@ class MegatronTrainerActor(WeightPublishing):
     # ---- weights -----------------------------------------------------------------------
 
     def named_weights(self) -> NamedTensors:
-        """HF-named weights in the serving dtype, on the CPU (what the engines load)."""
-        return [(n, t.detach().to(device="cpu", dtype=self.serve_dtype))
-                for n, t in self.trainer.export_hf()]
+        """HF-named weights in the serving dtype (what the engines load), left on this
+        rank's GPU: the publisher packs them there for NCCL or CUDA IPC, with no round trip
+        through host memory."""
+        return [(n, t.detach().to(dtype=self.serve_dtype)) for n, t in self.trainer.export_hf()]
 
     def nonfinite_weights(self) -> list[str]:
         return [n for n, t in self.trainer.export_hf() if not bool(torch.isfinite(t).all())]
@@ -225,7 +226,7 @@ class MegatronTrainerActor(WeightPublishing):
             hf_dir = d / "hf"
             shutil.copytree(self.model_dir, hf_dir, ignore=shutil.ignore_patterns(
                 "*.safetensors", "*.bin", "*.safetensors.index.json"))
-            save_file({k: v.contiguous() for k, v in self.named_weights()},
+            save_file({k: v.contiguous().cpu() for k, v in self.named_weights()},
                       str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
     def load(self, directory: str) -> None:

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from rljob import metrics
+from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
 from rljob.weightsync.tensor_payload import NamedTensors
 from rljob.whereabouts import Locatable
@@ -19,14 +20,18 @@ from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 class TrainerSync:
     def __init__(self, spec: WeightSyncSpec, *, cuda: bool, config_json: str) -> None:
         self.spec = spec
+        self.cuda = cuda
         self.backend = "nccl" if cuda else "gloo"
         self.config_json = config_json  # written into disk versions, so they load as models
         self.publisher: WeightPublisher | None = None
 
     def join(self, store_host: str, store_port: int, disk_dir: str, start_version: int) -> None:
         """Join the weight-sync store as rank 0; versions continue after `start_version`."""
+        # This rank's GPU, read when joining: by then the backend has chosen its device.
+        device = str(rank_device("cuda")) if self.cuda else "cpu"
         config = PublisherConfig.from_spec(
             self.spec, port=store_port, store_host=store_host, backend=self.backend,
+            device=device,
             disk_dir=Path(disk_dir) if self.spec.mode == WeightSyncMode.disk else None,
             config_json=self.config_json,
         )

@@ -40,8 +40,23 @@ def open_store(host: str, port: int, *, server: bool, timeout_s: float) -> TCPSt
         return store(False)
 
 
+def rank_device(device: str | torch.device) -> torch.device:
+    """The device one group member moves its buffers on, with the GPU index made explicit
+    (`cuda` alone means the process's current GPU), so devices compare equal when they are
+    the same GPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class BroadcastGroup:
-    """Rank 0 is the trainer; ranks 1..n are the engines' sidecars, in roster order."""
+    """Rank 0 is the trainer; ranks 1..n are the engines' sidecars, in roster order.
+
+    Each member states the device it works on: NCCL is handed only CUDA tensors on that
+    GPU (a CPU tensor or one on another GPU fails inside NCCL, with an error of no fixed
+    exception type, or silently uses the wrong GPU's communicator), gloo only CPU tensors.
+    """
 
     def __init__(
         self,
@@ -51,8 +66,18 @@ class BroadcastGroup:
         rank: int,
         size: int,
         backend: str,
+        device: str | torch.device,
         timeout_s: float,
     ) -> None:
+        self.device = rank_device(device)
+        want = {"gloo": "cpu", "nccl": "cuda"}.get(backend)
+        if want is None:
+            raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+        if self.device.type != want:
+            raise ValueError(
+                f"a weight-sync {backend} group needs {want} buffers, but rank {rank} stages "
+                f"on {self.device}"
+            )
         prefixed = PrefixStore(epoch_prefix, store)
         timeout = timedelta(seconds=timeout_s)
         self.rank = rank
@@ -61,23 +86,31 @@ class BroadcastGroup:
         self._pg: Any
         if backend == "gloo":
             self._pg = ProcessGroupGloo(prefixed, rank, size, timeout)
-        elif backend == "nccl":
+        else:
             # Looked up at run time: CPU-only builds of torch have no NCCL class.
             nccl: Any = getattr(dist, "ProcessGroupNCCL")  # noqa: B009
             options = nccl.Options()
             options._timeout = timeout
-            self._pg = nccl(prefixed, rank, size, options)
-        else:
-            raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
+            with torch.cuda.device(self.device):
+                self._pg = nccl(prefixed, rank, size, options)
 
     def broadcast(self, buf: torch.Tensor, root: int = 0) -> None:
-        """Blocking broadcast of `buf` from `root`; raises when a peer fails or times out."""
+        """Blocking broadcast of `buf` from `root`; raises when a peer fails or times out,
+        and refuses (ValueError) a buffer on another device than this member's."""
+        if buf.device != self.device:
+            raise ValueError(
+                f"weight-sync {self.backend} rank {self.rank} works on {self.device}; "
+                f"refusing to hand it a buffer on {buf.device}"
+            )
         opts = BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._pg.broadcast([buf], opts).wait()
         if buf.is_cuda:
-            torch.cuda.current_stream(buf.device).synchronize()
+            with torch.cuda.device(self.device):
+                self._pg.broadcast([buf], opts).wait()
+                torch.cuda.current_stream(self.device).synchronize()
+        else:
+            self._pg.broadcast([buf], opts).wait()
 
     def close(self) -> None:
         """Release the group's connections (NCCL communicators are aborted, not waited on)."""

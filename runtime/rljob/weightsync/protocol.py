@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -153,17 +153,41 @@ def version_digest(
     return h.hexdigest()
 
 
-def nonfinite_report(named: Iterable[tuple[str, torch.Tensor]], limit: int = 5) -> list[str]:
-    """Human-readable findings for every floating tensor holding NaN or Inf (first `limit`)."""
-    found: list[str] = []
+def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of the floating tensors holding NaN or Inf, in the given order.
+
+    One fused reduction per (device, dtype) group instead of a check per tensor: the L1
+    norms of all tensors of a group come from one multi-tensor kernel (`_foreach_norm`) and
+    reach the host in one transfer, so a version costs a single read of its bytes and one
+    synchronisation per group, not one per tensor. A NaN or Inf anywhere makes its tensor's
+    norm non-finite, so nothing non-finite passes; a norm can also overflow from finite
+    values alone (a sum of magnitudes beyond the dtype's range), so only the tensors the
+    screen flags are checked element by element before they are named.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
-        if not tensor.is_floating_point():
-            continue
-        finite = torch.isfinite(tensor)
-        if bool(finite.all()):
-            continue
+        if tensor.is_floating_point() and tensor.numel():
+            groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
+    flagged: set[str] = set()
+    for members in groups.values():
+        norms = torch._foreach_norm([t for _, t in members], 1)
+        finite = torch.isfinite(torch.stack(list(norms))).tolist()
+        flagged.update(
+            name
+            for (name, tensor), ok in zip(members, finite, strict=True)
+            if not ok and not bool(torch.isfinite(tensor).all())
+        )
+    return [name for name, _ in named if name in flagged]
+
+
+def nonfinite_report(named: Sequence[tuple[str, torch.Tensor]], limit: int = 5) -> list[str]:
+    """Human-readable findings for every floating tensor holding NaN or Inf (first `limit`)."""
+    tensors = dict(named)
+    found: list[str] = []
+    for name in nonfinite_names(named):
+        tensor = tensors[name]
         nan = int(torch.isnan(tensor).sum())
-        inf = int(tensor.numel() - int(finite.sum()) - nan)
+        inf = int(tensor.numel() - int(torch.isfinite(tensor).sum()) - nan)
         found.append(f"{name}: {nan} NaN, {inf} Inf")
         if len(found) >= limit:
             found.append("... (more tensors not listed)")
@@ -207,14 +231,21 @@ class Registration:
     incarnation: str
     health_url: str
     engine_version: str = ""
+    # UUID of the GPU the sidecar stages on ("" on CPU): a trainer on the same GPU hands it
+    # the version by CUDA IPC instead of an NCCL group, which cannot span one device twice.
+    gpu: str = ""
 
 
 @dataclass(frozen=True)
 class Announcement:
-    """Version `version`, delivered as announcement `seq` to the engines in `roster`.
+    """Version `version`, delivered as announcement `seq` to the engines in `roster` (ranks
+    of the broadcast group) and `ipc`.
 
     `epoch` names the broadcast group; it changes whenever membership changes, so receivers
-    know when to rebuild their group. For `disk`, `path` is the version directory.
+    know when to rebuild their group. For `disk`, `path` is the version directory. Engines
+    in `ipc` sit on the trainer's own GPU: they join no group and copy the packed buckets
+    out of the trainer's memory through `ipc_handles` (one `tensor_payload` entry naming
+    each bucket by its index), which hold the finished version when this is announced.
     """
 
     seq: int
@@ -227,6 +258,8 @@ class Announcement:
     path: str = ""
     verify_digest: bool = True
     scan_nonfinite: bool = True
+    ipc: list[str] = field(default_factory=list)
+    ipc_handles: str = ""
     protocol: int = PROTOCOL_VERSION
 
 
@@ -241,6 +274,14 @@ class Ack:
     reason: str = ""
     serving_version: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The identity of the GPU behind `device`, the same in every process and container
+    that sees it, whatever index it has there ("" for the CPU)."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def encode(record: Registration | Announcement | Ack) -> str:

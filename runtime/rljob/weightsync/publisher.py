@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rljob.weightsync import disk
-from rljob.weightsync.group import BroadcastGroup, open_store, poll_key
+from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.protocol import (
     Announcement,
     BucketMeta,
@@ -35,12 +35,14 @@ from rljob.weightsync.protocol import (
     decode_ack,
     decode_registration,
     encode,
+    gpu_uuid,
     layout_to_json,
     nonfinite_report,
     pack_bucket,
     plan_buckets,
     version_digest,
 )
+from rljob.weightsync.tensor_payload import encode_named_tensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ class PublisherConfig:
     store_host: str = ""
     transport: Transport = "broadcast"
     backend: str = "gloo"
+    # Where the packed buckets live: the CPU for gloo, this rank's own GPU for NCCL, so the
+    # group never sees a tensor anywhere else whatever device the weights come from.
+    device: str = "cpu"
     bucket_bytes: int = 512 << 20
     ack_timeout_s: float = 300.0
     verify_digest: bool = True
@@ -95,6 +100,7 @@ class PublisherConfig:
         *,
         port: int,
         backend: str,
+        device: str,
         disk_dir: Path | None,
         store_host: str = "",
         config_json: str | None = None,
@@ -106,6 +112,7 @@ class PublisherConfig:
             config_json=config_json,
             transport="disk" if spec.mode == WeightSyncMode.disk.value else "broadcast",
             backend=backend,
+            device=device,
             bucket_bytes=spec.bucket_size_mb << 20,
             ack_timeout_s=float(spec.ack_timeout_seconds),
             verify_digest=spec.verify_digest,
@@ -114,12 +121,24 @@ class PublisherConfig:
         )
 
 
+def _described(err: BaseException) -> str:
+    """An exception as the reason an engine stayed stale: its type and its message."""
+    return f"{type(err).__name__}: {err}"
+
+
 class WeightPublisher:
     """Rank 0 of the broadcast group; hosts the coordination store unless told where it is."""
 
     def __init__(self, config: PublisherConfig, *, start_version: int = 0) -> None:
         if config.transport == "disk" and config.disk_dir is None:
             raise ValueError("weightSync.mode disk needs a directory for the versions (disk_dir)")
+        self.device = rank_device(config.device)
+        if (config.backend == "nccl") != (self.device.type == "cuda"):
+            raise ValueError(
+                f"weight-sync backend {config.backend} cannot stage on {self.device}: NCCL "
+                "needs this rank's GPU, gloo the CPU"
+            )
+        self.gpu = gpu_uuid(self.device)
         self.config = config
         self.version = start_version
         hosted = not config.store_host
@@ -281,30 +300,59 @@ class WeightPublisher:
         transport: Transport,
         deadline: float,
     ) -> dict[str, tuple[bool, str]]:
-        self._seq += 1
-        seq = self._seq
+        tensors = dict(named)
+        refused: dict[str, tuple[bool, str]] = {}
+        ipc: list[str] = []
+        if transport == "broadcast":
+            refused, ipc, targets = self._split(targets)
+        if not targets and not ipc:
+            return refused
         incarnations = {n: self._engines[n].registration.incarnation for n in targets}
         if transport == "broadcast" and (self._group is None or incarnations != self._group_roster):
             self._drop_group()
             self._epoch += 1
         path = ""
         digests: list[str] = []
-        tensors = dict(named)
-        if transport == "disk":
-            digests = [
-                bucket_digest(pack_bucket(b, [tensors[m.name] for m in b.tensors])) for b in plan
-            ]
-            written = disk.write_version(
-                self._disk_versions(),
-                self.version,
-                plan,
-                tensors,
-                digests,
-                version_digest(self.version, plan, digests),
-                self.config.config_json,
-            )
-            disk.prune(self._disk_versions(), self.config.keep_disk_versions)
-            path = str(written)
+        handles = ""
+        staged: list[torch.Tensor] = []
+        try:
+            if transport == "disk":
+                digests = [
+                    bucket_digest(pack_bucket(b, [tensors[m.name] for m in b.tensors]))
+                    for b in plan
+                ]
+                written = disk.write_version(
+                    self._disk_versions(),
+                    self.version,
+                    plan,
+                    tensors,
+                    digests,
+                    version_digest(self.version, plan, digests),
+                    self.config.config_json,
+                )
+                disk.prune(self._disk_versions(), self.config.keep_disk_versions)
+                path = str(written)
+            else:
+                staged = [
+                    pack_bucket(b, [tensors[m.name] for m in b.tensors], self._staging(b))
+                    for b in plan
+                ]
+                if self.config.verify_digest:
+                    digests = [bucket_digest(buf) for buf in staged]
+                if ipc:
+                    # The handles carry no ordering with this stream: the version must be
+                    # complete before a reader on another process can see it.
+                    torch.cuda.synchronize(self.device)
+                    handles = encode_named_tensors(
+                        [(str(b.index), buf) for b, buf in zip(plan, staged, strict=True)]
+                    )
+        except Exception as err:  # nothing was announced: every target fails with the reason
+            reason = f"preparing version {self.version} failed at the trainer: {_described(err)}"
+            log.warning("%s", reason)
+            return {**refused, **{n: (False, reason) for n in [*targets, *ipc]}}
+        # Receivers read announcements in sequence: a number is taken only when it is used.
+        self._seq += 1
+        seq = self._seq
         announcement = Announcement(
             seq=seq,
             version=self.version,
@@ -316,11 +364,13 @@ class WeightPublisher:
             path=path,
             verify_digest=self.config.verify_digest,
             scan_nonfinite=self.config.scan_nonfinite,
+            ipc=ipc,
+            ipc_handles=handles,
         )
         self._store.set(Keys.announcement(seq), encode(announcement))
         self._store.set(Keys.latest_seq, str(seq))
         error = ""
-        if transport == "broadcast":
+        if transport == "broadcast" and targets:
             try:
                 if self._group is None:
                     self._group = BroadcastGroup(
@@ -329,22 +379,21 @@ class WeightPublisher:
                         rank=0,
                         size=len(targets) + 1,
                         backend=self.config.backend,
+                        device=self.device,
                         timeout_s=min(
                             self.config.join_timeout_s, max(1.0, deadline - time.monotonic())
                         ),
                     )
                     self._group_roster = incarnations
-                for bucket in plan:
-                    buf = pack_bucket(
-                        bucket,
-                        [tensors[m.name] for m in bucket.tensors],
-                        self._staging(bucket, tensors[bucket.tensors[0].name].device),
-                    )
-                    if self.config.verify_digest:
-                        digests.append(bucket_digest(buf))
+                for buf in staged:
                     self._group.broadcast(buf)
-            except RuntimeError as err:
-                error = f"broadcast of version {self.version} failed at the trainer: {err}"
+            except Exception as err:
+                # Whatever a collective raises (NCCL reports some failures as ValueError or
+                # TypeError, not RuntimeError), the version failed for these engines: the
+                # receivers learn it from the digest record, the caller from their acks.
+                error = f"broadcast of version {self.version} failed at the trainer: " + (
+                    _described(err)
+                )
                 log.warning("%s", error)
                 self._drop_group()
         record = {
@@ -353,10 +402,39 @@ class WeightPublisher:
             "bucket_digests": digests,
         }
         self._store.set(Keys.digest(seq), json.dumps(record))
-        outcome = self._collect_acks(seq, targets, deadline)
+        outcome = self._collect_acks(seq, [*targets, *ipc], deadline)
+        if error:
+            # The trainer's own failure is the cause; what each receiver saw follows it.
+            outcome = {
+                name: (ok, reason if ok else f"{error} (the engine's side: {reason})")
+                for name, (ok, reason) in outcome.items()
+            }
         if not all(ok for ok, _ in outcome.values()):
             self._drop_group()
-        return outcome
+        return {**refused, **outcome}
+
+    def _split(
+        self, targets: list[str]
+    ) -> tuple[dict[str, tuple[bool, str]], list[str], list[str]]:
+        """Targets of a broadcast as (refused with the reason, readers by CUDA IPC, group
+        members): a sidecar on this rank's own GPU reads by IPC (NCCL refuses one GPU twice
+        in a group); one staging on the CPU cannot join an NCCL group at all."""
+        refused: dict[str, tuple[bool, str]] = {}
+        ipc: list[str] = []
+        members: list[str] = []
+        for name in targets:
+            gpu = self._engines[name].registration.gpu
+            if self.gpu and gpu == self.gpu:
+                ipc.append(name)
+            elif self.config.backend == "nccl" and not gpu:
+                refused[name] = (
+                    False,
+                    "its sidecar stages on the CPU, and an NCCL broadcast needs the engine's "
+                    "GPU (run it with --device cuda:N)",
+                )
+            else:
+                members.append(name)
+        return refused, ipc, members
 
     def _disk_versions(self) -> Path:
         """This publisher's own version directory; before its first use, whatever earlier
@@ -371,12 +449,13 @@ class WeightPublisher:
             self._disk_ready = root
         return disk.attempt_dir(root, self.incarnation[:12])
 
-    def _staging(self, bucket: BucketMeta, device: torch.device) -> torch.Tensor:
-        """The send buffer of `bucket`, kept while the layout stays (padding stays zero)."""
+    def _staging(self, bucket: BucketMeta) -> torch.Tensor:
+        """The send buffer of `bucket` on this rank's device, kept while the layout stays
+        (padding stays zero; CUDA IPC readers of an earlier version mapped the same memory)."""
         held = self._send_buffers.get(bucket.index)
-        if held is not None and held[0] == bucket and held[1].device == device:
+        if held is not None and held[0] == bucket:
             return held[1]
-        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+        buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
         self._send_buffers[bucket.index] = (bucket, buf)
         return buf
 

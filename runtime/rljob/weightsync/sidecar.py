@@ -37,7 +37,7 @@ from torch._C._distributed_c10d import Store
 
 from rljob.weightsync import disk
 from rljob.weightsync.engine_http import EngineError, EngineHTTP
-from rljob.weightsync.group import BroadcastGroup, open_store, poll_key
+from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.protocol import (
     Ack,
     Announcement,
@@ -47,12 +47,18 @@ from rljob.weightsync.protocol import (
     bucket_digest,
     decode_announcement,
     encode,
+    gpu_uuid,
     layout_from_json,
+    nonfinite_names,
     nonfinite_report,
     unpack_bucket,
     version_digest,
 )
-from rljob.weightsync.tensor_payload import encode_named_tensors, use_file_system_sharing
+from rljob.weightsync.tensor_payload import (
+    decode_named_tensors,
+    encode_named_tensors,
+    use_file_system_sharing,
+)
 from rljob_api import layout
 from rljob_api.env import ENGINE_INDEX, ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYNC_TRAINER
 
@@ -124,7 +130,11 @@ class Sidecar:
         self._epoch = -1
         self._http: ThreadingHTTPServer | None = None
         self._staging: list[torch.Tensor] = []
-        if config.device == "cpu":
+        # The GPU this sidecar touches, index made explicit: staging, its NCCL rank and the
+        # identity it registers with (how the trainer sees whether they share a GPU).
+        self.device = rank_device(config.device)
+        self.gpu = gpu_uuid(self.device)
+        if self.device.type == "cpu":
             use_file_system_sharing()
 
     # --- health and metrics -----------------------------------------------------------------
@@ -207,6 +217,7 @@ class Sidecar:
             incarnation=self.incarnation,
             health_url=f"http://{advertise}:{http_port}",
             engine_version=self._engine_version(),
+            gpu=self.gpu,
         )
         index = int(store.add(Keys.members, 1)) - 1
         store.set(Keys.member(index), encode(registration))
@@ -224,7 +235,8 @@ class Sidecar:
                 continue
             announcement = decode_announcement(store.get(Keys.announcement(next_seq)))
             next_seq += 1
-            if cfg.engine_name not in announcement.roster:
+            addressed = {*announcement.roster, *announcement.ipc}
+            if cfg.engine_name not in addressed:
                 continue
             self.handle(store, announcement)
 
@@ -234,14 +246,23 @@ class Sidecar:
         self.state = f"receiving v{ann.version}"
         layout = layout_from_json(ann.layout)
         try:
-            buffers = (
-                self._receive_broadcast(store, ann, layout)
-                if ann.transport == "broadcast"
-                else [disk.read_bucket(Path(ann.path), b, len(layout)) for b in layout]
-            )
-        except (RuntimeError, OSError, ValueError) as err:
+            if ann.transport == "disk":
+                buffers = [disk.read_bucket(Path(ann.path), b, len(layout)) for b in layout]
+            elif self.config.engine_name in ann.ipc:
+                buffers = self._receive_ipc(ann, layout)
+            else:
+                buffers = self._receive_broadcast(store, ann, layout)
+        except Exception as err:
+            # Any exception type: NCCL and CUDA report failures as RuntimeError, ValueError
+            # or TypeError alike, and each one only fails this version, never the sidecar.
             self._drop_group()
-            self._ack(store, ann, False, f"receiving version {ann.version} failed: {err}", start)
+            self._ack(
+                store,
+                ann,
+                False,
+                f"receiving version {ann.version} failed: {type(err).__name__}: {err}",
+                start,
+            )
             return
         problems = self._verify(store, ann, layout, buffers)
         if problems:
@@ -292,24 +313,52 @@ class Sidecar:
                 rank=ann.roster[self.config.engine_name],
                 size=len(ann.roster) + 1,
                 backend=ann.backend,
+                device=self.device,
                 timeout_s=self.config.collective_timeout_s,
             )
             self._epoch = ann.epoch
-        sizes = [b.nbytes for b in layout]
-        if [b.numel() for b in self._staging] != sizes:
-            # Staging buffers are kept across versions: fresh shared memory costs page faults
-            # on both sides of the handoff, every version. The engine copies out before it
-            # answers, so nothing still reads them when the next version arrives.
-            self._staging = [self._allocate(n) for n in sizes]
-        buffers: list[torch.Tensor] = []
-        for bucket, buf in zip(layout, self._staging, strict=True):
+        buffers = self._buffers(layout)
+        for bucket, buf in zip(layout, buffers, strict=True):
             self._group.broadcast(buf)
             self.metrics.bytes.inc(bucket.nbytes)
-            buffers.append(buf)
         return buffers
 
+    def _receive_ipc(self, ann: Announcement, layout: Sequence[BucketMeta]) -> list[torch.Tensor]:
+        """Copy the version out of the trainer's buckets on this same GPU.
+
+        The trainer's memory is mapped only for the copy: torch cannot hand a tensor it
+        received by CUDA IPC on to a third process (the engine), and the trainer reuses its
+        buckets for the next version, so the version is verified and installed from this
+        sidecar's own staging buffers, as a broadcast one is.
+        """
+        mapped = dict(decode_named_tensors(ann.ipc_handles))
+        buffers = self._buffers(layout)
+        for bucket, buf in zip(layout, buffers, strict=True):
+            source = mapped.pop(str(bucket.index))
+            if source.numel() != bucket.nbytes or source.device.type != "cuda":
+                raise ValueError(
+                    f"bucket {bucket.index}: the trainer shared {source.numel()} bytes on "
+                    f"{source.device}, the layout says {bucket.nbytes} bytes on a GPU"
+                )
+            buf.copy_(source)
+            self.metrics.bytes.inc(bucket.nbytes)
+        torch.cuda.synchronize(self.device)
+        return buffers
+
+    def _buffers(self, layout: Sequence[BucketMeta]) -> list[torch.Tensor]:
+        """This sidecar's staging buffers for `layout`.
+
+        Kept across versions: fresh shared memory costs page faults on both sides of the
+        handoff, every version. The engine copies out before it answers, so nothing still
+        reads them when the next version arrives.
+        """
+        sizes = [b.nbytes for b in layout]
+        if [b.numel() for b in self._staging] != sizes:
+            self._staging = [self._allocate(n) for n in sizes]
+        return self._staging
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.config.device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if buf.device.type == "cpu":
             buf.share_memory_()
         return buf
@@ -323,8 +372,12 @@ class Sidecar:
     ) -> list[str]:
         problems: list[str] = []
         if ann.scan_nonfinite:
-            for bucket, buf in zip(layout, buffers, strict=True):
-                found = nonfinite_report(unpack_bucket(bucket, buf))
+            # One fused scan of the whole version (one host sync); the counts per bucket are
+            # taken only on the rare version that fails it.
+            unpacked = [unpack_bucket(b, buf) for b, buf in zip(layout, buffers, strict=True)]
+            flagged = set(nonfinite_names([nt for views in unpacked for nt in views]))
+            for bucket, views in zip(layout, unpacked, strict=True):
+                found = nonfinite_report([(n, t) for n, t in views if n in flagged])
                 if found:
                     problems.append(
                         f"bucket {bucket.index} has non-finite values: " + ", ".join(found)

@@ -17,6 +17,8 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing as torch_mp
 
+from rljob.weightsync.protocol import nonfinite_names
+
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
@@ -59,6 +61,7 @@ def update_problems(
     and keeps serving the previous one.
     """
     problems: list[str] = []
+    fitting: NamedTensors = []
     for name, tensor in named:
         if name not in current:
             problems.append(f"unknown parameter {name}")
@@ -68,6 +71,8 @@ def update_problems(
             problems.append(f"{name}: shape {tuple(tensor.shape)} != {tuple(have.shape)}")
         elif have.dtype != tensor.dtype:
             problems.append(f"{name}: dtype {tensor.dtype} != {have.dtype}")
-        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            problems.append(f"{name}: non-finite values")
+        else:
+            fitting.append((name, tensor))
+    # One fused scan of the whole update: a check per tensor would synchronise per tensor.
+    problems += [f"{name}: non-finite values" for name in nonfinite_names(fitting)]
     return problems

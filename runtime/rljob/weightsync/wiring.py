@@ -11,7 +11,9 @@ Sidecars: on a cluster the operator runs one `weight-sync` container per engine 
 that holds engines (`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one
 sidecar per engine as an actor on the engine's node (the handoff to the engine goes through
 that node's shared memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a
-crash.
+crash. A GPU engine's sidecar asks Ray for `placement.SIDECAR_SHARE` of the placement-group
+bundle of the engine's first slot: Ray then shows it exactly that GPU, where it joins the
+NCCL group (or reads the trainer's buckets by CUDA IPC) and stages what the engine loads.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
+from rljob.placement import SIDECAR_SHARE
 from rljob.weightsync.group import open_store
 from rljob.weightsync.sidecar import Sidecar, SidecarConfig
 from rljob.whereabouts import Locatable
@@ -98,6 +105,28 @@ class SidecarActor(Locatable):
         self.sidecar.stop()
 
 
+def sidecar_options(
+    pg: PlacementGroup, slot: int, node_id: str, on_gpu: bool
+) -> dict[str, Any]:
+    """Ray options of the sidecar of the engine whose first slot is `slot` on `node_id`.
+
+    A GPU engine's sidecar takes `SIDECAR_SHARE` of that slot's bundle, so Ray accounts for
+    it and sets its CUDA_VISIBLE_DEVICES to the engine's GPU; a CPU engine's needs no slot.
+    """
+    if on_gpu:
+        return {
+            "num_cpus": 0,
+            "num_gpus": SIDECAR_SHARE,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=slot
+            ),
+        }
+    return {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }
+
+
 class WeightSyncActors:
     """The store actor and (for local runs) the sidecar actors of one driver."""
 
@@ -117,14 +146,23 @@ class WeightSyncActors:
         return str(host), int(port)
 
     def start_sidecars(
-        self, engines: list[Any], urls: list[str], store: tuple[str, int], loopback: bool
+        self,
+        engines: list[Any],
+        urls: list[str],
+        store: tuple[str, int],
+        loopback: bool,
+        placement: tuple[PlacementGroup, list[int]],
     ) -> None:
-        """One sidecar per engine on the engine's node, named `engine-<i>` (not on pods)."""
+        """One sidecar per engine, named `engine-<i>` (not on pods): on the engine's node,
+        and for a GPU engine in the bundle of its first slot (`placement`: the group and
+        each engine's first slot) holding a share of that GPU."""
         if self.settings.pod_sidecars:
             return
         where = ray.get([e.locality.remote() for e in engines])
         cls = ray.remote(SidecarActor)
-        for i, (url, loc) in enumerate(zip(urls, where, strict=True)):
+        pg, slots = placement
+        for i, (url, loc, slot) in enumerate(zip(urls, where, slots, strict=True)):
+            on_gpu = bool(loc["cuda_visible_devices"])
             config = SidecarConfig(
                 engine_name=f"engine-{i}",
                 engine_url=url,
@@ -133,16 +171,11 @@ class WeightSyncActors:
                 listen_host="127.0.0.1" if loopback else "0.0.0.0",
                 listen_port=0,
                 advertise_host="127.0.0.1" if loopback else "",
-                device="cuda:0" if loc["cuda_visible_devices"] else "cpu",
+                # Ray shows a GPU actor the GPU of its share alone: index 0 is the engine's.
+                device="cuda:0" if on_gpu else "cpu",
             )
-            # The engine's GPU, and Ray must not hide it (the sidecar holds no GPU share).
-            env = {"CUDA_VISIBLE_DEVICES": loc["cuda_visible_devices"],
-                   "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-            self.sidecars.append(cls.options(
-                num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(loc["node_id"], soft=False),
-                runtime_env={"env_vars": env} if loc["cuda_visible_devices"] else None,
-            ).remote(config))
+            self.sidecars.append(cls.options(**sidecar_options(pg, slot, loc["node_id"], on_gpu))
+                                 .remote(config))
 
     def health(self) -> list[dict[str, Any]]:
         """Each local sidecar's `/health` answer (empty when the pods run them)."""
