@@ -346,15 +346,20 @@ class _Decider:
                         self.transition_event(Phase.succeeded.value, "Normal", message))
 
     def suspended(self) -> Decision:
+        """The driver goes first (on SIGTERM its runtime finishes the step and saves, which
+        needs the trainers and engines); the RayCluster only once the driver pod is gone."""
         driver = self.obs.driver
         message = "spec.scheduling.suspend is true: compute released, checkpoints kept"
+        if driver is not None:
+            message = ("spec.scheduling.suspend is true: the driver stops (it saves the step "
+                       "in progress), then compute is released; checkpoints are kept")
         status = self.status(Phase.suspended.value, [
             ("Ready", "False", "Suspended", message),
             ("Scheduled", "False", "Suspended", message),
             ("Suspended", "True", "Suspended", message),
         ], self.base_recovery(None))
         actions = Actions(
-            delete_cluster=self.obs.cluster == "present",
+            delete_cluster=self.obs.cluster == "present" and driver is None,
             delete_driver=driver is not None and not driver.deleting,
         )
         return Decision(status, actions,
@@ -489,7 +494,11 @@ class _Decider:
         last: Obj = {k: v for k, v in seen.items() if v is not None}
         if not failure.retryable:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod})", last)
-        if failure.kind not in spec.recovery.retry_on:
+        retried = set(spec.recovery.retry_on)
+        if FailureKind.node_lost in retried:
+            # What Ray sees first of a lost node; it is renamed NodeLost once Kubernetes agrees.
+            retried.add(FailureKind.worker_lost)
+        if failure.kind not in retried:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod}); "
                              f"{failure.kind} is not in spec.recovery.retryOn", last)
         if self.restarts >= spec.recovery.max_restarts:
@@ -784,14 +793,17 @@ class _Decider:
             started = self.started_condition(since, problem)
         status = self.status(phase, [ready_cond, *self.scheduling_conditions(), started], rec,
                              since=since)
+        # A driver that is stopping for a spec change saves the step in progress on SIGTERM,
+        # which needs the trainers and engines: compute changes wait until its pod is gone.
+        stopping = driver is not None and (stale or self.driver_outdated(driver))
         actions = Actions(
             create_cluster=self.obs.cluster == "absent",
             create_driver=create_driver,
             delete_driver=stale and driver is not None and not driver.deleting,
             delete_pods=self.stranded_pods(),
-            patch_cluster=self.cluster_outdated(),
-            replace_pods=tuple(p for p in self.outdated_pods()
-                               if p not in self.stranded_pods()),
+            patch_cluster=self.cluster_outdated() and not stopping,
+            replace_pods=() if stopping else tuple(p for p in self.outdated_pods()
+                                                   if p not in self.stranded_pods()),
         )
         event = self.phase_event(phase, rec)
         if change is not None and (actions.patch_cluster or (

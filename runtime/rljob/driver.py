@@ -50,7 +50,7 @@ from rljob.trainer.select import trainer_class
 from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
 from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
 from rljob.whereabouts import Placed
-from rljob_api import env
+from rljob_api import env, exits
 from rljob_api.layout import DRIVER_RESOURCE
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import (
@@ -662,8 +662,12 @@ def _run(job: Job) -> int:
         return EXIT_FAILED
     except ray.exceptions.RayError as err:
         # A worker or engine died or raised: a restart from the checkpoint may help.
+        elif err.code == EXIT_INVALID:
+            # The status says why (the field and the fix), not only the exit code.
+            job.fail(exits.TERMINAL_REASONS[EXIT_INVALID], str(err), retryable=False)
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
-        lost = job.lost_pods(NODE_DEATH_WAIT_S)
+        # A stop (SIGTERM) takes compute away too: no time to spend asking Ray what died.
+        lost = {} if job.stop.requested else job.lost_pods(NODE_DEATH_WAIT_S)
         if lost:
             pods = "; ".join(f"{pod} ({why})" for pod, why in sorted(lost.items()))
             print(f"rljob run: Ray lost the node of {pods}", file=sys.stderr, flush=True)

@@ -368,7 +368,10 @@ class RecoverySpec(ApiModel):
     retry_on: list[FailureKind] = Field(
         default_factory=lambda: list(FailureKind),
         max_length=8,
-        description="Failures that trigger a restart; any other failure fails the job.",
+        description=(
+            "Failures that trigger a restart; any other failure fails the job. NodeLost "
+            "covers WorkerLost (Ray lost a pod's node before Kubernetes saw it)."
+        ),
     )
     startup_timeout_seconds: int = Field(
         600,

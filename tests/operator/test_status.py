@@ -394,6 +394,17 @@ def test_a_worker_ray_lost_is_named_after_what_kubernetes_knows_of_its_pod() -> 
     assert d.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
 
 
+def test_retry_on_node_lost_covers_a_worker_lost_first_seen_by_ray() -> None:
+    status = {**RUNNING, "runtimeFailure": lost_worker_report("rl-trainer-worker-a")}
+    spec = {**SPEC, "recovery": {**SPEC["recovery"], "retryOn": ["NodeLost"]}}
+    d = run(job(status, spec), [*compute(), exited(1)])
+    assert d.status["phase"] == "Recovering", d.status
+    spec = {**SPEC, "recovery": {**SPEC["recovery"], "retryOn": ["PodFailed"]}}
+    d = run(job(status, spec), [*compute(), exited(1)])
+    assert d.status["phase"] == "Failed"
+    assert "WorkerLost is not in spec.recovery.retryOn" in conditions(d)["Failed"]["message"]
+
+
 def test_worker_lost_reads_node_lost_once_kubernetes_sees_the_node_go() -> None:
     status = {**RUNNING, "runtimeFailure": lost_worker_report("rl-trainer-worker-a")}
     first = run(job(status), [*compute(), exited(1)])
@@ -427,8 +438,14 @@ def test_suspend_tears_down_and_resume_waits_for_the_old_driver() -> None:
     spec = {**SPEC, "scheduling": {"suspend": True}}
     d = run(job(RUNNING, spec, generation=2), [*compute(), driver()])
     assert d.status["phase"] == "Suspended"
-    assert d.actions.delete_cluster and d.actions.delete_driver
+    # The driver goes first: it saves on SIGTERM, which needs the trainers and engines.
+    assert d.actions.delete_driver and not d.actions.delete_cluster
     assert conditions(d)["Suspended"]["status"] == "True"
+    stopping = run(applied(job(RUNNING, spec, generation=2), d),
+                   [*compute(), driver(deleting=True)])
+    assert not stopping.actions.delete_cluster and not stopping.actions.delete_driver
+    gone = run(applied(job(RUNNING, spec, generation=2), d), compute())
+    assert gone.actions.delete_cluster and gone.status["phase"] == "Suspended"
     body = applied(job(RUNNING, spec, generation=2), d)
     body["spec"] = SPEC
     # The old driver is still terminating: no restart is counted, nothing new starts.
@@ -671,9 +688,15 @@ def test_a_compute_field_edit_patches_the_raycluster_and_replaces_changed_pods()
     before, after = edited({"rollout": {"gpus": 2, "gpusPerEngine": 1, "image": "r:2"}})
     old_pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
     d = decide(parse_job(after), observe("rl", rc, old_pods, [READY_NODE]), T0)
-    assert d.actions.patch_cluster and d.actions.delete_driver
-    assert set(d.actions.replace_pods) == {"rl-rollout-worker-a", "rl-rollout-worker-b"}
+    # The driver stops first (it saves on SIGTERM, with the pods it runs on)...
+    assert d.actions.delete_driver and not d.actions.patch_cluster
+    assert d.actions.replace_pods == ()
     assert "patching the RayCluster" in conditions(d)["Ready"]["message"]
+    # ... and once its pod is gone the RayCluster is patched and the changed pods replaced.
+    no_driver = old_pods[:-1]
+    d = decide(parse_job(applied(after, d)), observe("rl", rc, no_driver, [READY_NODE]), T0)
+    assert d.actions.patch_cluster and not d.actions.delete_driver
+    assert set(d.actions.replace_pods) == {"rl-rollout-worker-a", "rl-rollout-worker-b"}
     # Patched and replaced: the new rollout pods start, and only then a new driver.
     new_rc = built(after, [], {"metadata": {"name": "rl"}})[1]
     fresh, _ = built(after, [pod("rl-rollout-worker-c", "rollout"),
@@ -691,8 +714,12 @@ def test_scaling_waits_for_exactly_the_new_count_before_the_driver_starts() -> N
     before, after = edited({"trainer": {"replicas": 2, "gpusPerReplica": 2}})
     old_pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
     d = decide(parse_job(after), observe("rl", rc, old_pods, [READY_NODE]), T0)
-    assert d.actions.patch_cluster and d.actions.replace_pods == ()  # same template
+    assert d.actions.delete_driver and not d.actions.patch_cluster  # the driver stops first
     body = applied(after, d)
+    no_driver = [p for p in old_pods if p["metadata"]["name"] != "rl-driver"]
+    d = decide(parse_job(body), observe("rl", rc, no_driver, [READY_NODE]), T0)
+    assert d.actions.patch_cluster and d.actions.replace_pods == ()  # same template
+    body = applied(body, d)
     new_rc = built(after, [], {"metadata": {"name": "rl"}})[1]
     one = [p for p in old_pods if p["metadata"]["name"] != "rl-driver"]
     d = decide(parse_job(body), observe("rl", new_rc, one, [READY_NODE]), T0)
