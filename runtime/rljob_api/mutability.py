@@ -116,8 +116,8 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "a job's queue is chosen at creation; the operator does not submit jobs to "
                 "Kueue yet"),
     FieldEffect("scheduling.suspend", Effect.operator,
-                "set to true, deletes the RayCluster and the driver; false builds them "
-                "again"),
+                "set to true, deletes the driver (it saves), then the RayCluster; false "
+                "builds them again"),
 )
 
 
