@@ -21,6 +21,7 @@ rounding of the logits to 16 bits), and in fp32 elsewhere.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -158,6 +159,20 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None, None
 
 
+def _check_args(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [tokens, h] and weight [vocab, h]; got {tuple(hidden.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [{hidden.shape[0]}]; got {tuple(targets.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+
+
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -180,15 +195,7 @@ def vocab_parallel_logprobs(
     shards) unless `reduce_hidden_grad` is False: with sequence parallelism the caller's
     all-gather of the hidden states already reduce-scatters that gradient.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [tokens, h] and weight [vocab, h]; got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
-        )
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be [{hidden.shape[0]}]; got {tuple(targets.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0; got {temperature}")
+    _check_args(hidden, weight, targets, temperature)
     if tile_elements < 1:
         raise ValueError(f"tile_elements must be >= 1; got {tile_elements}")
     logprobs, entropy = _VocabParallelLogProbs.apply(
@@ -204,3 +211,46 @@ def vocab_parallel_logprobs(
     )
     return logprobs, (entropy if with_entropy else None)
 
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    group: dist.ProcessGroup | None = None,
+    reduce_hidden_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`vocab_parallel_logprobs`, on CUDA through the fused kernels of `rljob.logprobs_fused`.
+
+    The trainers call this. CUDA tensors take the fused path (same values to fp32 rounding,
+    about 3x faster: cuBLAS matmuls with Triton epilogues); CPU tensors, or a CUDA machine
+    without Triton, take the tiled torch function above, which stays the reference.
+    """
+    _check_args(hidden, weight, targets, temperature)
+    if hidden.is_cuda and importlib.util.find_spec("triton") is not None:
+        from rljob.logprobs_fused import fused_logprobs
+
+        return fused_logprobs(
+            hidden,
+            weight,
+            targets,
+            vocab_start=vocab_start,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            group=group,
+            reduce_hidden_grad=reduce_hidden_grad,
+        )
+    return vocab_parallel_logprobs(
+        hidden,
+        weight,
+        targets,
+        vocab_start=vocab_start,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        group=group,
+        reduce_hidden_grad=reduce_hidden_grad,
+    )

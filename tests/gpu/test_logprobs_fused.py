@@ -1,0 +1,237 @@
+"""The fused log-prob kernels against a float64 full-logits reference, over awkward shapes.
+
+Runs on a CUDA GPU; on a machine without one it runs under Triton's CPU interpreter when
+`TRITON_INTERPRET=1` is set (the small shapes only), and skips otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import traceback
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None, reason="needs Triton (pip install .[gpu])"
+    ),
+    pytest.mark.skipif(
+        not (HAS_CUDA or INTERPRET),
+        reason="needs a CUDA GPU (or TRITON_INTERPRET=1 for Triton's CPU interpreter)",
+    ),
+]
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="too large for Triton's interpreter")
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _inputs(
+    n: int, v: int, h: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, device=DEVICE).to(dtype)
+    weight = (torch.randn(v, h, generator=g, device=DEVICE) * (2.0 / h**0.5)).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g, device=DEVICE)
+    g_lp = torch.randn(n, generator=g, device=DEVICE)
+    g_ent = torch.randn(n, generator=g, device=DEVICE)
+    return hidden, weight, targets, g_lp, g_ent
+
+
+def _reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    g_lp: torch.Tensor,
+    g_ent: torch.Tensor | None,
+    temperature: float,
+    rows: int = 4096,
+) -> dict[str, torch.Tensor]:
+    """float64 log-probs, entropies and gradients, a block of tokens at a time."""
+    hr = hidden.double().requires_grad_(True)
+    wr = weight.double().requires_grad_(True)
+    lps, ents = [], []
+    for s in range(0, hidden.shape[0], rows):
+        z = torch.log_softmax(hr[s : s + rows] @ wr.t() / temperature, dim=-1)
+        lp = z.gather(1, targets[s : s + rows, None]).squeeze(1)
+        ent = -(z.exp() * z).sum(-1)
+        loss = (lp * g_lp[s : s + rows].double()).sum()
+        if g_ent is not None:
+            loss = loss + (ent * g_ent[s : s + rows].double()).sum()
+        loss.backward()
+        lps.append(lp.detach())
+        ents.append(ent.detach())
+    assert hr.grad is not None and wr.grad is not None
+    return {"lp": torch.cat(lps), "ent": torch.cat(ents), "gh": hr.grad, "gw": wr.grad}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def _run(
+    n: int,
+    v: int,
+    h: int,
+    *,
+    dtype: torch.dtype,
+    temperature: float,
+    with_entropy: bool,
+    chunk_bytes: int | None = None,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from rljob.logprobs_fused import DEFAULT_CHUNK_BYTES, fused_logprobs
+
+    hidden, weight, targets, g_lp, g_ent = _inputs(n, v, h, dtype, seed)
+    hl = hidden.clone().requires_grad_(True)
+    wl = weight.clone().requires_grad_(True)
+    lp, ent = fused_logprobs(
+        hl, wl, targets, temperature=temperature, with_entropy=with_entropy,
+        chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+    )
+    assert lp.dtype == torch.float32 and lp.shape == (n,)
+    assert (ent is not None) == with_entropy
+    loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if ent is not None else 0.0)
+    loss.backward()
+    assert hl.grad is not None and wl.grad is not None
+    assert hl.grad.dtype == dtype and wl.grad.dtype == dtype
+    ours = {"lp": lp.detach(), "gh": hl.grad, "gw": wl.grad}
+    if ent is not None:
+        ours["ent"] = ent.detach()
+    ref = _reference(hidden, weight, targets, g_lp, g_ent if with_entropy else None, temperature)
+    return ours, ref
+
+
+# (tokens, vocab, hidden, temperature, entropy, chunk bytes): vocabularies that no tile divides,
+# one token, temperatures either side of 1, and chunks so small that the vocabulary takes many
+# ragged chunks (the running statistics cross chunk boundaries).
+SHAPES = [
+    (37, 1000, 64, 1.0, True, None),
+    (1, 517, 32, 1.0, True, None),
+    (19, 777, 48, 0.7, True, 19 * 4 * 100),
+    (23, 1301, 40, 1.3, False, 23 * 6 * 300),
+    (300, 2053, 64, 0.9, True, 300 * 6 * 257),
+]
+IDS = ["v1000", "one-token", "t0.7-chunks", "t1.3-logp-only", "ragged-chunks"]
+
+
+@pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"), SHAPES, ids=IDS)
+def test_fp32_inputs_match_float64(
+    n: int, v: int, h: int, temp: float, ent: bool, chunk: int | None
+) -> None:
+    """With fp32 inputs nothing is rounded to 16 bits: values and gradients agree with the
+    float64 reference to fp32 rounding, which checks the kernels' algebra tightly."""
+    ours, ref = _run(n, v, h, dtype=torch.float32, temperature=temp, with_entropy=ent,
+                     chunk_bytes=chunk)
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=2e-5, rtol=0)
+    if ent:
+        torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=2e-5, rtol=0)
+    assert _rel(ours["gh"], ref["gh"]) < 1e-5
+    assert _rel(ours["gw"], ref["gw"]) < 1e-5
+
+
+@pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"), SHAPES, ids=IDS)
+def test_bf16_inputs_match_float64(
+    n: int, v: int, h: int, temp: float, ent: bool, chunk: int | None
+) -> None:
+    """bf16 inputs, as the trainers pass them: logits stay fp32 (log-prob error at fp32
+    rounding); the gradients carry only the 16-bit rounding of the logit gradient and of the
+    outputs, within a small multiple of what rounding the exact gradient to bf16 costs."""
+    ours, ref = _run(n, v, h, dtype=torch.bfloat16, temperature=temp, with_entropy=ent,
+                     chunk_bytes=chunk)
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=2e-5, rtol=0)
+    if ent:
+        torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
+    for key in ("gh", "gw"):
+        floor = _rel(ref[key].to(torch.bfloat16), ref[key])
+        assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
+
+
+@needs_cuda
+def test_tokens_times_vocab_over_2_pow_31() -> None:
+    """16,500 tokens x 131,075 columns = 2.16e9 logits: no index may wrap at 32 bits."""
+    n, v = 16_500, 131_075
+    assert n * v > 2**31
+    ours, ref = _run(n, v, 32, dtype=torch.bfloat16, temperature=1.0, with_entropy=True)
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=5e-5, rtol=0)
+    torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
+    for key in ("gh", "gw"):
+        floor = _rel(ref[key].to(torch.bfloat16), ref[key])
+        assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
+
+
+@needs_cuda
+def test_trainer_entry_point_takes_the_fused_path() -> None:
+    """`token_logprobs` on CUDA tensors runs the fused autograd function."""
+    from rljob.logprobs_vocab_parallel import token_logprobs
+
+    hidden, weight, targets, _, _ = _inputs(8, 300, 16, torch.bfloat16, 1)
+    lp, _ = token_logprobs(hidden.requires_grad_(True), weight, targets)
+    assert lp.grad_fn is not None and "FusedLogProbs" in type(lp.grad_fn).__name__
+
+
+def _shard_worker(rank: int, world: int, port: int, path: str) -> None:
+    try:
+        from rljob.logprobs_fused import fused_logprobs
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # gloo reduces CUDA tensors too: two ranks can share the one GPU.
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, torch.float32, 5)
+        # Uneven shards, as when padding rows are cut from the last one.
+        bounds = [0, 611, 1003]
+        lo, hi = bounds[rank], bounds[rank + 1]
+        h = hidden.clone().requires_grad_(True)
+        w = weight[lo:hi].clone().requires_grad_(True)
+        lp, ent = fused_logprobs(
+            h, w, targets, vocab_start=lo, temperature=0.8, with_entropy=True,
+            group=dist.group.WORLD, chunk_bytes=29 * 6 * 200,
+        )
+        assert ent is not None
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        assert h.grad is not None and w.grad is not None
+        torch.save(
+            {"lp": lp.detach().cpu(), "ent": ent.detach().cpu(), "gh": h.grad.cpu(),
+             "gw": w.grad.cpu()},
+            f"{path}.{rank}",
+        )
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_vocab_shards_over_two_ranks_match_float64(tmp_path: Any) -> None:
+    path = str(tmp_path / "out")
+    mp.start_processes(  # type: ignore[attr-defined, no-untyped-call]
+        _shard_worker, args=(2, _free_port(), path), nprocs=2, start_method="spawn"
+    )
+    hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, torch.float32, 5)
+    ref = _reference(hidden, weight, targets, g_lp, g_ent, 0.8)
+    outs = [torch.load(f"{path}.{r}") for r in range(2)]
+    for out in outs:
+        torch.testing.assert_close(out["lp"].double(), ref["lp"].cpu(), atol=2e-5, rtol=0)
+        torch.testing.assert_close(out["ent"].double(), ref["ent"].cpu(), atol=2e-5, rtol=0)
+        assert _rel(out["gh"], ref["gh"].cpu()) < 1e-5
+    assert _rel(torch.cat([o["gw"] for o in outs]), ref["gw"].cpu()) < 1e-5
