@@ -10,21 +10,35 @@ from rljob import run
 from rljob.exit_codes import INVALID as EXIT_INVALID
 from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
 from rljob_api.docs import DOCS_FILE, render_reference
-from rljob_api.validate import InvalidJob, load_job
+from rljob_api.validate import InvalidJob, load_job, update_problems
 
 
 def _validate(args: argparse.Namespace) -> int:
-    """Exit 2 when any file is invalid: the code `rljob run` gives for the same file."""
+    """Exit 2 when any file is invalid: the code `rljob run` gives for the same file. With
+    `--old`, each file is also checked as an edit of that running job's spec, by the same
+    transition rules the API server applies (so a refused edit is seen before applying it)."""
+    old: dict[str, object] | None = None
+    if args.old:
+        try:
+            old = load_job(args.old)[0]["spec"]
+        except InvalidJob as err:
+            print(f"--old: {err}", file=sys.stderr)
+            return EXIT_INVALID
     failed = 0
     for path in args.files:
         try:
-            _, spec = load_job(path)
+            doc, spec = load_job(path)
+            if old is not None:
+                refused = update_problems(old, doc["spec"])
+                if refused:
+                    raise InvalidJob(f"{path} (as an edit of {args.old})", refused)
         except InvalidJob as err:
             print(err, file=sys.stderr)
             failed += 1
             continue
+        edit = f", a valid edit of {args.old}" if old is not None else ""
         print(f"{path}: valid RLJob ({spec.trainer.backend} trainer, "
-              f"{spec.rollout.backend} rollout, {spec.placement})")
+              f"{spec.rollout.backend} rollout, {spec.placement}){edit}")
     return EXIT_INVALID if failed else 0
 
 
@@ -55,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check RLJob files; print every problem, exit 2 if any")
     p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--old", metavar="FILE",
+                   help="the running job's manifest: also refuse edits the API server refuses "
+                   "(fields that cannot change on a running job)")
     p.set_defaults(func=_validate)
     p = sub.add_parser("crd", help="print the RLJob CRD generated from the API model")
     p.add_argument("--write", nargs="?", const=CRD_FILE, metavar="PATH",

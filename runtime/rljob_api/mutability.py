@@ -24,8 +24,8 @@ class Effect(str, Enum):
 
 
 EFFECT_WORDS: dict[Effect, str] = {
-    Effect.immutable: "`kubectl apply` and `rljob validate` refuse the edit with the "
-    "transition rule's message; create a new RLJob instead",
+    Effect.immutable: "`kubectl apply` and `rljob validate --old RUNNING.yaml EDITED.yaml` "
+    "refuse the edit with the transition rule's message; create a new RLJob instead",
     Effect.operator: "the operator reads it at every reconcile; nothing restarts",
     Effect.restart: "the driver restarts from the latest checkpoint with the new spec",
     Effect.compute: "the RayCluster is patched and the pods whose template changed are "

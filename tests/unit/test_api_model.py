@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -138,3 +139,30 @@ def test_cli_validate_unreadable_file() -> None:
         text=True,
     )
     assert proc.returncode == 2 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_validate_old_refuses_an_edit_the_api_server_refuses(tmp_path: object) -> None:
+    from pathlib import Path
+
+    tmp = Path(str(tmp_path))
+    old = base_job()
+    (tmp / "old.yaml").write_text(yaml.safe_dump(old))
+    edit = copy.deepcopy(old)
+    edit["spec"]["model"]["dtype"] = "float16" if old["spec"]["model"].get(
+        "dtype") == "bfloat16" else "bfloat16"
+    (tmp / "edit.yaml").write_text(yaml.safe_dump(edit))
+    ok = copy.deepcopy(old)
+    ok["spec"]["recovery"] = {"maxRestarts": 9}
+    (tmp / "ok.yaml").write_text(yaml.safe_dump(ok))
+
+    def validate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rljob.cli", "validate", *args],
+                              capture_output=True, text=True, cwd=tmp)
+
+    refused = validate("--old", "old.yaml", "edit.yaml")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "edit.yaml (as an edit of old.yaml): 1 problem(s)" in refused.stderr
+    assert "spec.model" in refused.stderr
+    assert validate("edit.yaml").returncode == 0  # valid as a new job
+    fine = validate("--old", "old.yaml", "ok.yaml")
+    assert fine.returncode == 0 and "a valid edit of old.yaml" in fine.stdout
