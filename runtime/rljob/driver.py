@@ -568,6 +568,9 @@ class Job:
         interval = self.spec.data.eval_interval
         if self.spec.data.eval_dataset and interval and self.state.step % interval == 0:
             row["eval_reward"] = ray.get(self.rollout.evaluate.remote())
+        # A driver left behind by a restart (a partitioned node) learns here that another
+        # took the store over, and stops before it writes metrics or status again.
+        self.store.lease.check()
         metrics_log.append(self.metrics_path, row)
         self.reporter.progress(Progress(
             rollout_step=self.state.step, train_step=self.state.train_step,
@@ -654,6 +657,9 @@ def _run(job: Job) -> int:
         print(f"rljob run: {err}", file=sys.stderr, flush=True)
         if err.code == EXIT_FAILED:
             job.fail(str(err).split(":", 1)[0], str(err), retryable=True)
+        elif err.code == EXIT_INVALID:
+            # The status says why (the field and the fix), not only the exit code.
+            job.fail(exits.TERMINAL_REASONS[EXIT_INVALID], str(err), retryable=False)
         return err.code
     except (LeaseLost, CheckpointConflict) as err:
         # Another driver of this job owns the checkpoint store, and the job's status with it:
@@ -662,9 +668,6 @@ def _run(job: Job) -> int:
         return EXIT_FAILED
     except ray.exceptions.RayError as err:
         # A worker or engine died or raised: a restart from the checkpoint may help.
-        elif err.code == EXIT_INVALID:
-            # The status says why (the field and the fix), not only the exit code.
-            job.fail(exits.TERMINAL_REASONS[EXIT_INVALID], str(err), retryable=False)
         print(f"rljob run: a worker failed: {err}", file=sys.stderr, flush=True)
         # A stop (SIGTERM) takes compute away too: no time to spend asking Ray what died.
         lost = {} if job.stop.requested else job.lost_pods(NODE_DEATH_WAIT_S)
