@@ -1,16 +1,23 @@
-"""Peak extra memory, time and accuracy of response log-probs: full fp32 logits vs tiled.
+"""Time, peak memory and accuracy of response log-probs: ours beside the naive path and peers.
 
 Shape of one slime-style micro-batch (11,600 tokens, Qwen vocabulary 151,936, hidden 4,096,
-bf16 hidden states and weight). For each method, forward and forward+backward (gradients of
-hidden states and weight w.r.t. a random per-token upstream gradient) are timed with CUDA
-events (median of `--repeat` after warm-up), and the peak memory above the inputs is read from
-the caching allocator. "working" memory excludes the two gradient tensors every method must
-return (hidden and weight grads); "with grads" includes them.
+bf16 hidden states and weight). Every method runs in this one process on the same inputs,
+forward-only and forward+backward (gradients of hidden states and weight for a random
+per-token upstream gradient; the entropy variants also get one for the entropy). Times are
+CUDA-event medians of `--repeat` after two warm-ups; peaks are the caching allocator's peak
+above the inputs, including the 1.25 GiB of gradients every method returns. Errors are
+against a float64 reference computed from the same bf16 inputs: max |log-prob - ref|, and the
+relative norm error of each gradient (`floor` prints what rounding the exact gradient to bf16
+alone costs, the least any bf16 gradient can show).
 
 Methods:
-  naive-fp32     logits = hidden.float() @ weight.float().T; log_softmax; gather (fp32 ref)
-  naive-bf16mm   logits = (hidden @ weight.T).float(); log_softmax; gather (common practice)
-  tiled          rljob.logprobs_vocab_parallel.vocab_parallel_logprobs
+  naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
+  tiled           rljob.logprobs_vocab_parallel.vocab_parallel_logprobs (CPU path, reference)
+  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU)
+  fused+entropy   the same, with the entropy and its gradient
+  liger           Liger 0.8.5 fused linear cross-entropy, reduction="none" (when installed)
+  cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
+  cce-default     cut-cross-entropy 25.1.1, reduction="none", default gradient filtering
 
 Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR]
 """
@@ -18,6 +25,7 @@ Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR]
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import statistics
 import sys
@@ -29,37 +37,94 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
+from rljob.logprobs_fused import fused_logprobs
 from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
 
-Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Out = tuple[torch.Tensor, torch.Tensor | None]
+Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Out]
 
 
-def naive_fp32(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    logits = h.float() @ w.float().t()
-    return torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).squeeze(1)
-
-
-def naive_bf16mm(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def naive_bf16(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     logits = (h @ w.t()).float()
-    return torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).squeeze(1)
+    return torch.log_softmax(logits, dim=-1).gather(1, t[:, None]).squeeze(1), None
 
 
-def tiled(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return vocab_parallel_logprobs(h, w, t)[0]
+def tiled(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    return vocab_parallel_logprobs(h, w, t)
 
 
-def tiled_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    lp, ent = vocab_parallel_logprobs(h, w, t, with_entropy=True)
-    assert ent is not None
-    return lp + 0.0 * ent
+def fused(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    return fused_logprobs(h, w, t)
 
 
-def reference_fp64(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(h.shape[0], dtype=torch.float64, device=h.device)
-    for s in range(0, h.shape[0], 1024):
-        z = h[s : s + 1024].double() @ w.double().t()
-        out[s : s + 1024] = torch.log_softmax(z, -1).gather(1, t[s : s + 1024, None]).squeeze(1)
-    return out
+def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    return fused_logprobs(h, w, t, with_entropy=True)
+
+
+def liger(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    from liger_kernel.ops.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyFunction,
+    )
+
+    loss = LigerFusedLinearCrossEntropyFunction.apply(h, w, t, None, None, -100, 0.0, 0.0, "none")
+    return -loss[0], None
+
+
+def cce_exact(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(h, w, t, reduction="none", filter_eps=None), None
+
+
+def cce_default(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    from cut_cross_entropy import linear_cross_entropy
+
+    return -linear_cross_entropy(h, w, t, reduction="none"), None
+
+
+def reference_fp64(
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, g_ent: torch.Tensor,
+    cols: int = 8192,
+) -> dict[str, torch.Tensor]:
+    """float64 log-probs and entropies, and the gradients of sum(g * logp) and of
+    sum(g * logp + g_ent * entropy), a vocabulary chunk at a time (three passes)."""
+    hd, n = h.double(), h.shape[0]
+    lse = torch.full((n,), float("-inf"), dtype=torch.float64, device=h.device)
+    tz = torch.zeros(n, dtype=torch.float64, device=h.device)
+    for v0 in range(0, w.shape[0], cols):
+        z = hd @ w[v0 : v0 + cols].double().t()
+        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+        inside = (t >= v0) & (t < v0 + z.shape[1])
+        tz += torch.where(inside, z.gather(1, (t - v0).clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0)
+    mean = torch.zeros(n, dtype=torch.float64, device=h.device)
+    for v0 in range(0, w.shape[0], cols):
+        z = hd @ w[v0 : v0 + cols].double().t()
+        mean += ((z - lse[:, None]).exp() * z).sum(dim=1)
+    gh_lp = torch.zeros_like(hd)
+    gh_ent = torch.zeros_like(hd)
+    gw_lp = torch.empty(w.shape, dtype=torch.float64, device=h.device)
+    gw_ent = torch.empty_like(gw_lp)
+    idx = torch.arange(n, device=h.device)
+    for v0 in range(0, w.shape[0], cols):
+        wd = w[v0 : v0 + cols].double()
+        z = hd @ wd.t()
+        p = (z - lse[:, None]).exp()
+        d_lp = -p * g.double()[:, None]
+        hit = (t >= v0) & (t < v0 + z.shape[1])
+        d_lp[idx[hit], (t - v0)[hit]] += g.double()[hit]
+        d_ent = -p * (z - mean[:, None]) * g_ent.double()[:, None]
+        gh_lp += d_lp @ wd
+        gh_ent += d_ent @ wd
+        gw_lp[v0 : v0 + cols] = d_lp.t() @ hd
+        gw_ent[v0 : v0 + cols] = d_ent.t() @ hd
+    return {
+        "lp": tz - lse,
+        "ent": lse - mean,
+        "gh_lp": gh_lp,
+        "gw_lp": gw_lp,
+        "gh_all": gh_lp + gh_ent,
+        "gw_all": gw_lp + gw_ent,
+    }
 
 
 def time_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -77,27 +142,32 @@ def time_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
 def measure(
     name: str, fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor,
-    repeat: int,
+    g_ent: torch.Tensor, ref: dict[str, torch.Tensor], repeat: int,
 ) -> dict[str, Any]:
-    """Figures (peaks, times) and the log-probs and gradients, for the comparisons."""
     hl = h.detach().requires_grad_(True)
     wl = w.detach().requires_grad_(True)
-    grad_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
 
-    def fwd() -> torch.Tensor:
+    def fwd() -> Out:
         with torch.no_grad():
             return fn(h, w, t)
 
-    def fwd_bwd() -> torch.Tensor:
+    def fwd_bwd() -> Out:
         hl.grad, wl.grad = None, None
-        lp = fn(hl, wl, t)
-        torch.autograd.backward(lp, g)
-        return lp
+        lp, ent = fn(hl, wl, t)
+        if ent is None:
+            torch.autograd.backward(lp, g)
+        else:
+            torch.autograd.backward((lp, ent), (g, g_ent))
+        return lp, ent
 
     torch.cuda.synchronize()
-    out: dict[str, Any] = {"method": name}
+    row: dict[str, Any] = {"method": name}
     for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         hl.grad, wl.grad = None, None
         torch.cuda.empty_cache()
@@ -105,34 +175,39 @@ def measure(
         torch.cuda.reset_peak_memory_stats()
         result = step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
+        row[f"{label}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         del result
-        out[f"{label}_peak_gib"] = peak / 2**30
-        if label == "fwd_bwd":
-            out["fwd_bwd_working_gib"] = (peak - grad_bytes) / 2**30
-        out[f"{label}_ms"] = time_ms(step, repeat)
-    lp = fwd_bwd()
-    out["logp"] = lp.detach()
-    out["grad_h"] = hl.grad.detach().float() if hl.grad is not None else None
-    out["grad_w"] = wl.grad.detach().float() if wl.grad is not None else None
-    return out
+        row[f"{label}_ms"] = time_ms(step, repeat)
+    lp, ent = fwd_bwd()
+    assert hl.grad is not None and wl.grad is not None
+    row["max_err"] = float((lp.double() - ref["lp"]).abs().max())
+    row["ent_max_err"] = float((ent.double() - ref["ent"]).abs().max()) if ent is not None else None
+    which = "all" if ent is not None else "lp"
+    row["gh_rel"] = rel(hl.grad, ref[f"gh_{which}"])
+    row["gw_rel"] = rel(wl.grad, ref[f"gw_{which}"])
+    return row
 
 
-def profile_tiled(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> None:
-    """Where the tiled forward+backward spends its GPU time, by kernel."""
+def profile(fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> None:
+    """Where one forward+backward spends its GPU time, by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     hl = h.detach().requires_grad_(True)
     wl = w.detach().requires_grad_(True)
-    torch.autograd.backward(tiled(hl, wl, t), g)
+    torch.autograd.backward(fn(hl, wl, t)[0], g)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.autograd.backward(tiled(hl, wl, t), g)
+        torch.autograd.backward(fn(hl, wl, t)[0], g)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
-    )
-    print(table)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                    max_name_column_width=70))
+
+
+def version(dist_name: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -142,7 +217,6 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4_096)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--profile", action="store_true", help="print the tiled path's kernels")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -153,70 +227,65 @@ def main() -> None:
     w = (torch.randn(args.vocab, args.hidden, device=dev) * 0.02).to(torch.bfloat16)
     t = torch.randint(0, args.vocab, (args.tokens,), device=dev)
     g = torch.randn(args.tokens, device=dev)
-    ref = reference_fp64(h, w, t)
+    g_ent = torch.randn(args.tokens, device=dev)
+    ref = reference_fp64(h, w, t, g, g_ent)
+    floor = {k: rel(ref[k].to(torch.bfloat16), ref[k]) for k in ("gh_lp", "gw_lp")}
+    torch.cuda.empty_cache()
 
-    rows = []
-    results = {}
-    for name, fn in (
-        ("naive-fp32", naive_fp32),
-        ("naive-bf16mm", naive_bf16mm),
+    methods: list[tuple[str, Fn]] = [
+        ("naive-bf16", naive_bf16),
         ("tiled", tiled),
-        ("tiled+entropy", tiled_entropy),
-    ):
-        r = measure(name, fn, h, w, t, g, args.repeat)
-        r["max_abs_diff_vs_fp64"] = float((r["logp"].double() - ref).abs().max())
-        results[name] = r
+        ("fused", fused),
+        ("fused+entropy", fused_entropy),
+    ]
+    versions = {d: version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy")}
+    if versions["liger-kernel"]:
+        methods.append(("liger", liger))
+    if versions["cut-cross-entropy"]:
+        methods += [("cce-exact", cce_exact), ("cce-default", cce_default)]
+    rows = []
+    for name, fn in methods:
+        rows.append(measure(name, fn, h, w, t, g, g_ent, ref, args.repeat))
         torch.cuda.empty_cache()
-
-    base = results["naive-fp32"]
-    for r in results.values():
-        row = {k: v for k, v in r.items() if not isinstance(v, torch.Tensor) and v is not None}
-        row["max_abs_diff_vs_naive_fp32"] = float(
-            (r["logp"] - base["logp"]).abs().max()
-        )
-        for key in ("grad_h", "grad_w"):
-            a, b = r[key], base[key]
-            row[f"{key}_rel_err_vs_naive_fp32"] = float((a - b).norm() / b.norm())
-        row["fwd_bwd_peak_ratio_vs_naive_fp32"] = (
-            row["fwd_bwd_peak_gib"] / base["fwd_bwd_peak_gib"]
-        )
-        row["fwd_bwd_working_ratio_vs_naive_fp32"] = (
-            row["fwd_bwd_working_gib"] / base["fwd_bwd_working_gib"]
-        )
-        rows.append(row)
+    del ref
 
     meta = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(),
+        **versions,
         "tokens": args.tokens,
         "vocab": args.vocab,
         "hidden": args.hidden,
+        "bf16_rounding_floor": floor,
     }
+    profile(fused, h, w, t, g)
     print(json.dumps(meta))
     cols = [
         ("method", "{:>14}"),
-        ("fwd_peak_gib", "{:>9.3f}"),
-        ("fwd_bwd_peak_gib", "{:>9.3f}"),
-        ("fwd_bwd_working_gib", "{:>9.3f}"),
         ("fwd_ms", "{:>8.1f}"),
+        ("fwd_peak_gib", "{:>8.3f}"),
         ("fwd_bwd_ms", "{:>8.1f}"),
-        ("max_abs_diff_vs_naive_fp32", "{:>9.2e}"),
-        ("max_abs_diff_vs_fp64", "{:>9.2e}"),
-        ("grad_w_rel_err_vs_naive_fp32", "{:>9.2e}"),
+        ("fwd_bwd_peak_gib", "{:>8.3f}"),
+        ("max_err", "{:>9.2e}"),
+        ("gh_rel", "{:>9.2e}"),
+        ("gw_rel", "{:>9.2e}"),
     ]
     print(" | ".join(c for c, _ in cols))
     for row in rows:
         print(" | ".join(f.format(row[c]) for c, f in cols))
-    tiled_row = next(r for r in rows if r["method"] == "tiled")
+    by = {r["method"]: r for r in rows}
+    anchor, ours, ent = by["naive-bf16"], by["fused"], by["fused+entropy"]
+    peers = [r for r in rows if r["method"] not in ("naive-bf16", "fused", "fused+entropy")]
     print(
-        f"tiled vs naive-fp32: peak {tiled_row['fwd_bwd_peak_ratio_vs_naive_fp32']:.2%} "
-        f"(working {tiled_row['fwd_bwd_working_ratio_vs_naive_fp32']:.2%}), "
-        f"fwd+bwd {tiled_row['fwd_bwd_ms']:.1f} ms vs {base['fwd_bwd_ms']:.1f} ms, "
-        f"max |diff| {tiled_row['max_abs_diff_vs_naive_fp32']:.2e}"
+        f"fused fwd+bwd {ours['fwd_bwd_ms'] / anchor['fwd_bwd_ms']:.2f}x naive-bf16 "
+        f"(target <= 1.10); fastest other fwd+bwd "
+        f"{min(r['fwd_bwd_ms'] for r in peers):.1f} ms, "
+        f"fwd {min(r['fwd_ms'] for r in peers):.1f} ms; "
+        f"entropy costs {ent['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x fwd+bwd "
+        f"{ent['fwd_ms'] / ours['fwd_ms']:.2f}x fwd (target <= 1.15); "
+        f"entropy max err {ent['ent_max_err']:.2e}"
     )
-    if args.profile:
-        profile_tiled(h, w, t, g)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "logprobs_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}))
