@@ -87,6 +87,17 @@ def _placement(log: str) -> list[dict[str, Any]]:
     return actors
 
 
+def _shown(cluster: KindCluster, job: Job, secret: str) -> list[str]:
+    """Where `secret` shows: a log of one of the job's pods, its status or its events."""
+    seen = {f"logs of {p['metadata']['name']}": cluster.kubectl(
+                "logs", "-n", NAMESPACE, p["metadata"]["name"], "--all-containers",
+                check=False).stdout
+            for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)}
+    seen["status"] = json.dumps(job.status())
+    seen["events"] = cluster.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout
+    return [where for where, text in seen.items() if secret in text]
+
+
 def _suspend(cluster: KindCluster, flag: bool) -> None:
     cluster.kubectl("patch", "rljob", JOB, "-n", NAMESPACE, "--type=merge", "-p",
                     json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
@@ -134,19 +145,16 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     for actor in placement:
         # The pod's own label says what it is; Ray's node of the actor says where it runs.
         assert pods.get(actor["host"]) == meant[actor["role"]], (actor, pods)
-    assert {a["role"] for a in placement} >= {"trainer", "engine"}, placement
+    # Every actor the job has, none missing (sidecars are containers here, not actors).
+    assert sorted(a["role"] for a in placement) == sorted(meant), placement
+    assert all(a["ok"] for a in placement), placement
 
     # The job's Ray token (its Secret, as a user with access could read it) never shows in a
     # log of the job's running pods, in its status or in its events.
     (secret,) = [s for s in cluster.get("secrets", "-n", NAMESPACE)["items"]
                  if s["metadata"]["name"].startswith(f"{JOB}-ray-token")]
     token = base64.b64decode(secret["data"]["auth_token"]).decode()
-    seen = [cluster.kubectl("logs", "-n", NAMESPACE, p["metadata"]["name"], "--all-containers",
-                            check=False).stdout
-            for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)]
-    seen.append(json.dumps(job.status()))
-    seen.append(cluster.kubectl("get", "events", "-n", NAMESPACE, "-o", "json").stdout)
-    assert len(token) >= 32 and not any(token in text for text in seen)
+    assert len(token) >= 32 and not _shown(cluster, job, token)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")
@@ -223,6 +231,8 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
         assert shown["PHASE"] == "Succeeded" and shown["STEP"] == str(TOTAL_STEPS), table
         assert shown["CHECKPOINT"] == str(TOTAL_STEPS) and shown["RESTARTS"] == "3", table
         assert float(shown["REWARD"]) == pytest.approx(progress["meanReward"], abs=0.01), table
+        # Nor after three restarts and a suspension: the last driver's whole log included.
+        assert not _shown(cluster, job, token)
     finally:
         cluster.start_node(lost)
 

@@ -663,7 +663,8 @@ def _run(job: Job) -> int:
         return err.code
     except (LeaseLost, CheckpointConflict) as err:
         # Another driver of this job owns the checkpoint store, and the job's status with it:
-        # this one stops without publishing or reporting anything more.
+        # this one stops without publishing or reporting anything more (a report queued
+        # before it lost the store may still be written).
         print(f"rljob run: CheckpointStoreLost: {err}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     except ray.exceptions.RayError as err:

@@ -49,8 +49,9 @@ def test_kicks_during_a_reconcile_queue_exactly_one_more_and_never_overlap() -> 
         for _ in range(5):
             ctl.kick(("ns", "a"))
         release.set()
-        await _until(lambda: len(calls) >= 2)
-        await asyncio.sleep(0.2)
+        # Settled: nothing running, queued or marked for another round.
+        await _until(lambda: len(calls) >= 2 and not ctl._running and not ctl._queued
+                     and not ctl._dirty)
         task.cancel()
 
     asyncio.run(scenario())
@@ -84,14 +85,15 @@ def test_untracked_jobs_are_not_reconciled() -> None:
     calls: list[tuple[str, str]] = []
 
     async def scenario() -> None:
-        ctl = Controller(lambda ns, n: calls.append((ns, n)), interval=0.05)
+        ctl = Controller(lambda ns, n: calls.append((ns, n)), interval=60, workers=1)
         task = asyncio.create_task(ctl.run())
         ctl.kick(("ns", "unknown"))
-        await asyncio.sleep(0.2)
+        ctl.track(("ns", "known"))  # queued after the kick: reconciled after it would be
+        await _until(lambda: bool(calls))
         task.cancel()
 
     asyncio.run(scenario())
-    assert calls == []
+    assert calls == [("ns", "known")]
 
 
 def test_command_line_flags() -> None:

@@ -139,7 +139,6 @@ def test_non_retryable_runtime_failure_fails_at_once(
     failed = {c["type"]: c for c in st["conditions"]}["Failed"]
     assert failed["reason"] == "NonFiniteWeights" and "evidence" in failed["message"]
     assert st["recovery"]["restarts"] == 0
-    assert st["runtimeFailure"]["reason"] == "NonFiniteWeights"  # the runtime's field is kept
 
 
 def test_killed_operator_resumes_without_duplicates(
@@ -283,3 +282,32 @@ def test_a_deleted_ray_token_is_made_anew_with_a_new_raycluster(
                               "--field-selector", "involvedObject.name=tok")["items"]
     (replaced,) = [e for e in events if e["reason"] == "RayTokenReplaced"]
     assert secret_name in replaced["message"] and new_token not in json.dumps(events)
+
+
+@pytest.mark.runtime
+def test_a_real_runtime_that_finds_the_job_invalid_fails_it_at_once_with_its_reason(
+        cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
+        tmp_path: Path) -> None:
+    """A reward hook that cannot be imported: the real runtime exits 2 and reports why, and
+    the job fails at once (no restart) with the field in the message, not a bare exit code."""
+    gpu_pool(1, 8)
+    job = job_file(tmp_path, {
+        "reward": {"function": "rljob_no_such_module:reward"},
+        "scheduling": {"nodeSelector": {POOL_LABEL: namespace}},
+    })
+    doc = yaml.safe_load(job.read_text())
+    doc["metadata"]["name"] = "badhook"
+    job.write_text(yaml.safe_dump(doc))
+    cluster.kubectl("apply", "-n", namespace, "-f", str(job))
+    wait_phase(cluster, namespace, "badhook", "Running")
+    log = tmp_path / "runtime.log"
+    proc = _runtime(cluster, namespace, "badhook", job, tmp_path / "w", log)
+    try:
+        assert proc.wait(timeout=300) == 2, log.read_text(errors="replace")[-3000:]
+    finally:
+        reap(proc)
+    st = wait_phase(cluster, namespace, "badhook", "Failed", timeout=60)
+    failed = {c["type"]: c for c in st["conditions"]}["Failed"]
+    assert failed["reason"] == "InvalidSpec", failed
+    assert "spec.reward.function" in failed["message"], failed
+    assert st["recovery"]["restarts"] == 0

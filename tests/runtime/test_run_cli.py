@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from rljob import metrics_log
+from rljob.checkpoint import CheckpointStore
 from rljob.driver import (
+    EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_INVALID,
     EXIT_OK,
@@ -99,6 +101,43 @@ class Driver:
     def status(self) -> dict[str, Any]:
         obj = self.cp.get_json("rljob", self.name, "-n", self.namespace)
         return dict(obj.get("status") or {})
+
+
+@pytest.mark.controlplane
+def test_a_driver_whose_store_was_taken_over_stops_and_reports_nothing_more(
+    control_plane: ControlPlane, namespace: str, tmp_path: Path
+) -> None:
+    """The partition case through a real driver: it is frozen (SIGSTOP: alive, silent, as on
+    a node cut off from the cluster), its lease expires, a new writer takes the checkpoint
+    store; thawed, the old driver finds out at the end of its step and exits 1 without
+    writing another metrics line, status report or failure."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                              "checkpoint": {"interval": 1000}})
+    workdir = tmp_path / "w"
+    driver = Driver(control_plane, namespace, job, workdir, tmp_path / "driver.log")
+    old = driver.start(0)
+    try:
+        wait_for(lambda: driver.steps() >= 2, timeout=300, what="two steps trained",
+                 describe=lambda: driver.output()[-3000:])
+        os.kill(old.pid, signal.SIGSTOP)
+        waits: list[str] = []
+        new = CheckpointStore(workdir / "checkpoints", keep_last=2, writer="new-driver",
+                              lease_wait_s=120)
+        new.acquire(on_wait=waits.append)  # once the frozen driver's lease expired
+        assert waits and "waiting" in waits[0], waits
+        steps = driver.steps()
+        os.kill(old.pid, signal.SIGCONT)
+        assert old.wait(timeout=300) == EXIT_FAILED, driver.output()[-3000:]
+    finally:
+        reap(old)
+    assert "CheckpointStoreLost" in driver.output() and "lost the checkpoint store" in \
+        driver.output()
+    assert driver.steps() == steps  # not one metrics line more
+    status = driver.status()
+    # What it had reported before it was frozen may still land; nothing of a later step.
+    assert status["progress"]["rolloutStep"] <= steps, (status["progress"], steps)
+    assert "runtimeFailure" not in status and "stopped" not in status
+    new.release()
 
 
 @pytest.mark.controlplane
