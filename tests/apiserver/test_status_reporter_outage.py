@@ -1,20 +1,30 @@
 """The runtime's status reports through an API-server outage: reporting never raises nor
-blocks the loop, and once the API server is back the status shows the last state reported."""
+blocks the loop, and once the API server is back the status shows the last state reported;
+a real `rljob run` trains through the outage."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import config
 
+from rljob import metrics_log
 from rljob.report import SETTLE_S, StatusReporter, now
+from rljob_api import env
 from rljob_api.status import CheckpointStatus, Progress
 from tests.controlplane import REPO, ControlPlane
 from tests.polling import wait_for
+from tests.processes import reap
+from tests.runtime.jobs import job_file
 from tests.specs import base_job
 
 pytestmark = pytest.mark.controlplane
@@ -109,3 +119,56 @@ def test_reports_survive_a_minute_without_api_server(plane: ControlPlane) -> Non
     assert status["progress"]["trainStep"] == 2 * loop.step
     assert status["checkpoint"]["step"] == loop.checkpoint
     assert status["checkpoint"]["path"] == f"/checkpoints/job/step_{loop.checkpoint:08d}"
+
+
+@pytest.mark.runtime
+def test_a_real_run_trains_through_a_minute_without_api_server(
+        plane: ControlPlane, tmp_path: Path) -> None:
+    """`rljob run` as the driver pod runs it, reporting to an API server that goes away for a
+    minute: training goes on (metrics lines keep coming), and once the API server is back the
+    status catches up with the latest step trained."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 100_000},
+                              "checkpoint": {"interval": 5}}, name="outage-run")
+    doc = yaml.safe_load(job.read_text())
+    doc["metadata"]["name"] = name = "outage-run"
+    job.write_text(yaml.safe_dump(doc))
+    plane.kubectl("apply", "-n", "default", "-f", str(job))
+    workdir, log = tmp_path / "w", tmp_path / "driver.log"
+    environ = {**os.environ, env.JOB_NAME: name, env.JOB_NAMESPACE: "default",
+               env.RESTARTS: "0", "KUBECONFIG": str(plane.kubeconfig)}
+
+    def trained() -> int:
+        return len(metrics_log.read(workdir / metrics_log.METRICS_FILE))
+
+    def output() -> str:
+        return log.read_text(errors="replace")[-3000:]
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir)],
+            env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: (_status(plane, name).get("progress") or {}).get("rolloutStep"),
+                 timeout=300, what="the run's first progress in the status", describe=output)
+        plane.stop_apiserver()
+        before = trained()
+        outage_end = time.monotonic() + OUTAGE_S
+        wait_for(lambda: time.monotonic() >= outage_end or proc.poll() is not None,
+                 timeout=OUTAGE_S + 30, what="a minute of outage", interval=1.0)
+        assert proc.poll() is None, output()  # still training
+        during = trained()
+        assert during >= before + 3, (before, during)  # it trained through the outage
+        plane.start_apiserver()
+        caught_up = wait_for(
+            lambda: (p := _status(plane, name).get("progress") or {}).get(
+                "rolloutStep", 0) >= during and p,
+            timeout=120, what="the status to catch up with the steps trained", describe=output)
+        assert caught_up["rolloutStep"] <= trained()
+        checkpoint = _status(plane, name)["checkpoint"]
+        assert checkpoint["verified"] and checkpoint["step"] >= (during // 5) * 5 - 5
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 143, output()
+    finally:
+        reap(proc)
+    stopped = _status(plane, name)["stopped"]
+    assert stopped["signal"] == "SIGTERM" and stopped["step"] == trained()
