@@ -38,6 +38,7 @@ from rljob.checkpoint import (
     Verified,
 )
 from rljob.engine.launcher import EngineProcess
+from rljob.engine.slots import SlotHolder
 from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter, now
@@ -170,6 +171,7 @@ class Job:
         self.state = LoopState()
         self.pg: PlacementGroup | None = None
         self.engines: list[Any] = []
+        self.slot_holders: list[Any] = []  # the further slots of multi-GPU engines
         self.trainers: list[Any] = []
         self.rollout: Any = None
         self.urls: list[str] = []
@@ -262,11 +264,17 @@ class Job:
             if clashes:
                 raise JobError(EXIT_FAILED, "placement: " + "; ".join(clashes) + ": Ray did "
                                "not keep each pod's slots together; retry the job")
+        holder_cls = ray.remote(SlotHolder)
+        groups = layout.engine_slot_groups()
+        holders: list[list[Any]] = [[holder_cls.options(**at(s)).remote() for s in group[1:]]
+                                    for group in groups]
+        self.slot_holders = [h for hs in holders for h in hs]
         self.engines = [
-            engine_cls.options(**at(slot)).remote(
+            engine_cls.options(**at(group[0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
-                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port)
-            for slot, port in zip(layout.engine_slots, ports, strict=True)
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
+                ray.get([h.where.remote() for h in hs]))
+            for group, hs, port in zip(groups, holders, ports, strict=True)
         ]
         world = trainer_world(spec)
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
@@ -408,7 +416,8 @@ class Job:
         self.reporter.resumed(ResumeReport(
             attempt=attempt_number(dict(os.environ)), found=loaded is not None,
             step=self.state.step, path=str(loaded.path) if loaded else None,
-            checksum=loaded.checksum if loaded else None, at=now()))
+            checksum=loaded.checksum if loaded else None, at=now(),
+            driver_pod_uid=os.environ.get(env.POD_UID) or None))
 
     def report_placement(self) -> None:
         """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on
@@ -618,7 +627,7 @@ class Job:
                 except KeyboardInterrupt:
                     pass  # a second signal (Aborted, or as ray.get re-raises it): kill the rest
             self.weight_sync.shutdown(graceful=False)
-            for handle in [*self.engines, *self.trainers,
+            for handle in [*self.engines, *self.slot_holders, *self.trainers,
                            *([self.rollout] if self.rollout else [])]:
                 with contextlib.suppress(ray.exceptions.RayError):
                     ray.kill(handle)

@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.tiny_model import write_tiny
+from rljob.weightsync.engine_http import EngineError as HTTPEngineError
+from rljob.weightsync.engine_http import EngineHTTP
 from rljob.weightsync.tensor_payload import encode_named_tensors
 from rljob_api.spec import TinyModel
 
@@ -117,3 +119,59 @@ def test_weights_by_name_reads_parameters_back_exactly(server: ServerThread) -> 
     assert torch.equal(torch.tensor(full, dtype=state[name].dtype), state[name])
     assert torch.equal(torch.tensor(head, dtype=state[name].dtype), state[name][:2])
     assert missing.startswith("400") and "no.such.weight" in missing
+
+
+def _read_back(url: str, name: str) -> torch.Tensor:
+    async def go() -> object:
+        async with EngineClient(url) as c, c.session.post(
+                url + "/get_weights_by_name", json={"name": name, "truncate_size": 10**6}) as r:
+            return await r.json()
+
+    return torch.tensor(asyncio.run(go()))
+
+
+def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None:
+    """`serialized_named_tensors[r]` is what TP rank r loads (SGLang's tp_worker indexes the
+    list by rank); each rank keeps its own row block, so two entries of different values
+    show up half and half, a list for fewer ranks is refused, and EngineHTTP (the sidecar's
+    client) sends every rank its own entry (tests/runtime/test_tp_engine_slots.py shows why,
+    across processes)."""
+    model = write_tiny(tmp_path / "m", TinyModel(), "0123456789+=", 1, "float32")
+    srv = ServerThread(HFEngine(str(model), "float32", "cpu", "0", tp_size=2))
+    try:
+        state = {k: v.detach().clone() for k, v in srv.engine.model.state_dict().items()}
+        name = next(k for k, v in state.items() if v.dim() == 2 and v.shape[0] >= 2)
+        half = state[name].shape[0] // 2 + state[name].shape[0] % 2  # tensor_split's first block
+        low = [(k, v * 0.5) for k, v in state.items()]
+        high = [(k, v * 2.0) for k, v in state.items()]
+        http = EngineHTTP(srv.url)
+        assert http.tp_size() == 2
+
+        async def raw(entries: list[str], version: str) -> None:
+            async with EngineClient(srv.url) as c:
+                await c.update_weights_from_tensor(entries, version)
+
+        asyncio.run(raw([encode_named_tensors(low), encode_named_tensors(high)], "1"))
+        got = _read_back(srv.url, name)
+        assert torch.equal(got[:half], state[name][:half] * 0.5)
+        assert torch.equal(got[half:], state[name][half:] * 2.0)
+        assert http.weight_version() == "1"
+
+        with pytest.raises(EngineError, match="1 entries for 2 tensor-parallel ranks"):
+            asyncio.run(raw([encode_named_tensors(high)], "2"))
+        with pytest.raises(EngineError, match="rank 1 was sent other tensors than rank 0"):
+            asyncio.run(raw([encode_named_tensors(high), encode_named_tensors(high[1:])], "2"))
+        assert http.weight_version() == "1"
+        assert torch.equal(_read_back(srv.url, name)[half:], state[name][half:] * 2.0)
+
+        result = http.update_from_named_tensors(low, "3", 60)
+        assert result.success, result.message
+        assert http.weight_version() == "3"
+        assert torch.equal(_read_back(srv.url, name), state[name] * 0.5)
+        for count in (1, 3):
+            with pytest.raises(HTTPEngineError, match=f"{count} serialized_named_tensors entries "
+                               "for an engine of 2 tensor-parallel ranks; send one per rank"):
+                http.update_from_tensor([encode_named_tensors(high)] * count, "4", 60)
+        assert http.weight_version() == "3"
+    finally:
+        srv.stop()

@@ -102,8 +102,9 @@ class EngineClient:
         return info
 
     async def weight_version(self) -> str:
-        body = await self._call("GET", "/get_weight_version", self.control_timeout)
-        return str(body["weight_version"])
+        """From `/get_model_info`, which the pinned SGLang (0.5.3) serves with the version;
+        `/get_weight_version` is gone from later releases."""
+        return str((await self.model_info())["weight_version"])
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any]

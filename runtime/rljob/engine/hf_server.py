@@ -5,6 +5,10 @@ a GPU. Generation and weight installs take turns under one lock, so a version is
 in whole, between requests, and every response names the version that produced it.
 Requests are served one at a time (rows of one request are batched); that keeps sampling
 reproducible: a request with a `sampling_seed` gives the same tokens every time.
+
+With `--tp-size N` the engine keeps SGLang's weight-update contract for N tensor-parallel
+ranks (entry r of `serialized_named_tensors` is what rank r loads; see `install_ranks`), so
+the per-rank payload is exercised without GPUs; the model itself runs whole on one device.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
 class HFEngine:
     """A transformers model that samples with log-probs and installs new weights atomically."""
 
-    def __init__(self, model_path: str, dtype: str, device: str, weight_version: str) -> None:
+    def __init__(
+        self, model_path: str, dtype: str, device: str, weight_version: str, tp_size: int = 1
+    ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.tp_size = tp_size
         self.model_path = model_path
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
@@ -61,6 +70,11 @@ class HFEngine:
     def info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
                 "is_generation": True, "weight_version": self.weight_version}
+
+    def server_info(self) -> dict[str, Any]:
+        """The part of SGLang's `/get_server_info` (its server arguments) that rljob reads."""
+        return {"model_path": self.model_path, "tp_size": self.tp_size,
+                "weight_version": self.weight_version}
 
     @torch.no_grad()
     def generate(self, rows: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,14 +166,36 @@ class HFEngine:
         return results
 
     def install(self, named: NamedTensors, version: str) -> None:
-        """Check every tensor, then copy all of them in; on any problem change nothing."""
+        """One set of full tensors that every rank loads (what a disk update is)."""
+        self.install_ranks([named] * self.tp_size, version)
+
+    def install_ranks(self, per_rank: list[NamedTensors], version: str) -> None:
+        """Install a version sent as SGLang's TP ranks receive it: rank r loads `per_rank[r]`.
+
+        Each rank's entry holds full HF-named tensors, and rank r copies in only its own
+        shard (the r-th of `tp_size` row blocks, as a column-parallel SGLang layer keeps its
+        rows), so the model is whole only when every rank got the version: a payload built
+        for fewer ranks, or ranks given different tensors, shows in the weights or is refused
+        here. Every rank's tensors are checked first; on any problem nothing changes.
+        """
+        if len(per_rank) != self.tp_size:
+            raise UpdateRejected(
+                f"serialized_named_tensors has {len(per_rank)} entries for {self.tp_size} "
+                "tensor-parallel ranks; SGLang gives rank r entry r, so send one per rank")
         current = self.model.state_dict()
-        problems = update_problems(current, named) if named else ["no tensors sent"]
+        names = [name for name, _ in per_rank[0]]
+        problems = [] if names else ["no tensors sent"]
+        for rank, named in enumerate(per_rank):
+            if [name for name, _ in named] != names:
+                problems.append(f"rank {rank} was sent other tensors than rank 0")
+            problems += [f"rank {rank}: {p}" for p in update_problems(current, named)]
         if problems:
             raise UpdateRejected("; ".join(problems[:8]))
         with self.lock, torch.no_grad():
-            for name, tensor in named:
-                current[name].copy_(tensor.to(self.device))
+            for rank, named in enumerate(per_rank):
+                for name, tensor in named:
+                    own = current[name].tensor_split(self.tp_size)[rank]
+                    own.copy_(tensor.tensor_split(self.tp_size)[rank].to(self.device))
             self.weight_version = version
 
     def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
@@ -200,6 +236,9 @@ def build_app(engine: HFEngine) -> web.Application:
     async def model_info(_: web.Request) -> web.Response:
         return web.json_response(engine.info())
 
+    async def server_info(_: web.Request) -> web.Response:
+        return web.json_response(engine.server_info())
+
     async def weight_version(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": engine.weight_version})
 
@@ -236,11 +275,12 @@ def build_app(engine: HFEngine) -> web.Application:
     async def update_tensor(request: web.Request) -> web.Response:
         body = await request.json()
         version = str(body.get("weight_version", engine.weight_version))
+        entries = body.get("serialized_named_tensors")
         try:
-            named: NamedTensors = []
-            for text in body.get("serialized_named_tensors") or []:
-                named += decode_named_tensors(text)
-            await run(engine.install, named, version)
+            if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+                raise UpdateRejected("serialized_named_tensors must be a list of strings, "
+                                     "one per tensor-parallel rank")
+            await run(engine.install_ranks, [decode_named_tensors(e) for e in entries], version)
         except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
             return web.json_response({"success": False, "message": str(err)})
         return web.json_response({"success": True, "message": f"installed {version}"})
@@ -267,6 +307,7 @@ def build_app(engine: HFEngine) -> web.Application:
     app.add_routes([
         web.get("/health", health),
         web.get("/get_model_info", model_info),
+        web.get("/get_server_info", server_info),
         web.get("/get_weight_version", weight_version),
         web.post("/generate", generate),
         web.post("/pause_generation", pause),
@@ -325,8 +366,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--tp-size", type=int, default=1,
+                        help="tensor-parallel ranks whose weight-update contract to keep")
     args = parser.parse_args(argv)
-    engine = HFEngine(args.model_path, args.dtype, args.device, args.weight_version)
+    engine = HFEngine(args.model_path, args.dtype, args.device, args.weight_version,
+                      args.tp_size)
     asyncio.run(_serve(engine, args.host, args.port))
 
 

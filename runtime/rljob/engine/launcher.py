@@ -3,6 +3,8 @@
 SGLang is started through `sglang_launcher`, the one place that owns its command line.
 The engine binds `bind_host:port` (port 0 picks a free one); in a pod the port is the one
 the pod's weight-sync sidecar is told about, so the sidecar finds its engine on localhost.
+An engine of `tp` slots gets the devices of its further slots (`rljob.engine.slots`): SGLang
+runs on all of them, and the `hf` engine keeps the weight-update contract of `tp` ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import ray
 
 from rljob import metrics
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.engine.sglang_launcher import SGLangServer, launch
+from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
+from rljob.engine.slots import SlotDevices, engine_gpus, here
 from rljob.whereabouts import Locatable
 
 STARTUP_TIMEOUT_S = 900.0
@@ -32,24 +35,32 @@ class EngineProcess(Locatable):
     def __init__(
         self, backend: str, model_dir: str, dtype: str, device: str, weight_version: str,
         tp: int, sglang_args: dict[str, str], bind_host: str, port: int = 0,
+        further_slots: list[SlotDevices] | None = None,
     ) -> None:
         self.device = device
         self.server: ServerThread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
         advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
+        gpus = engine_gpus(here(), further_slots or [])
         if backend == "hf":
-            self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version),
+            self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version, tp),
                                        bind_host, port)
             port = self.server.port
         else:
+            if len(gpus) != tp:
+                raise EngineStartError(
+                    f"SGLang with tp-size {tp} (spec.rollout.gpusPerEngine) needs {tp} GPUs; "
+                    f"Ray gave this engine's slots {gpus or 'none'}")
             port = port or _free_port(bind_host)
             server = SGLangServer(
                 model_path=model_dir, host=bind_host, port=port, tp_size=tp,
                 nccl_port=_free_port(bind_host), weight_version=weight_version,
                 python=sys.executable)
-            # dtype follows spec.model.dtype unless the user passed one through.
-            self.proc = launch(server, {"dtype": dtype, **sglang_args}, env=os.environ,
+            # dtype follows spec.model.dtype unless the user passed one through. Ray showed
+            # this actor its first GPU only; the server gets every slot's (rank r on the r-th).
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+            self.proc = launch(server, {"dtype": dtype, **sglang_args}, env=env,
                                startup_deadline_s=STARTUP_TIMEOUT_S)
         self.url = f"http://{advertise}:{port}"
         self.metrics_port = metrics.serve()

@@ -6,14 +6,14 @@ bare flag, `"false"` leaves the flag off). The arguments that wire the server in
 are set here; a user value for one of them is refused, as the API server already does at
 admission (`rljob_api.rules.RESERVED_SGLANG_ARGS`).
 
-Targets the HTTP API of SGLang 0.5.3 (`sglang.launch_server`, `/health`,
-`/get_weight_version`, `/update_weights_from_tensor`, `/update_weights_from_disk`,
+Targets the HTTP API of SGLang 0.5.3, the version the rollout image pins
+(`sglang.launch_server`, `/health`, `/get_model_info`, `/get_server_info`,
+`/update_weights_from_tensor` with one entry per TP rank, `/update_weights_from_disk`,
 `/pause_generation`, `/continue_generation`); see docs/weight-sync.md.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 import urllib.error
@@ -118,12 +118,6 @@ def wait_healthy(
                 f"SGLang server at {base_url} not healthy after {deadline_s:.0f}s"
             )
         time.sleep(interval_s)
-
-
-def weight_version(base_url: str, timeout_s: float = 5.0) -> str:
-    url = base_url.rstrip("/") + "/get_weight_version"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return str(json.loads(resp.read())["weight_version"])
 
 
 def launch(

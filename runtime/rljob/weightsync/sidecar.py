@@ -56,7 +56,6 @@ from rljob.weightsync.protocol import (
 )
 from rljob.weightsync.tensor_payload import (
     decode_named_tensors,
-    encode_named_tensors,
     use_file_system_sharing,
 )
 from rljob_api import layout
@@ -276,8 +275,8 @@ class Sidecar:
                     for b, buf in zip(layout, buffers, strict=True)
                     for nt in unpack_bucket(b, buf)
                 ]
-                result = self.engine.update_from_tensor(
-                    [encode_named_tensors(named)], str(ann.version), self.config.install_timeout_s
+                result = self.engine.update_from_named_tensors(
+                    named, str(ann.version), self.config.install_timeout_s
                 )
             else:
                 result = self.engine.update_from_disk(
@@ -331,7 +330,7 @@ class Sidecar:
         buckets for the next version, so the version is verified and installed from this
         sidecar's own staging buffers, as a broadcast one is.
         """
-        mapped = dict(decode_named_tensors(ann.ipc_handles))
+        mapped = dict(decode_named_tensors(ann.ipc[self.config.engine_name]))
         buffers = self._buffers(layout)
         for bucket, buf in zip(layout, buffers, strict=True):
             source = mapped.pop(str(bucket.index))
