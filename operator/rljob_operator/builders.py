@@ -430,6 +430,7 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             {"name": env.RESTARTS, "value": str(restarts)},
             _field_env(env.POD_NAME, "metadata.name"),
             _field_env(env.POD_IP, "status.podIP"),
+            _field_env(env.POD_UID, "metadata.uid"),
             # Weight sync: the rollout pods run the sidecars, engines listen where those
             # sidecars look, and the store takes the port the head Service exposes.
             {"name": env.WEIGHT_SYNC_SIDECARS, "value": "pods"},

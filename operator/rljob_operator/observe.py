@@ -67,6 +67,7 @@ class PodView:
     annotations: Mapping[str, str] = field(default_factory=dict)
     stuck: Stuck | None = None
     waiting: str | None = None  # first waiting reason of a container, e.g. ContainerCreating
+    uid: str | None = None
 
     @property
     def restarts(self) -> int | None:
@@ -211,6 +212,7 @@ def pod_view(pod: Obj) -> PodView:
         annotations=dict(meta.get("annotations") or {}),
         stuck=stuck,
         waiting=waiting,
+        uid=meta.get("uid"),
     )
 
 

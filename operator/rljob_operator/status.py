@@ -214,19 +214,25 @@ def unschedulable_message(pods: list[PodView], claims: tuple[str, ...] = (),
     return "; ".join(parts)
 
 
-def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None) -> Obj:
+def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None,
+                   driver_uid: str | None = None) -> Obj:
     """`resumedFromStep` and `lostSteps` of the current attempt, from facts only.
 
     Inputs: `restarts` is the operator's restart count, i.e. the number of the attempt that
     runs now; `last_failure` is `status.recovery.lastFailure`, whose `step` is the progress the
     runtime had reported when the operator saw the failure; `resumed` is `status.resumed`, what
-    a runtime reported it loaded (its `attempt`, `found`, `step`).
+    a runtime reported it loaded (its `attempt`, `found`, `step`, `driverPodUid`);
+    `driver_uid` is the UID of the driver pod that exists now, if any.
 
     Nothing is returned until the runtime of the current attempt has reported: the previous
-    attempt's report says nothing about this one. A first attempt that found no checkpoint
+    attempt's report says nothing about this one, nor does one of an earlier driver pod of
+    the same attempt (before a suspension or a spec edit). A first attempt that found no checkpoint
     resumed nothing; a restarted one that found none resumed from step 0.
     """
     if not resumed or resumed.get("attempt") != restarts:
+        return {}
+    reporter = resumed.get("driverPodUid")
+    if reporter and driver_uid and reporter != driver_uid:
         return {}
     if restarts == 0 and not resumed.get("found"):
         return {}
@@ -303,8 +309,9 @@ class _Decider:
     def base_recovery(self, action: str | None, next_at: str | None = None) -> Obj:
         rec = {k: v for k, v in self.recovery.items() if k in RECOVERY_FIELDS}
         rec["restarts"] = self.restarts
+        driver = self.obs.driver
         rec.update(resume_figures(self.restarts, rec.get("lastFailure"),
-                                  self.cur.get("resumed")))
+                                  self.cur.get("resumed"), driver.uid if driver else None))
         if self.job.spec is not None:
             rec["maxRestarts"] = self.job.spec.recovery.max_restarts
         rec["action"] = action

@@ -31,6 +31,10 @@ WEIGHT_SYNC_TRAINER = "RLJOB_WEIGHT_SYNC_TRAINER"
 # the address it advertises; the driver's Ray node address.
 POD_NAME = "POD_NAME"
 POD_IP = "POD_IP"
+# The driver pod's UID (downward API): a resume report names the pod it came from, so the
+# operator never takes an earlier pod's report (same attempt number, before a suspension or
+# a spec edit) for the running one's.
+POD_UID = "POD_UID"
 
 # Ray's token authentication (Ray >= 2.52): every Ray process of the job (head, workers,
 # driver) runs with the same mode and token, which the operator keeps in a Secret.

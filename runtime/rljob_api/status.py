@@ -134,6 +134,13 @@ class ResumeReport(ApiModel):
         None, description="SHA-256 of the loaded checkpoint's manifest, as verified on load."
     )
     at: Timestamp = Field(description="When it was loaded.")
+    driver_pod_uid: ShortText | None = Field(
+        None,
+        description=(
+            "UID of the driver pod whose runtime reported; resume figures are shown only for "
+            "the driver pod that runs (a suspension or a spec edit keeps the attempt number)."
+        ),
+    )
 
 
 class RuntimeFailure(ApiModel):

@@ -157,6 +157,7 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     env = env_of(container)
     assert env["RLJOB_RESTARTS"] == "2"
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
     # Its Ray node keeps its object store in /dev/shm.
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}

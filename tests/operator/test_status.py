@@ -256,6 +256,12 @@ def test_resume_figures_come_only_from_the_current_attempts_report() -> None:
     assert resume_figures(1, {"reason": "PodDeleted"}, report(1, True, 0)) == {
         "resumedFromStep": 0}
     assert resume_figures(1, failure, report(1, True, 20))["lostSteps"] == 0
+    # The same attempt's earlier driver pod (before a suspension or a spec edit) says
+    # nothing about the pod that runs now.
+    earlier = {**report(2, True, 10), "driverPodUid": "pod-1"}
+    assert resume_figures(2, failure, earlier, "pod-2") == {}
+    assert resume_figures(2, failure, earlier, "pod-1") == {"resumedFromStep": 10,
+                                                            "lostSteps": 4}
 
 
 def test_an_unbound_claim_names_the_checkpoint_claim_and_what_it_needs() -> None:
