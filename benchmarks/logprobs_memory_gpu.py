@@ -13,8 +13,11 @@ alone costs, the least any bf16 gradient can show).
 Methods:
   naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
   tiled           rljob.logprobs_vocab_parallel.vocab_parallel_logprobs (CPU path, reference)
-  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU)
+  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU): logits
+                  only in the Triton kernels' registers
   fused+entropy   the same, with the entropy and its gradient
+  fused-cublas    the same with matmul="cublas": logits by cuBLAS into an fp32 chunk that a
+                  Triton kernel folds (and its +entropy twin)
   liger           Liger 0.8.5 fused linear cross-entropy, reduction="none" (when installed)
   cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
   cce-default     cut-cross-entropy 25.1.1, reduction="none", default gradient filtering
@@ -59,6 +62,14 @@ def fused(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
 
 def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     return fused_logprobs(h, w, t, with_entropy=True)
+
+
+def fused_cublas(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    return fused_logprobs(h, w, t, matmul="cublas")
+
+
+def fused_cublas_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    return fused_logprobs(h, w, t, with_entropy=True, matmul="cublas")
 
 
 def liger(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
@@ -180,8 +191,10 @@ def measure(
         row[f"{label}_ms"] = time_ms(step, repeat)
     lp, ent = fwd_bwd()
     assert hl.grad is not None and wl.grad is not None
-    row["max_err"] = float((lp.double() - ref["lp"]).abs().max())
-    row["ent_max_err"] = float((ent.double() - ref["ent"]).abs().max()) if ent is not None else None
+    row["max_err"] = float((lp.detach().double() - ref["lp"]).abs().max())
+    row["ent_max_err"] = (
+        float((ent.detach().double() - ref["ent"]).abs().max()) if ent is not None else None
+    )
     which = "all" if ent is not None else "lp"
     row["gh_rel"] = rel(hl.grad, ref[f"gh_{which}"])
     row["gw_rel"] = rel(wl.grad, ref[f"gw_{which}"])
@@ -237,6 +250,8 @@ def main() -> None:
         ("tiled", tiled),
         ("fused", fused),
         ("fused+entropy", fused_entropy),
+        ("fused-cublas", fused_cublas),
+        ("fused-cublas+entropy", fused_cublas_entropy),
     ]
     versions = {d: version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy")}
     if versions["liger-kernel"]:
@@ -245,8 +260,17 @@ def main() -> None:
         methods += [("cce-exact", cce_exact), ("cce-default", cce_default)]
     rows = []
     for name, fn in methods:
-        rows.append(measure(name, fn, h, w, t, g, g_ent, ref, args.repeat))
-        torch.cuda.empty_cache()
+        try:
+            rows.append(measure(name, fn, h, w, t, g, g_ent, ref, args.repeat))
+        except Exception as err:  # a peer library that breaks is reported, not fatal
+            if name in ("naive-bf16", "fused", "fused+entropy"):
+                raise
+            # the cuBLAS variant and the peers: report and go on
+            print(f"{name} failed: {type(err).__name__}: {err}", flush=True)
+            continue
+        finally:
+            torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), flush=True)
     del ref
 
     meta = {
@@ -259,10 +283,16 @@ def main() -> None:
         "hidden": args.hidden,
         "bf16_rounding_floor": floor,
     }
-    profile(fused, h, w, t, g)
+    # The matmul ceiling of this run: one [tokens x hidden] @ [hidden x vocab] product.
+    mm_ms = time_ms(lambda: torch.mm(h, w.t()), args.repeat)
+    meta["logits_matmul_ms"] = mm_ms
+    meta["matmul_tflops"] = 2 * args.tokens * args.vocab * args.hidden / mm_ms / 1e9
+    for name, fn in (("fused", fused), ("fused-cublas", fused_cublas)):
+        print(f"profile of {name}, forward+backward:")
+        profile(fn, h, w, t, g)
     print(json.dumps(meta))
     cols = [
-        ("method", "{:>14}"),
+        ("method", "{:>20}"),
         ("fwd_ms", "{:>8.1f}"),
         ("fwd_peak_gib", "{:>8.3f}"),
         ("fwd_bwd_ms", "{:>8.1f}"),
@@ -276,10 +306,16 @@ def main() -> None:
         print(" | ".join(f.format(row[c]) for c, f in cols))
     by = {r["method"]: r for r in rows}
     anchor, ours, ent = by["naive-bf16"], by["fused"], by["fused+entropy"]
-    peers = [r for r in rows if r["method"] not in ("naive-bf16", "fused", "fused+entropy")]
+    peers = [r for r in rows if r["method"] in ("liger", "cce-exact", "cce-default")] or [
+        by["tiled"]
+    ]
+    print(
+        f"matmul floor: fwd 1 x {mm_ms:.1f} ms, fwd+bwd with a per-token upstream gradient "
+        f"4 x = {4 * mm_ms:.1f} ms (logits again in the backward, then two gradient matmuls)"
+    )
     print(
         f"fused fwd+bwd {ours['fwd_bwd_ms'] / anchor['fwd_bwd_ms']:.2f}x naive-bf16 "
-        f"(target <= 1.10); fastest other fwd+bwd "
+        f"(target <= 1.10); fastest peer fwd+bwd "
         f"{min(r['fwd_bwd_ms'] for r in peers):.1f} ms, "
         f"fwd {min(r['fwd_ms'] for r in peers):.1f} ms; "
         f"entropy costs {ent['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x fwd+bwd "
