@@ -22,6 +22,7 @@ from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup
 from rljob.weightsync.protocol import (
     ALIGN_BYTES,
+    SCREEN_ALONE,
     bucket_digest,
     layout_from_json,
     layout_to_json,
@@ -122,10 +123,16 @@ def test_the_fused_scan_names_exactly_the_nonfinite_tensors() -> None:
         ("inf", inf),
         ("ok16", torch.ones(3, dtype=torch.bfloat16)),
     ]
-    assert nonfinite_names(named) == ["nan", "neg_inf", "inf"]
+    # Tensors large enough to be screened alone: one NaN among a million values, and a
+    # finite one whose float32 sum overflows.
+    big_nan = torch.zeros(SCREEN_ALONE, dtype=torch.bfloat16)
+    big_nan[-1] = float("nan")
+    big_loud = torch.full((SCREEN_ALONE,), 3e38, dtype=torch.bfloat16)
+    named += [("big_nan", big_nan), ("big_loud", big_loud)]
+    assert nonfinite_names(named) == ["nan", "neg_inf", "inf", "big_nan"]
     assert nonfinite_report(named) == ["nan: 1 NaN, 0 Inf", "neg_inf: 0 NaN, 1 Inf",
-                                       "inf: 0 NaN, 1 Inf"]
-    assert nonfinite_names([("loud", loud), ("ok", torch.zeros(2))]) == []
+                                       "inf: 0 NaN, 1 Inf", "big_nan: 1 NaN, 0 Inf"]
+    assert nonfinite_names([("loud", loud), ("big_loud", big_loud)]) == []
 
 
 def test_a_group_member_is_handed_only_buffers_on_its_own_device() -> None:

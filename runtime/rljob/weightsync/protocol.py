@@ -153,28 +153,44 @@ def version_digest(
     return h.hexdigest()
 
 
+# A tensor at least this large (elements) gets a reduction kernel of its own; smaller ones
+# are screened together, many per kernel, where a launch each would cost more than the read.
+SCREEN_ALONE = 1 << 20
+
+
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the floating tensors holding NaN or Inf, in the given order.
 
-    One fused reduction per (device, dtype) group instead of a check per tensor: the L1
-    norms of all tensors of a group come from one multi-tensor kernel (`_foreach_norm`) and
-    reach the host in one transfer, so a version costs a single read of its bytes and one
-    synchronisation per group, not one per tensor. A NaN or Inf anywhere makes its tensor's
-    norm non-finite, so nothing non-finite passes; a norm can also overflow from finite
-    values alone (a sum of magnitudes beyond the dtype's range), so only the tensors the
-    screen flags are checked element by element before they are named.
+    A screen on the device instead of a check per tensor: every tensor is reduced to one
+    float32 sum (a large tensor by its own `sum`, which reads its bytes once at close to
+    copy speed; small ones together by `_foreach_norm`, one multi-tensor kernel per dtype)
+    and the results reach the host in one transfer per device, so a version costs about
+    one read of its bytes and a synchronisation per device, not one per tensor. A NaN or
+    Inf anywhere makes its tensor's sum non-finite, so nothing non-finite passes; a sum can
+    also overflow from finite values alone, so only the tensors the screen flags are
+    checked element by element before they are named.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    screens: dict[torch.device, list[torch.Tensor]] = {}
+    screened: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    small: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
-        if tensor.is_floating_point() and tensor.numel():
-            groups.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
-    flagged: set[str] = set()
-    for members in groups.values():
+        if not tensor.is_floating_point() or not tensor.numel():
+            continue
+        if tensor.numel() >= SCREEN_ALONE:
+            screens.setdefault(tensor.device, []).append(tensor.sum(dtype=torch.float32)[None])
+            screened.setdefault(tensor.device, []).append((name, tensor))
+        else:
+            small.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
+    for (device, _), members in small.items():
         norms = torch._foreach_norm([t for _, t in members], 1)
-        finite = torch.isfinite(torch.stack(list(norms))).tolist()
+        screens.setdefault(device, []).append(torch.stack(list(norms)).float())
+        screened.setdefault(device, []).extend(members)
+    flagged: set[str] = set()
+    for device, parts in screens.items():
+        finite = torch.isfinite(torch.cat(parts)).tolist()
         flagged.update(
             name
-            for (name, tensor), ok in zip(members, finite, strict=True)
+            for (name, tensor), ok in zip(screened[device], finite, strict=True)
             if not ok and not bool(torch.isfinite(tensor).all())
         )
     return [name for name, _ in named if name in flagged]
@@ -244,8 +260,9 @@ class Announcement:
     `epoch` names the broadcast group; it changes whenever membership changes, so receivers
     know when to rebuild their group. For `disk`, `path` is the version directory. Engines
     in `ipc` sit on the trainer's own GPU: they join no group and copy the packed buckets
-    out of the trainer's memory through `ipc_handles` (one `tensor_payload` entry naming
-    each bucket by its index), which hold the finished version when this is announced.
+    out of the trainer's memory through their own handles (a `tensor_payload` entry naming
+    each bucket by its index, one per engine since torch counts one reference per entry
+    and gives one back per reading), which hold the finished version when this is announced.
     """
 
     seq: int
@@ -258,8 +275,7 @@ class Announcement:
     path: str = ""
     verify_digest: bool = True
     scan_nonfinite: bool = True
-    ipc: list[str] = field(default_factory=list)
-    ipc_handles: str = ""
+    ipc: dict[str, str] = field(default_factory=dict)
     protocol: int = PROTOCOL_VERSION
 
 

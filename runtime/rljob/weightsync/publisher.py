@@ -313,7 +313,7 @@ class WeightPublisher:
             self._epoch += 1
         path = ""
         digests: list[str] = []
-        handles = ""
+        handles: dict[str, str] = {}
         staged: list[torch.Tensor] = []
         try:
             if transport == "disk":
@@ -343,9 +343,8 @@ class WeightPublisher:
                     # The handles carry no ordering with this stream: the version must be
                     # complete before a reader on another process can see it.
                     torch.cuda.synchronize(self.device)
-                    handles = encode_named_tensors(
-                        [(str(b.index), buf) for b, buf in zip(plan, staged, strict=True)]
-                    )
+                    buckets = [(str(b.index), buf) for b, buf in zip(plan, staged, strict=True)]
+                    handles = {name: encode_named_tensors(buckets) for name in ipc}
         except Exception as err:  # nothing was announced: every target fails with the reason
             reason = f"preparing version {self.version} failed at the trainer: {_described(err)}"
             log.warning("%s", reason)
@@ -364,8 +363,7 @@ class WeightPublisher:
             path=path,
             verify_digest=self.config.verify_digest,
             scan_nonfinite=self.config.scan_nonfinite,
-            ipc=ipc,
-            ipc_handles=handles,
+            ipc=handles,
         )
         self._store.set(Keys.announcement(seq), encode(announcement))
         self._store.set(Keys.latest_seq, str(seq))

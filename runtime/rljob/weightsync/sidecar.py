@@ -330,7 +330,7 @@ class Sidecar:
         buckets for the next version, so the version is verified and installed from this
         sidecar's own staging buffers, as a broadcast one is.
         """
-        mapped = dict(decode_named_tensors(ann.ipc_handles))
+        mapped = dict(decode_named_tensors(ann.ipc[self.config.engine_name]))
         buffers = self._buffers(layout)
         for bucket, buf in zip(layout, buffers, strict=True):
             source = mapped.pop(str(bucket.index))
