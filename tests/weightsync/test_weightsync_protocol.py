@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -23,7 +24,10 @@ from rljob.weightsync.group import BroadcastGroup
 from rljob.weightsync.protocol import (
     ALIGN_BYTES,
     SCREEN_ALONE,
+    Announcement,
+    Keys,
     bucket_digest,
+    decode_ack,
     layout_from_json,
     layout_to_json,
     nonfinite_names,
@@ -34,7 +38,7 @@ from rljob.weightsync.protocol import (
     version_digest,
 )
 from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
-from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, parse_args
+from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, Sidecar, SidecarConfig, parse_args
 from rljob.weightsync.tensor_payload import (
     decode_named_tensors,
     encode_named_tensors,
@@ -152,6 +156,28 @@ def test_a_group_member_is_handed_only_buffers_on_its_own_device() -> None:
         group.close()
     with pytest.raises(ValueError, match="backend nccl cannot stage on cpu"):
         WeightPublisher(PublisherConfig(port=0, backend="nccl", device="cpu"))
+
+
+def test_a_sidecar_rejects_a_version_whatever_its_receive_raises() -> None:
+    """A receive that fails with any exception type (here NCCL's ValueError for a CPU
+    buffer, and an UnpicklingError from unreadable CUDA IPC handles) is acknowledged as
+    that version's rejection, with the type, and the sidecar handles the next one."""
+    store = HashStore()
+    sidecar = Sidecar(SidecarConfig(engine_name="e", engine_url="http://127.0.0.1:9",
+                                    trainer_host="127.0.0.1", trainer_port=1, device="cpu"))
+    layout = layout_to_json(plan_buckets(named(), 1 << 20))
+    nccl = Announcement(seq=1, version=1, epoch=1, transport="broadcast", roster={"e": 1},
+                        backend="nccl", layout=layout)
+    unreadable = Announcement(seq=2, version=2, epoch=1, transport="broadcast", roster={},
+                              backend="nccl", layout=layout,
+                              ipc={"e": base64.b64encode(b"not a pickle").decode()})
+    for ann, cause in ((nccl, "ValueError: a weight-sync nccl group needs cuda buffers"),
+                       (unreadable, "UnpicklingError")):
+        sidecar.handle(store, ann)
+        ack = decode_ack(store.get(Keys.ack(ann.seq, "e")))
+        assert not ack.ok and ack.version == ann.version
+        assert f"receiving version {ann.version} failed: {cause}" in ack.reason, ack.reason
+    assert sidecar.state == "idle"
 
 
 def test_publisher_refuses_nonfinite_weights_and_old_versions() -> None:
