@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rljob import metrics_log
 from rljob.driver import EXIT_OK
 from rljob.engine.launcher import EngineProcess
+from rljob.engine.sglang_launcher import EngineStartError
 from rljob.engine.slots import SlotHolder
 from rljob.tiny_model import write_tiny
 from rljob.weightsync.engine_http import EngineHTTP
@@ -96,3 +97,13 @@ def test_rljob_run_with_two_slot_engines_syncs_every_version(tmp_path: Path) -> 
     synced = metrics_log.read(workdir / "weight_sync.jsonl")
     assert [(r["version"], sorted(r["acked"])) for r in synced] == [
         (v, ["engine-0", "engine-1"]) for v in range(3)]
+
+
+def test_sglang_is_not_started_on_fewer_gpus_than_its_tp_size(ray_local: None) -> None:
+    """SGLang runs rank r on the r-th of CUDA_VISIBLE_DEVICES: an engine whose slots hold
+    fewer GPUs than gpusPerEngine stops before any server starts, saying what Ray gave."""
+    node = str(ray.get_runtime_context().get_node_id())
+    with pytest.raises(EngineStartError, match=r"tp-size 2 \(spec.rollout.gpusPerEngine\) "
+                       r"needs 2 GPUs; Ray gave this engine's slots none"):
+        EngineProcess("sglang", "/no/model", "bfloat16", "cuda", "0", 2, {}, "127.0.0.1", 0,
+                      [(node, [])])
