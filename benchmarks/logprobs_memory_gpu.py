@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from rljob.logprobs_fused import fused_logprobs
+from rljob import logprobs_fused
+from rljob.logprobs_fused import Tiling, fused_logprobs, set_tilings
 from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
 
 Out = tuple[torch.Tensor, torch.Tensor | None]
@@ -91,6 +92,17 @@ def cce_default(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     from cut_cross_entropy import linear_cross_entropy
 
     return -linear_cross_entropy(h, w, t, reduction="none"), None
+
+
+# Alternative tilings of the Triton kernels, measured beside the default (all 128x128x64,
+# 8 warps, 3 stages): wider column tiles, or a deeper pipeline.
+SWEEP: dict[str, dict[str, Tiling]] = {
+    "grad+addmm 128x256": {"grad": Tiling(block_n=256), "addmm": Tiling(block_n=256)},
+    "all 128x256": {
+        "fwd": Tiling(block_n=256), "grad": Tiling(block_n=256), "addmm": Tiling(block_n=256)
+    },
+    "all 4 stages": {"fwd": Tiling(stages=4), "grad": Tiling(stages=4), "addmm": Tiling(stages=4)},
+}
 
 
 def reference_fp64(
@@ -271,6 +283,17 @@ def main() -> None:
         finally:
             torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
+    default = dict(logprobs_fused.TILINGS)
+    for label, tilings in SWEEP.items():
+        set_tilings(**tilings)
+        try:
+            rows.append(measure(f"fused[{label}]", fused, h, w, t, g, g_ent, ref, args.repeat))
+            print(json.dumps(rows[-1]), flush=True)
+        except Exception as err:  # a tiling the compiler or the chip refuses is reported
+            print(f"fused[{label}] failed: {type(err).__name__}: {err}", flush=True)
+        finally:
+            set_tilings(**default)
+            torch.cuda.empty_cache()
     del ref
 
     meta = {

@@ -26,6 +26,7 @@ uses it only for CUDA tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,14 +46,35 @@ _STATS_BLOCK_M = 16
 _STATS_BLOCK_N = 256
 _GRAD_BLOCK_M = 16
 _GRAD_BLOCK_N = 256
-_GEMM_BLOCK = (128, 128, 64)
-_GEMM_WARPS = 8
 
 
-def _gemm_stages(dtype: torch.dtype) -> int:
-    """Software-pipeline depth: three 16-bit operand stages (96 KiB of shared memory); two for
-    fp32 operands, whose three would take 192 KiB."""
-    return 2 if dtype == torch.float32 else 3
+@dataclass(frozen=True)
+class Tiling:
+    """Tile shape and launch settings of one Triton matmul kernel."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    warps: int = 8
+    stages: int = 3
+    """Software-pipeline depth for 16-bit operands; fp32 operands (tests, fp32 models) get
+    at most two stages, whose shared memory three would overflow."""
+
+    def stages_for(self, dtype: torch.dtype) -> int:
+        return min(2, self.stages) if dtype == torch.float32 else self.stages
+
+
+TILINGS: dict[str, Tiling] = {"fwd": Tiling(), "grad": Tiling(), "addmm": Tiling()}
+"""Tiling of the forward-statistics, logit-gradient and hidden-gradient kernels; the
+benchmark sweeps alternatives through `set_tilings`."""
+
+
+def set_tilings(**tilings: Tiling) -> None:
+    """Replace the tiling of named kernels (`fwd`, `grad`, `addmm`) for later calls."""
+    unknown = set(tilings) - set(TILINGS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; known: {sorted(TILINGS)}")
+    TILINGS.update(tilings)
 
 
 @triton.jit
@@ -184,17 +206,21 @@ def _fwd_gemm_stats_kernel(
     h_ptr, w_ptr, tgt_ptr, part_ptr, n_rows, n_vocab, hidden_dim, stride_h, stride_w,
     split_cols, n_splits, inv_t,
     WITH_ENTROPY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_R: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Softmax statistics of BLOCK_M tokens over one split of `split_cols` vocabulary
     columns, the logits computed tile by tile in registers (no logits in memory).
 
-    Programs of one split run side by side (row block varies fastest), so the weight tiles
-    they read are shared through L2. Writes `[4, n_splits, n_rows]` partial statistics."""
+    Writes `[4, n_splits, n_rows]` partial statistics."""
+    # Programs run in groups of GROUP_R row blocks x all splits, row block fastest: those
+    # running together share their hidden rows and their weight tiles through L2.
     pid = tl.program_id(0)
     n_row_blocks = tl.cdiv(n_rows, BLOCK_M)
-    rb = pid % n_row_blocks
-    split = pid // n_row_blocks
+    per_group = GROUP_R * n_splits
+    first_rb = (pid // per_group) * GROUP_R
+    group_r = tl.minimum(n_row_blocks - first_rb, GROUP_R)
+    rb = first_rb + (pid % per_group) % group_r
+    split = (pid % per_group) // group_r
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n_rows
     rows_in = tl.minimum(rows, n_rows - 1)
@@ -373,18 +399,20 @@ def _stats_triton(
     if n_tokens == 0 or v_local == 0:
         zero = torch.zeros(n_tokens, dtype=torch.float32, device=dev)
         return Stats(torch.full_like(zero, float("-inf")), zero, zero, zero)
-    bm, bn, bk = _GEMM_BLOCK
+    cfg = TILINGS["fwd"]
+    bm, bn = cfg.block_m, cfg.block_n
     row_blocks = triton.cdiv(n_tokens, bm)
-    wanted = triton.cdiv(4 * _sm_count(dev), row_blocks)
+    # About sixteen waves of programs, so that the last, partial wave costs little.
+    wanted = triton.cdiv(16 * _sm_count(dev), row_blocks)
     split_cols = triton.cdiv(triton.cdiv(v_local, wanted), bn) * bn
     n_splits = triton.cdiv(v_local, split_cols)
     part = torch.empty(4, n_splits, n_tokens, dtype=torch.float32, device=dev)
     _fwd_gemm_stats_kernel[(row_blocks * n_splits,)](
         hidden, weight, local_targets, part, n_tokens, v_local, hidden_dim, hidden.stride(0),
         weight.stride(0), split_cols, n_splits, inv_t,
-        WITH_ENTROPY=with_entropy, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=hidden_dim % bk == 0, IEEE=hidden.dtype == torch.float32,
-        num_warps=_GEMM_WARPS, num_stages=_gemm_stages(hidden.dtype),
+        WITH_ENTROPY=with_entropy, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg.block_k,
+        GROUP_R=8, EVEN_K=hidden_dim % cfg.block_k == 0, IEEE=hidden.dtype == torch.float32,
+        num_warps=cfg.warps, num_stages=cfg.stages_for(hidden.dtype),
     )
     return merge_splits(part[0], part[1], part[2], part[3])
 
@@ -429,24 +457,28 @@ def _grads_triton(
     n_tokens, v_local, hidden_dim = hidden.shape[0], weight.shape[0], hidden.shape[1]
     grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.zeros_like(weight) if n_tokens == 0 else torch.empty_like(weight)
-    bm, bn, bk = _GEMM_BLOCK
+    gc, ac = TILINGS["grad"], TILINGS["addmm"]
     ieee = hidden.dtype == torch.float32
     cols = chunk_columns(n_tokens, weight.element_size(), chunk_bytes)
     for v0 in range(0, v_local if n_tokens else 0, cols):
         w = weight[v0 : v0 + cols]
         n = w.shape[0]
         g = torch.empty(n_tokens, n, dtype=weight.dtype, device=hidden.device)
-        _bwd_gemm_grad_kernel[(triton.cdiv(n_tokens, bm) * triton.cdiv(n, bn),)](
+        _bwd_gemm_grad_kernel[
+            (triton.cdiv(n_tokens, gc.block_m) * triton.cdiv(n, gc.block_n),)
+        ](
             hidden, w, g, n_tokens, n, hidden_dim, hidden.stride(0), w.stride(0), g.stride(0),
             local_targets, v0, lse, mean_logit, g_lp, g_ent, inv_t,
-            WITH_ENTROPY=with_entropy, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-            EVEN_K=hidden_dim % bk == 0, IEEE=ieee,
-            num_warps=_GEMM_WARPS, num_stages=_gemm_stages(hidden.dtype),
+            WITH_ENTROPY=with_entropy, BLOCK_M=gc.block_m, BLOCK_N=gc.block_n,
+            BLOCK_K=gc.block_k, GROUP_M=8, EVEN_K=hidden_dim % gc.block_k == 0, IEEE=ieee,
+            num_warps=gc.warps, num_stages=gc.stages_for(hidden.dtype),
         )
-        _addmm_fp32_kernel[(triton.cdiv(n_tokens, bm) * triton.cdiv(hidden_dim, bn),)](
+        _addmm_fp32_kernel[
+            (triton.cdiv(n_tokens, ac.block_m) * triton.cdiv(hidden_dim, ac.block_n),)
+        ](
             grad_hidden, g, w, n_tokens, hidden_dim, n, grad_hidden.stride(0), g.stride(0),
-            w.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, IEEE=ieee,
-            num_warps=_GEMM_WARPS, num_stages=_gemm_stages(hidden.dtype),
+            w.stride(0), BLOCK_M=ac.block_m, BLOCK_N=ac.block_n, BLOCK_K=ac.block_k,
+            GROUP_M=8, IEEE=ieee, num_warps=ac.warps, num_stages=ac.stages_for(hidden.dtype),
         )
         # One matmul over all tokens: fp32 accumulation, rounded once to the weight dtype.
         torch.mm(g.t(), hidden, out=grad_weight[v0 : v0 + n])
