@@ -1,21 +1,25 @@
 # Triton kernels take untyped pointer and block arguments (their annotations drive Triton).
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
-"""Token log-probs and entropy from hidden states on CUDA: cuBLAS matmuls, Triton epilogues.
+"""Token log-probs and entropy from hidden states on CUDA, with Triton kernels.
 
-The tiled torch function (`rljob.logprobs_vocab_parallel`) is exact and lean but slow: after
-each logits matmul it makes about ten elementwise passes over an fp32 `[tokens x chunk]` tile
-(shift, exp, gather, scale, cast...), each one a full read and write of device memory. Here
-each vocabulary chunk costs one matmul with fp32 output (cuBLAS, full fp32 accumulation) and
-one Triton pass over its logits:
+The tiled torch function (`rljob.logprobs_vocab_parallel`) is exact and lean but slow: its
+logits come from PyTorch's fp32-output bf16 matmul (a slow path, ~250 TFLOP/s on an H200)
+and it makes about ten elementwise passes over each fp32 `[tokens x chunk]` tile. Both
+variants here keep the per-token softmax statistics (max, sum of exponentials, their
+logit-weighted sum for the entropy, the target's logit; `rljob.logprobs_stats` holds the
+algebra) and never hold a `[tokens x vocab]` tensor:
 
-* forward: `_chunk_stats_kernel` folds the chunk into per-token running softmax statistics
-  (max, sum of exponentials, their logit-weighted sum for the entropy, the target's logit;
-  `rljob.logprobs_stats` holds the algebra), so the forward peak is one fp32 chunk;
-* backward: each chunk's logits are recomputed and `_chunk_grad_kernel` turns them into the
-  logit gradient `g_lp * (onehot - p) - g_ent * p * (z - E_p[z])` (times 1/temperature),
-  written once in the inputs' 16-bit dtype; two matmuls then give the hidden-state gradient
-  (accumulated over chunks in fp32) and the chunk's weight-gradient rows (one matmul over all
-  tokens, fp32 accumulation, rounded once).
+* `matmul="triton"` (default): the logits exist only in registers. Forward,
+  `_fwd_gemm_stats_kernel` computes logit tiles with fp32 accumulation and folds them into
+  the statistics of its vocabulary split; the splits merge in torch. Backward, per
+  vocabulary chunk, `_bwd_gemm_grad_kernel` recomputes the logits and writes the 16-bit logit
+  gradient `g_lp * (onehot - p) - g_ent * p * (z - E_p[z])` (over the temperature);
+  `_addmm_fp32_kernel` adds its product with the weight chunk to the fp32 hidden-state
+  gradient, and one cuBLAS matmul over all tokens gives the chunk's weight-gradient rows
+  (fp32 accumulation, rounded once).
+* `matmul="cublas"`: cuBLAS writes each chunk's logits in fp32 (PyTorch's fp32-output
+  matmul); `_chunk_stats_kernel` folds them (forward) or `_chunk_grad_kernel` turns them into
+  the logit gradient (backward) in one pass.
 
 Vocabulary parallelism: the weight is this rank's rows `[vocab_start, vocab_start + local)`;
 the statistics are combined over `group` with one MAX and one SUM all-reduce, then the
@@ -37,10 +41,10 @@ import triton.language as tl
 from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge_splits
 
 DEFAULT_CHUNK_BYTES = 1 << 27
-"""Working bytes of one vocabulary chunk (128 MiB): the forward's fp32 logits, or the
-backward's fp32 logits plus their 16-bit gradient. At 11,600 tokens that is 2,816 columns
-forward and 1,920 backward: wide enough for full-speed matmuls, and with the gradients
-(1.25 GiB for a 152k x 4,096 head) the backward peak stays under 1.5 GiB."""
+"""Working bytes of one vocabulary chunk (128 MiB): the backward's 16-bit logit gradient
+(5,760 columns at 11,600 tokens), or with `matmul="cublas"` the fp32 logits (plus their
+gradient, backward). With the returned gradients (1.25 GiB for a 152k x 4,096 head) and the
+fp32 hidden-state gradient the backward peak stays under 1.5 GiB."""
 
 _STATS_BLOCK_M = 16
 _STATS_BLOCK_N = 256
