@@ -689,6 +689,15 @@ def _run(job: Job) -> int:
         else:
             job.fail("WorkerFailed", str(err)[:4000], retryable=True)
         return EXIT_FAILED
+    except OSError as err:
+        # The workdir's storage failed under the run (full, read-only, gone): published
+        # checkpoints are whole, so a restart resumes from the latest once it is fixed.
+        where = f" ({err.filename})" if err.filename else ""
+        message = (f"a file operation in the workdir {job.workdir} failed: "
+                   f"{err.strerror or err}{where}; published checkpoints are unaffected")
+        print(f"rljob run: StorageError: {message}", file=sys.stderr, flush=True)
+        job.fail("StorageError", message, retryable=True)
+        return EXIT_FAILED
 
 
 def _ray_nodes(timeout_s: float) -> list[dict[str, Any]] | None:

@@ -184,7 +184,14 @@ def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
         raise JoinError(f"`ray start --address={address}` did not finish in {timeout_s:.0f}s"
                         ) from None
     if code != 0:
-        output = log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        output = redacted(log.read_text(errors="replace"))[-LOG_TAIL_CHARS:]
         node.stop()
         raise JoinError(f"`ray start --address={address}` exited with {code}:\n{output}")
     return node
+
+
+def redacted(text: str) -> str:
+    """`text` without the cluster's Ray token: `ray start`'s output goes into the job's
+    status and events on failure, where the token must never appear."""
+    token = os.environ.get(env.RAY_AUTH_TOKEN)
+    return text.replace(token, f"<{env.RAY_AUTH_TOKEN}>") if token else text

@@ -49,6 +49,40 @@ def test_invalid_job_prints_every_problem_and_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "w").exists()
 
 
+def test_a_workdir_that_cannot_be_written_is_refused_with_the_reason(tmp_path: Path) -> None:
+    path = job_file(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = subprocess.run([*RLJOB, "run", str(path), "--workdir", str(blocker / "w")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == EXIT_INVALID, out.stderr[-2000:]
+    assert f"the workdir {blocker / 'w'} cannot be written" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_storage_failure_under_the_run_stops_it_with_the_reason(tmp_path: Path) -> None:
+    """The workdir's storage fails mid-run (here: the metrics file turns into a directory):
+    exit 1 with a retryable StorageError naming the file, no traceback, checkpoints intact."""
+    path = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                               "checkpoint": {"interval": 1}})
+    workdir = tmp_path / "w"
+    proc = subprocess.Popen([*RLJOB, "run", str(path), "--workdir", str(workdir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: len(metrics_log.read(workdir / "metrics.jsonl")) >= 2, timeout=180,
+                 what="two rollout steps")
+        (workdir / "metrics.jsonl").rename(workdir / "metrics.saved")
+        (workdir / "metrics.jsonl").mkdir()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        reap(proc)
+    assert proc.returncode == EXIT_FAILED, output[-3000:]
+    assert "failure: StorageError: a file operation in the workdir" in output
+    assert str(workdir / "metrics.jsonl") in output and "Traceback" not in output
+    assert sorted((workdir / "checkpoints").glob("step_*"))  # what was published stays
+
+
 def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     path = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
                                "checkpoint": {"interval": 1000}})

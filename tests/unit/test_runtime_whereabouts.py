@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rljob.driver import attempt_number, expected_group
-from rljob.ray_node import node_ip, parse_address, ray_start_command
+from rljob.ray_node import node_ip, parse_address, ray_start_command, redacted
 from rljob.whereabouts import Placed, dead_hosts, json_line, node_groups, parse_line, table
 
 pytestmark = pytest.mark.unit
@@ -97,3 +97,12 @@ def test_dead_hosts_are_this_attempts_nodes_that_ray_counts_dead() -> None:
     assert dead_hosts(placed, [{"NodeID": "n-r", "Alive": False}]) == {
         "rl-rollout-y": "Ray marked its node dead"}
     assert dead_hosts(placed, nodes[1:]) == {}
+
+
+def test_ray_start_output_loses_the_token_before_it_can_reach_the_status(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "f00d" * 16)
+    text = redacted(f"ray start --address=h:6379 ... RAY_AUTH_TOKEN={'f00d' * 16} failed")
+    assert "f00d" not in text and "RAY_AUTH_TOKEN=<RAY_AUTH_TOKEN> failed" in text
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    assert redacted("as it was") == "as it was"
