@@ -315,7 +315,7 @@ def _bwd_gemm_grad_kernel(
 def _addmm_fp32_kernel(
     c_ptr, a_ptr, b_ptr, M, N, K, stride_c, stride_a, stride_b,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
 ):
     """`c += a @ b`: fp32 `c` [M, N], 16-bit (or fp32) row-major `a` [M, K] and `b` [K, N].
     The hidden-state gradient summed over vocabulary chunks in fp32 at matmul speed."""
@@ -330,9 +330,13 @@ def _addmm_fp32_kernel(
     b_ptrs = b_ptr + offs_k.to(tl.int64)[:, None] * stride_b + cols_in[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        k_ok = (offs_k + k) < K
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (offs_k + k) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
         acc = _dot_acc(a, b, acc, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_b
@@ -482,7 +486,8 @@ def _grads_triton(
         ](
             grad_hidden, g, w, n_tokens, hidden_dim, n, grad_hidden.stride(0), g.stride(0),
             w.stride(0), BLOCK_M=ac.block_m, BLOCK_N=ac.block_n, BLOCK_K=ac.block_k,
-            GROUP_M=8, IEEE=ieee, num_warps=ac.warps, num_stages=ac.stages_for(hidden.dtype),
+            GROUP_M=8, EVEN_K=n % ac.block_k == 0, IEEE=ieee, num_warps=ac.warps,
+            num_stages=ac.stages_for(hidden.dtype),
         )
         # One matmul over all tokens: fp32 accumulation, rounded once to the weight dtype.
         torch.mm(g.t(), hidden, out=grad_weight[v0 : v0 + n])
