@@ -356,6 +356,8 @@ class _Decider:
         """The driver goes first (on SIGTERM its runtime finishes the step and saves, which
         needs the trainers and engines); the RayCluster only once the driver pod is gone."""
         driver = self.obs.driver
+        if driver is not None and driver.node in self.obs.lost_nodes:
+            driver = None  # no kubelet will stop it: force-deleted below, as stranded
         message = "spec.scheduling.suspend is true: compute released, checkpoints kept"
         if driver is not None:
             message = ("spec.scheduling.suspend is true: the driver stops (it saves the step "
@@ -368,6 +370,7 @@ class _Decider:
         actions = Actions(
             delete_cluster=self.obs.cluster == "present" and driver is None,
             delete_driver=driver is not None and not driver.deleting,
+            delete_pods=self.stranded_pods(),
         )
         return Decision(status, actions,
                         self.transition_event(Phase.suspended.value, "Normal", message))

@@ -452,6 +452,13 @@ def test_suspend_tears_down_and_resume_waits_for_the_old_driver() -> None:
     assert not stopping.actions.delete_cluster and not stopping.actions.delete_driver
     gone = run(applied(job(RUNNING, spec, generation=2), d), compute())
     assert gone.actions.delete_cluster and gone.status["phase"] == "Suspended"
+    # A driver stuck terminating on a lost node never goes by itself: it is force-deleted
+    # and the compute goes with it.
+    lost = {"metadata": {"name": "n1"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown"}]}}
+    stuck = run(applied(job(RUNNING, spec, generation=2), d),
+                [*compute(), driver(deleting=True)], nodes=[lost])
+    assert stuck.actions.delete_cluster and "rl-driver" in stuck.actions.delete_pods
     body = applied(job(RUNNING, spec, generation=2), d)
     body["spec"] = SPEC
     # The old driver is still terminating: no restart is counted, nothing new starts.
