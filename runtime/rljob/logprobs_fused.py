@@ -575,9 +575,11 @@ def fused_logprobs(
     is one of `MATMULS`."""
     if matmul not in MATMULS:
         raise ValueError(f"matmul must be one of {MATMULS}; got {matmul!r}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     logprobs, entropy = _FusedLogProbs.apply(
         hidden.contiguous(),
-        weight,
+        weight.contiguous(),  # the kernels read rows with unit stride along the hidden size
         targets,
         vocab_start,
         temperature,
