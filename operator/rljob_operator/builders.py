@@ -382,7 +382,10 @@ def _driver_revision(job: JobRef, spec: RLJobSpec, cluster: str) -> str:
     """The driver restarts when its pod, the config its runtime reads, or the RayCluster it
     drives would change; not for an edit the operator alone applies (recovery, suspend)."""
     pod = _driver_pod(job, spec, 0, [])
-    return _revision({"cluster": cluster, "pod": pod["spec"], "config": runtime_config(spec)})
+    # The grace is spec.recovery's, which the operator applies without a restart (it deletes
+    # the driver with the current one); the next driver pod carries the new value.
+    body = {k: v for k, v in pod["spec"].items() if k != "terminationGracePeriodSeconds"}
+    return _revision({"cluster": cluster, "pod": body, "config": runtime_config(spec)})
 
 
 def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
@@ -454,6 +457,9 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             "serviceAccountName": names.service_account_name(job.name),
             "automountServiceAccountToken": True,
             "restartPolicy": "Never",
+            # SIGTERM (a deletion by anyone, a preemption): the runtime finishes its step and
+            # saves it within this grace.
+            "terminationGracePeriodSeconds": spec.recovery.stop_grace_period_seconds,
             "containers": [container],
             "volumes": [
                 {"name": "spec", "configMap": {"name": names.configmap_name(job.name)}},

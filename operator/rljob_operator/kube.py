@@ -198,10 +198,13 @@ class Kube:
         self.core.patch_namespaced_config_map(
             meta["name"], meta["namespace"], {"data": obj["data"]}, _request_timeout=TIMEOUT)
 
-    def delete_pod(self, namespace: str, name: str, force: bool = False) -> None:
+    def delete_pod(self, namespace: str, name: str, force: bool = False,
+                   grace_s: int | None = None) -> None:
+        """Delete a pod: at once (`force`), with `grace_s` seconds to stop, or with the grace
+        its spec sets."""
         try:
             self.core.delete_namespaced_pod(
-                name, namespace, grace_period_seconds=0 if force else None,
+                name, namespace, grace_period_seconds=0 if force else grace_s,
                 _request_timeout=TIMEOUT)
         except ApiException as err:
             if err.status != 404:

@@ -210,7 +210,10 @@ class Reconciler:
         for pod in actions.delete_pods:
             self.kube.delete_pod(ns, pod, force=True)
         if actions.delete_driver:
-            self.kube.delete_pod(ns, names.driver_name(ref.name))
+            # The grace of the current spec (an edit of it applies at once, not only to the
+            # next driver pod): its runtime finishes the step and saves within it.
+            grace = job.spec.recovery.stop_grace_period_seconds if job.spec else None
+            self.kube.delete_pod(ns, names.driver_name(ref.name), grace_s=grace)
         if actions.delete_cluster:
             self.kube.delete_raycluster(ns, names.raycluster_name(ref.name))
         if job.spec is None:

@@ -386,6 +386,17 @@ class RecoverySpec(ApiModel):
             "the job fails with that reason. 0: no deadline."
         ),
     )
+    stop_grace_period_seconds: int = Field(
+        300,
+        ge=30,
+        le=86400,
+        description=(
+            "How long a stopping driver (suspend, spec edit, preemption, pod deletion) has to "
+            "finish its step and save it before it is killed: the driver pod's "
+            "terminationGracePeriodSeconds, and the grace the operator gives when it deletes "
+            "the driver. One step plus one checkpoint save must fit."
+        ),
+    )
 
 
 class Toleration(ApiModel):

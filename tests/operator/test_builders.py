@@ -158,6 +158,8 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     assert env["RLJOB_RESTARTS"] == "2"
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    # Time to finish the step and save on SIGTERM, from spec.recovery (default 300 s).
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 300
     # Its Ray node keeps its object store in /dev/shm.
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
