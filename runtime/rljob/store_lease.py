@@ -240,12 +240,11 @@ class WriterLease:
         if self.generation is None:
             raise LeaseLost("this writer never took the checkpoint store")
         if not self.lost:
-            try:
-                self._renew()
-                if not self.lost and self._newer_exists():
-                    self.lost = "a newer writer took the checkpoint store over"
-            except OSError as err:
-                raise LeaseLost(f"cannot renew the lease on {self.root}: {err}") from None
+            # An OSError here is the storage failing, not a takeover: it propagates, and the
+            # run reports it (StorageError, retryable) where a lost lease is not reported.
+            self._renew()
+            if not self.lost and self._newer_exists():
+                self.lost = "a newer writer took the checkpoint store over"
         if self.lost:
             raise LeaseLost(f"{self.me.writer} lost the checkpoint store {self.root}: "
                             f"{self.lost}; it stops without publishing")
