@@ -113,11 +113,16 @@ class CheckpointStore:
         root.mkdir(parents=True, exist_ok=True)
         self.lease = WriterLease(root, writer or writer_identity(), lease_ttl_s)
         self.lease_wait_s = lease_wait_s
+        self._begun: set[Path] = set()  # temporary directories of this writer's saves
 
     def acquire(self, on_wait: Callable[[str], None] | None = None) -> None:
         """Become the store's only writer, waiting for a live one up to the deadline
-        (LeaseHeld after it); `on_wait` hears once why it waits."""
+        (LeaseHeld after it); `on_wait` hears once why it waits. Temporary directories
+        left by earlier writers (saves they never finished) go now: no one else writes."""
         self.lease.acquire(self.lease_wait_s, on_wait)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):
+            if stale not in self._begun:
+                shutil.rmtree(stale, ignore_errors=True)
 
     def release(self) -> None:
         """Let the next writer in at once (a writer that just stops need not be outwaited)."""
@@ -127,6 +132,7 @@ class CheckpointStore:
         """A fresh temporary directory for the checkpoint of `step`."""
         tmp = self.root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        self._begun.add(tmp)
         return tmp
 
     def commit(self, tmp: Path, step: int) -> Verified:
@@ -165,12 +171,18 @@ class CheckpointStore:
         verified = verify(final)
         if verified is None:
             raise OSError(f"checkpoint {final} failed verification right after writing")
+        # Pruning removes checkpoints: only while this writer still owns the store (a writer
+        # that stalled since the check above must not delete its successor's).
+        self.lease.check()
         self._prune()
         return verified
 
     def _prune(self) -> None:
-        for stale in self.root.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        """This writer's unfinished saves, and published checkpoints beyond `keep_last`."""
+        for tmp in list(self._begun):
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            self._begun.discard(tmp)
         steps = sorted((s, p) for p in self.root.iterdir() if (s := step_of(p)) is not None)
         for _, path in steps[: max(0, len(steps) - self.keep_last)]:
             shutil.rmtree(path, ignore_errors=True)

@@ -231,6 +231,26 @@ class Job:
             self.started_ray = True
         self.stop.install()  # ray.init replaced the SIGTERM handler with an exit that saves nothing
 
+    def stop_stale_drivers(self) -> None:
+        """Stop the Ray node of any other live driver of this cluster. The operator starts a
+        driver only once the previous driver pod is gone, but a pod force-deleted from a node
+        Kubernetes lost (a kubelet cut off from the API server) may still run there, still
+        reach Ray and the checkpoint storage, and hold the trainers, the engines and the
+        store's lease: its node is stopped (Ray's GCS stops the raylet and every process of
+        the old driver's job with it), which frees them for this attempt."""
+        own = ray.get_runtime_context().get_node_id()
+        stale = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != own
+                 and DRIVER_RESOURCE in (n.get("Resources") or {})]
+        if not stale:
+            return
+        # Ray's own client of its GCS (what its autoscaler stops nodes with).
+        gcs: Any = getattr(ray._private.worker.global_worker, "gcs_client")  # noqa: B009
+        gcs.drain_nodes(node_ids=[bytes.fromhex(str(n["NodeID"])) for n in stale])
+        for node in stale:
+            print(f"ray: stopped the Ray node of an earlier driver "
+                  f"({node.get('NodeManagerHostname')}, node {node['NodeID']}): a driver left "
+                  "behind by a restart", flush=True)
+
     def place(self, model_dir: Path) -> None:
         spec = self.spec
         layout = plan(spec)
@@ -492,6 +512,11 @@ class Job:
             raise JobError(EXIT_INVALID, str(err)) from None
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.options.join:
+            # On a cluster this driver's Ray node comes first: a driver left behind by a
+            # restart is stopped through Ray before this one waits for the store it holds.
+            self.start_ray(plan(self.spec))
+            self.stop_stale_drivers()
         self.take_store()
         model_dir = self.model_dir()
         self.place(model_dir)

@@ -30,6 +30,7 @@ from rljob.whereabouts import parse_line
 from rljob_api.layout import group_resource
 from tests.controlplane import free_port
 from tests.polling import wait_for
+from tests.processes import reap
 from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.runtime
@@ -154,3 +155,45 @@ def test_a_lost_worker_node_is_named_by_the_failing_driver(
     (failure,) = [line for line in log.splitlines() if line.startswith("failure: ")]
     lost = f"failure: WorkerLost: Ray lost the node of {socket.gethostname()} ("
     assert failure.startswith(lost), log[-4000:]
+
+
+def test_a_new_driver_stops_a_driver_left_behind_and_resumes_its_work(
+        pod_like_cluster: PodLikeCluster, tmp_path: Path) -> None:
+    """A driver whose pod Kubernetes force-deleted (its node lost to the API server) may
+    still run, reach Ray and hold the trainers and the checkpoint store. The next driver
+    stops its Ray node first, then takes the store and resumes from its last checkpoint."""
+    job = job_file(tmp_path, {"algorithm": {"totalSteps": 500}, "checkpoint": {"interval": 2}})
+    workdir = tmp_path / "w"
+    environ = {**pod_like_cluster.env, "PYTHONPATH": str(Path(__file__).parents[2])}
+
+    def start(attempt: int, log: Path, *args: str) -> subprocess.Popen[bytes]:
+        with log.open("wb") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir),
+                 "--join", pod_like_cluster.address, *args],
+                env={**environ, "RLJOB_RESTARTS": str(attempt)}, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    old_log, new_log = tmp_path / "old.log", tmp_path / "new.log"
+    old = start(0, old_log)
+    new: subprocess.Popen[bytes] | None = None
+    try:
+        wait_for(lambda: old.poll() is not None
+                 or sorted((workdir / "checkpoints").glob("step_*")),
+                 timeout=300, what="the first driver's first checkpoint",
+                 describe=lambda: old_log.read_text(errors="replace")[-3000:])
+        assert old.poll() is None, old_log.read_text(errors="replace")[-3000:]
+        new = start(1, new_log, "--max-steps", "2")
+        assert new.wait(timeout=600) == EXIT_OK, new_log.read_text(errors="replace")[-4000:]
+        # The driver left behind ended with its Ray node, before the new one took over.
+        assert old.wait(timeout=120) != EXIT_OK
+    finally:
+        reap(old)
+        if new is not None:
+            reap(new)
+    said = new_log.read_text(errors="replace")
+    assert "ray: stopped the Ray node of an earlier driver" in said, said[-3000:]
+    (resumed,) = [line for line in said.splitlines() if line.startswith("resumed from ")]
+    step = int(resumed.split("(step ", 1)[1].split(",", 1)[0])
+    assert step >= 2 and step % 2 == 0, resumed  # a checkpoint the old driver had published
+    assert (workdir / "checkpoints" / f"step_{step:08d}").is_dir()
