@@ -715,13 +715,17 @@ def _run(job: Job) -> int:
             job.fail("WorkerFailed", str(err)[:4000], retryable=True)
         return EXIT_FAILED
     except OSError as err:
-        # The workdir's storage failed under the run (full, read-only, gone): published
-        # checkpoints are whole, so a restart resumes from the latest once it is fixed.
-        where = f" ({err.filename})" if err.filename else ""
-        message = (f"a file operation in the workdir {job.workdir} failed: "
-                   f"{err.strerror or err}{where}; published checkpoints are unaffected")
-        print(f"rljob run: StorageError: {message}", file=sys.stderr, flush=True)
-        job.fail("StorageError", message, retryable=True)
+        # Storage failed under the run (full, read-only, gone), or another I/O error reached
+        # the loop: published checkpoints are whole, so a restart resumes from the latest.
+        name = str(err.filename or "")
+        in_workdir = bool(name) and Path(name).resolve().is_relative_to(job.workdir.resolve())
+        reason = "StorageError" if in_workdir else "IOError"
+        what = (f"a file operation in the workdir {job.workdir} failed" if in_workdir
+                else "an I/O operation failed")
+        where = f" ({name})" if name else ""
+        message = f"{what}: {err.strerror or err}{where}; published checkpoints are unaffected"
+        print(f"rljob run: {reason}: {message}", file=sys.stderr, flush=True)
+        job.fail(reason, message, retryable=True)
         return EXIT_FAILED
 
 
