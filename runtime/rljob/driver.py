@@ -368,7 +368,9 @@ class Job:
         return verified
 
     def save_evidence(self, samples: list[dict[str, Any]], reason: str) -> Path:
-        """The offending batch and the trainer state, to reproduce a non-finite stop."""
+        """The offending batch and the trainer state, to reproduce a non-finite stop (only by
+        the store's writer: a driver left behind writes nothing, nor the failure after it)."""
+        self.store.lease.check()
         target = self.workdir / "nonfinite" / f"step_{self.state.step + 1:08d}"
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
@@ -414,6 +416,7 @@ class Job:
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, NonFiniteWeights):
                 message = f"{err.cause}; nothing was sent to the engines"
+                self.store.lease.check()  # a driver left behind reports no terminal failure
                 self.fail("NonFiniteWeights", message, retryable=False)
                 raise JobError(EXIT_NONFINITE, f"NonFiniteWeights: {message}") from None
             raise
