@@ -13,11 +13,8 @@ alone costs, the least any bf16 gradient can show).
 Methods:
   naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
   tiled           rljob.logprobs_vocab_parallel.vocab_parallel_logprobs (CPU path, reference)
-  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU): logits
-                  only in the Triton kernels' registers
+  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU)
   fused+entropy   the same, with the entropy and its gradient
-  fused-cublas    the same with matmul="cublas": logits by cuBLAS into an fp32 chunk that a
-                  Triton kernel folds (and its +entropy twin)
   liger           Liger 0.8.5 fused linear cross-entropy, reduction="none" (when installed)
   cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
   cce-default     cut-cross-entropy 25.1.1, reduction="none", default gradient filtering
@@ -40,8 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from rljob import logprobs_fused
-from rljob.logprobs_fused import Tiling, fused_logprobs, set_tilings
+from rljob.logprobs_fused import fused_logprobs
 from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
 
 Out = tuple[torch.Tensor, torch.Tensor | None]
@@ -65,13 +61,6 @@ def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     return fused_logprobs(h, w, t, with_entropy=True)
 
 
-def fused_cublas(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
-    return fused_logprobs(h, w, t, matmul="cublas")
-
-
-def fused_cublas_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
-    return fused_logprobs(h, w, t, with_entropy=True, matmul="cublas")
-
 
 def liger(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     from liger_kernel.ops.fused_linear_cross_entropy import (
@@ -92,17 +81,6 @@ def cce_default(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     from cut_cross_entropy import linear_cross_entropy
 
     return -linear_cross_entropy(h, w, t, reduction="none"), None
-
-
-# Alternative tilings of the Triton kernels, measured beside the default (128x128x64 tiles,
-# 8 warps, 3 stages; ptxas gives the forward kernel 255 registers and no spills there): a
-# deeper pipeline; half-height forward tiles on one warpgroup (two programs per SM, so one's
-# softmax epilogue can overlap the other's matmul); wider gradient tiles (which spill a little).
-SWEEP: dict[str, dict[str, Tiling]] = {
-    "4 stages": {"fwd": Tiling(stages=4), "grad": Tiling(stages=4), "addmm": Tiling(stages=4)},
-    "fwd 64x128 4 warps": {"fwd": Tiling(block_m=64, warps=4)},
-    "grad+addmm 128x256": {"grad": Tiling(block_n=256), "addmm": Tiling(block_n=256)},
-}
 
 
 def reference_fp64(
@@ -262,8 +240,6 @@ def main() -> None:
         ("tiled", tiled),
         ("fused", fused),
         ("fused+entropy", fused_entropy),
-        ("fused-cublas", fused_cublas),
-        ("fused-cublas+entropy", fused_cublas_entropy),
     ]
     versions = {d: version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy")}
     if versions["liger-kernel"]:
@@ -283,17 +259,6 @@ def main() -> None:
         finally:
             torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    default = dict(logprobs_fused.TILINGS)
-    for label, tilings in SWEEP.items():
-        set_tilings(**tilings)
-        try:
-            rows.append(measure(f"fused[{label}]", fused, h, w, t, g, g_ent, ref, args.repeat))
-            print(json.dumps(rows[-1]), flush=True)
-        except Exception as err:  # a tiling the compiler or the chip refuses is reported
-            print(f"fused[{label}] failed: {type(err).__name__}: {err}", flush=True)
-        finally:
-            set_tilings(**default)
-            torch.cuda.empty_cache()
     del ref
 
     meta = {
@@ -310,10 +275,9 @@ def main() -> None:
     mm_ms = time_ms(lambda: torch.mm(h, w.t()), args.repeat)
     meta["logits_matmul_ms"] = mm_ms
     meta["matmul_tflops"] = 2 * args.tokens * args.vocab * args.hidden / mm_ms / 1e9
-    for name, fn in (("fused", fused), ("fused-cublas", fused_cublas)):
-        if name in {r["method"] for r in rows}:
-            print(f"profile of {name}, forward+backward:")
-            profile(fn, h, w, t, g)
+    if "fused" in {r["method"] for r in rows}:
+        print("profile of fused, forward+backward:")
+        profile(fused, h, w, t, g)
     print(json.dumps(meta))
     cols = [
         ("method", "{:>20}"),
@@ -340,12 +304,10 @@ def main() -> None:
             f"fastest peer: fwd+bwd {min(r['fwd_bwd_ms'] for r in peers):.1f} ms, "
             f"fwd {min(r['fwd_ms'] for r in peers):.1f} ms"
         )
-    for name in ("fused", "fused-cublas"):
-        ours, ent = by.get(name), by.get(f"{name}+entropy")
-        if ours is None or ent is None:
-            continue
+    ours, ent = by.get("fused"), by.get("fused+entropy")
+    if ours is not None and ent is not None:
         print(
-            f"{name}: fwd+bwd {ours['fwd_bwd_ms'] / anchor['fwd_bwd_ms']:.2f}x naive-bf16 "
+            f"fused: fwd+bwd {ours['fwd_bwd_ms'] / anchor['fwd_bwd_ms']:.2f}x naive-bf16 "
             f"(target <= 1.10); with entropy {ent['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}x "
             f"fwd+bwd, {ent['fwd_ms'] / ours['fwd_ms']:.2f}x fwd (target <= 1.15); "
             f"entropy max err {ent['ent_max_err']:.2e}"

@@ -102,14 +102,3 @@ def stats_of(logits: torch.Tensor, local_targets: torch.Tensor) -> Stats:
     tz = torch.where(inside, logits.gather(1, col[:, None]).squeeze(1), 0.0)
     return Stats(m, e.sum(dim=1), (e * shifted).sum(dim=1), tz)
 
-
-def merge_splits(m: torch.Tensor, s: torch.Tensor, sz: torch.Tensor, tz: torch.Tensor) -> Stats:
-    """`merge` of many summaries at once: each argument is `[splits, tokens]`, one row per
-    disjoint column range (a kernel's vocabulary splits); returns `[tokens]` statistics."""
-    m_all = m.amax(dim=0)
-    live = s > 0
-    scale = torch.where(live, torch.exp(m - m_all), 0.0)
-    shift = torch.where(live, m - m_all, 0.0)
-    return Stats(
-        m_all, (s * scale).sum(dim=0), ((sz + shift * s) * scale).sum(dim=0), tz.sum(dim=0)
-    )

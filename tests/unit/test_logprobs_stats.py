@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge, merge_splits, stats_of
+from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge, stats_of
 
 pytestmark = pytest.mark.unit
 
@@ -57,17 +57,6 @@ def test_merge_order_does_not_matter() -> None:
     b = finish(merge(parts[2], merge(parts[1], parts[0])))
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-12, rtol=0)
     torch.testing.assert_close(a.entropy, b.entropy, atol=1e-12, rtol=0)
-
-
-def test_splits_merged_at_once_equal_merged_one_by_one() -> None:
-    logits, targets = _logits(6, 40, seed=5)
-    bounds = [0, 11, 11, 30, 40]  # one split holds no column (its m is -inf)
-    parts = [stats_of(logits[:, lo:hi], targets - lo) for lo, hi in itertools.pairwise(bounds)]
-    stacked = merge_splits(*(torch.stack(field) for field in zip(*parts, strict=True)))
-    res = finish(stacked)
-    lp, ent = _expected(logits, targets)
-    torch.testing.assert_close(res.logprobs, lp, atol=1e-12, rtol=0)
-    torch.testing.assert_close(res.entropy, ent, atol=1e-12, rtol=0)
 
 
 # Rank r holds columns [BOUNDS[r], BOUNDS[r + 1]): uneven, and rank 2 holds none (a shard made
