@@ -32,7 +32,10 @@ pytestmark = [
 ]
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="too large for Triton's interpreter")
+too_large_for_interpreter = pytest.mark.skipif(
+    not HAS_CUDA, reason="too large for Triton's interpreter"
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="the fused path serves CUDA tensors only")
 
 
 @pytest.fixture(autouse=True)
@@ -117,16 +120,18 @@ def _run(
 
 
 # (tokens, vocab, hidden, temperature, entropy, chunk bytes): vocabularies that no tile divides,
-# one token, temperatures either side of 1, and chunks so small that the vocabulary takes many
-# ragged chunks (the running statistics cross chunk boundaries).
+# one token, temperatures either side of 1, chunks so small that the vocabulary takes many
+# ragged chunks (the running statistics cross chunk boundaries), and more tokens than the
+# kernels' row blocks divide.
 SHAPES = [
     (37, 1000, 64, 1.0, True, None),
     (1, 517, 32, 1.0, True, None),
     (19, 777, 48, 0.7, True, 19 * 4 * 100),
     (23, 1301, 40, 1.3, False, 23 * 6 * 300),
     (300, 2053, 64, 0.9, True, 300 * 6 * 257),
+    (1100, 300, 32, 1.0, True, None),
 ]
-IDS = ["v1000", "one-token", "t0.7-chunks", "t1.3-logp-only", "ragged-chunks"]
+IDS = ["v1000", "one-token", "t0.7-chunks", "t1.3-logp-only", "ragged-chunks", "row-groups"]
 
 
 @pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"), SHAPES, ids=IDS)
@@ -161,7 +166,7 @@ def test_bf16_inputs_match_float64(
         assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
 
 
-@needs_cuda
+@too_large_for_interpreter
 def test_tokens_times_vocab_over_2_pow_31() -> None:
     """16,500 tokens x 131,075 columns = 2.16e9 logits: no index may wrap at 32 bits."""
     n, v = 16_500, 131_075
@@ -182,6 +187,73 @@ def test_trainer_entry_point_takes_the_fused_path() -> None:
     hidden, weight, targets, _, _ = _inputs(8, 300, 16, torch.bfloat16, 1)
     lp, _ = token_logprobs(hidden.requires_grad_(True), weight, targets)
     assert lp.grad_fn is not None and "FusedLogProbs" in type(lp.grad_fn).__name__
+
+
+@needs_cuda
+def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
+    """The torch backend's response log-probs on CUDA run the fused kernels and agree with the
+    tiled reference function on the same bf16 model: values, entropies, parameter gradients."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rljob.algo.logprobs import pad_responses, response_index
+    from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
+    from rljob.trainer.batch import Batch
+    from rljob.trainer.torch_backend import response_logprobs
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    prompts, responses = [5, 3, 7], [9, 12, 4]
+    width = max(p + r for p, r in zip(prompts, responses, strict=True))
+    ids = torch.randint(0, 1001, (3, width), device="cuda")
+    attn = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        attn[row, : p + r] = 1
+    t_max = max(responses)
+    batch = Batch(ids, attn, prompts, responses, torch.ones(3, t_max, device="cuda"),
+                  torch.zeros(3, t_max, device="cuda"))
+    g_lp = torch.randn(3, t_max, device="cuda")
+    g_ent = torch.randn(3, t_max, device="cuda")
+
+    def grads_of(lp: torch.Tensor, ent: torch.Tensor) -> list[torch.Tensor]:
+        model.zero_grad()
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        return [p.grad.float().clone() for p in model.parameters() if p.grad is not None]
+
+    lp, ent = response_logprobs(model, batch, 4, 0.8)
+    assert any("FusedLogProbs" in type(f).__name__ for f in _graph(lp.grad_fn))
+    fused_grads = grads_of(lp, ent)
+
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+    rows, cols = response_index(prompts, responses)
+    rows, cols = rows.cuda(), cols.cuda()
+    lp_t, ent_t = vocab_parallel_logprobs(
+        hidden[rows, cols], model.lm_head.weight, ids[rows, cols + 1], temperature=0.8,
+        with_entropy=True,
+    )
+    assert ent_t is not None
+    lp_t, ent_t = pad_responses(lp_t, responses), pad_responses(ent_t, responses)
+    torch.testing.assert_close(lp, lp_t, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, ent_t, atol=5e-5, rtol=0)
+    for a, b in zip(fused_grads, grads_of(lp_t, ent_t), strict=True):
+        assert float((a - b).norm()) <= 1e-2 * float(b.norm()) + 1e-6
+
+
+def _graph(fn: Any) -> list[Any]:
+    """Every node of an autograd graph from `fn` down."""
+    seen: list[Any] = []
+    stack = [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or any(node is n for n in seen):
+            continue
+        seen.append(node)
+        stack.extend(f for f, _ in node.next_functions)
+    return seen
 
 
 def _shard_worker(rank: int, world: int, port: int, path: str) -> None:

@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rljob.algo.logprobs import pad_responses, response_index
 from rljob.algo.losses import policy_loss
-from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
+from rljob.logprobs_vocab_parallel import token_logprobs
 from rljob.megatron_backend.args import route_megatron_args
 from rljob.megatron_backend.model import (
     VOCAB_DIVISOR,
@@ -195,7 +195,7 @@ class MegatronTrainer:
         v_local = weight.shape[0]
         start = parallel_state.get_tensor_model_parallel_rank() * v_local
         real = max(0, min(v_local, self.shape.vocab_size - start))
-        logp, entropy = vocab_parallel_logprobs(
+        logp, entropy = token_logprobs(
             hidden_states[cols, rows],
             weight[:real],
             tokens[rows, cols + 1],

@@ -28,6 +28,7 @@ from rljob import metrics
 from rljob.algo import advantages as adv_fns
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
+from rljob.logprobs_vocab_parallel import token_logprobs
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
 from rljob.trainer.batch import Batch, collate, rollout_summary
@@ -80,10 +81,19 @@ def response_logprobs(
     rows, cols = response_index(batch.prompt_lengths, batch.response_lengths)
     rows, cols = rows.to(hidden.device), cols.to(hidden.device)
     head = model.get_output_embeddings()
-    logp, ent = chunked_logprobs(
-        hidden[rows, cols], head.weight, batch.input_ids[rows, cols + 1],
-        chunk_tokens=chunk_tokens, temperature=temperature, bias=head.bias,
-    )
+    if hidden.is_cuda and head.bias is None:
+        # The fused kernels: exact fp32 statistics, one 128 MiB chunk of logits at a time.
+        logp, maybe_ent = token_logprobs(
+            hidden[rows, cols], head.weight, batch.input_ids[rows, cols + 1],
+            temperature=temperature, with_entropy=True,
+        )
+        assert maybe_ent is not None
+        ent = maybe_ent
+    else:
+        logp, ent = chunked_logprobs(
+            hidden[rows, cols], head.weight, batch.input_ids[rows, cols + 1],
+            chunk_tokens=chunk_tokens, temperature=temperature, bias=head.bias,
+        )
     return pad_responses(logp, batch.response_lengths), pad_responses(ent, batch.response_lengths)
 
 
