@@ -59,6 +59,12 @@ def _started(cp: ControlPlane, ns: str, name: str, reason: str,
     return probe
 
 
+def _bound(cp: ControlPlane, ns: str, name: str, count: int = 4) -> list[str] | None:
+    """The names of the job's pods once all `count` are bound to a node."""
+    placed = sorted(p["metadata"]["name"] for p in pods(cp, ns, name) if p["spec"].get("nodeName"))
+    return placed if len(placed) == count else None
+
+
 def _gone(cp: ControlPlane, kind: str, name: str, ns: str) -> bool:
     return bool(cp.kubectl("get", kind, name, "-n", ns, check=False).returncode != 0)
 
@@ -96,13 +102,9 @@ def test_image_pull_errors_and_a_driver_that_never_starts_fail_at_the_deadline(
         for name in ("pull", "nodriver"):  # 4 GPUs each
             cluster.apply(job_manifest(name, namespace, recovery=recovery), "-n", namespace)
 
-        def bound(name: str) -> list[str] | None:
-            ps = pods(cluster, namespace, name)
-            placed = sorted(p["metadata"]["name"] for p in ps if p["spec"].get("nodeName"))
-            return placed if len(placed) == 4 else None
-
-        pull = wait_for(lambda: bound("pull"), timeout=30, what="pull's 4 pods bound")
-        nodriver = wait_for(lambda: bound("nodriver"), timeout=30,
+        pull = wait_for(lambda: _bound(cluster, namespace, "pull"), timeout=30,
+                       what="pull's 4 pods bound")
+        nodriver = wait_for(lambda: _bound(cluster, namespace, "nodriver"), timeout=30,
                             what="nodriver's 4 pods bound")
         # As the kubelet would: one rollout pod's image cannot be pulled, the rest run.
         blocked = next(p for p in pull if "rollout" in p)
@@ -150,13 +152,10 @@ def test_a_crash_loop_and_a_driver_image_pull_error_are_named_then_fail_at_the_d
         for name in ("fails", "drvpull"):  # 4 GPUs each
             cluster.apply(job_manifest(name, namespace, recovery=recovery), "-n", namespace)
 
-        def bound(name: str) -> list[str] | None:
-            ps = pods(cluster, namespace, name)
-            placed = sorted(p["metadata"]["name"] for p in ps if p["spec"].get("nodeName"))
-            return placed if len(placed) == 4 else None
-
-        fails = wait_for(lambda: bound("fails"), timeout=30, what="fails' 4 pods bound")
-        drvpull = wait_for(lambda: bound("drvpull"), timeout=30, what="drvpull's 4 pods bound")
+        fails = wait_for(lambda: _bound(cluster, namespace, "fails"), timeout=30,
+                       what="fails' 4 pods bound")
+        drvpull = wait_for(lambda: _bound(cluster, namespace, "drvpull"), timeout=30,
+                       what="drvpull's 4 pods bound")
         # Its trainer fails before it ever runs, so no driver (no attempt) starts.
         failing = next(p for p in fails if "trainer" in p)
         for pod in fails:

@@ -60,18 +60,28 @@ def test_a_workdir_that_cannot_be_written_is_refused_with_the_reason(tmp_path: P
     assert "Traceback" not in out.stderr
 
 
-def test_a_storage_failure_under_the_run_stops_it_with_the_reason(tmp_path: Path) -> None:
-    """The workdir's storage fails mid-run (here: the metrics file turns into a directory):
-    exit 1 with a retryable StorageError naming the file, no traceback, checkpoints intact."""
-    path = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
-                               "checkpoint": {"interval": 1}})
-    workdir = tmp_path / "w"
+def _start_after_two_steps(path: Path, workdir: Path) -> subprocess.Popen[str]:
+    """`rljob run` on this machine, returned once it has trained two rollout steps."""
     proc = subprocess.Popen([*RLJOB, "run", str(path), "--workdir", str(workdir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         wait_for(lambda: len(metrics_log.read(workdir / "metrics.jsonl")) >= 2, timeout=180,
                  what="two rollout steps")
+    except BaseException:
+        reap(proc)
+        raise
+    return proc
+
+
+def test_a_storage_failure_under_the_run_stops_it_with_the_reason(tmp_path: Path) -> None:
+    """The workdir's storage fails mid-run (here: the metrics file turns into a directory):
+    exit 1 with a retryable StorageError naming the file, no traceback, checkpoints intact."""
+    path = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                               "checkpoint": {"interval": 1}})
+    workdir = tmp_path / "w"
+    proc = _start_after_two_steps(path, workdir)
+    try:
         (workdir / "metrics.jsonl").rename(workdir / "metrics.saved")
         (workdir / "metrics.jsonl").mkdir()
         output, _ = proc.communicate(timeout=120)
@@ -87,12 +97,8 @@ def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     path = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
                                "checkpoint": {"interval": 1000}})
     workdir = tmp_path / "w"
-    proc = subprocess.Popen([*RLJOB, "run", str(path), "--workdir", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_after_two_steps(path, workdir)
     try:
-        wait_for(lambda: len(metrics_log.read(workdir / "metrics.jsonl")) >= 2, timeout=180,
-                 what="two rollout steps")
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=120)
     finally:
