@@ -90,6 +90,9 @@ class PublisherConfig:
     keep_disk_versions: int = 2
     join_timeout_s: float = 120.0
     probe_timeout_s: float = 2.0
+    # How long a sidecar may go unanswering before its engine counts as unreachable: one slow
+    # answer on a loaded node is not a lost engine.
+    probe_grace_s: float = 10.0
     max_attempts: int = 2
     config_json: str | None = None
 
@@ -195,13 +198,21 @@ class WeightPublisher:
             poll_key(self._store, Keys.member(self._members_seen), min(1.0, remaining))
 
     def _probe(self, names: Iterable[str]) -> dict[str, bool]:
-        def alive(name: str) -> bool:
-            url = self._engines[name].registration.health_url + "/health"
+        def answers(url: str) -> bool:
             try:
                 with urllib.request.urlopen(url, timeout=self.config.probe_timeout_s) as resp:
                     return int(resp.status) == 200
             except (urllib.error.URLError, OSError):
                 return False
+
+        def alive(name: str) -> bool:
+            url = self._engines[name].registration.health_url + "/health"
+            give_up = time.monotonic() + self.config.probe_grace_s
+            while not answers(url):
+                if time.monotonic() >= give_up:
+                    return False
+                time.sleep(0.5)
+            return True
 
         names = list(names)
         if not names:
@@ -255,7 +266,8 @@ class WeightPublisher:
             alive = self._probe(pending)
             for name, ok in alive.items():
                 if not ok:
-                    reasons[name] = "unreachable: its sidecar does not answer /health"
+                    reasons[name] = (f"unreachable: its sidecar did not answer /health for "
+                                     f"{self.config.probe_grace_s:.0f}s")
             targets = sorted(n for n, ok in alive.items() if ok)
             if not targets:
                 break
