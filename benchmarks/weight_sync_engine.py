@@ -1,7 +1,9 @@
 """A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
 `/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
-`/health`, installing exactly as an engine must (decode the handles, check the update, copy
-in, synchronize, report).
+`/health`, installing as the `hf` engine does (`TensorReceiver` keeps the last handles open,
+`update_problems` checks names, shapes, dtypes and finiteness, one multi-tensor copy, a
+synchronisation) and reporting how long each phase took. HTTP/1.1, so a client keeps its
+connection, as SGLang's server and the `hf` engine's allow.
 
 Run as `python benchmarks/weight_sync_engine.py --layout FILE --device cpu|cuda:0 --port-file F`.
 """
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from rljob.weightsync.tensor_payload import decode_named_tensors, update_problems
+from rljob.weightsync.tensor_payload import TensorReceiver, update_problems
 
 
 def main() -> None:
@@ -34,8 +36,14 @@ def main() -> None:
         for n, (dt, shape) in layout.items()
     }
     state = {"version": "0"}
+    receiver = TensorReceiver()
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        # Headers and body go out as two writes: with Nagle's algorithm the second waits
+        # for the client's delayed ACK (40 ms) on a kept connection.
+        disable_nagle_algorithm = True
+
         def _send(self, status: int, body: Any) -> None:
             data = json.dumps(body).encode()
             self.send_response(status)
@@ -55,7 +63,7 @@ def main() -> None:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             start = time.perf_counter()
-            named = [t for e in body["serialized_named_tensors"] for t in decode_named_tensors(e)]
+            named = [t for rank in receiver.decode(body["serialized_named_tensors"]) for t in rank]
             decoded = time.perf_counter()
             problems = update_problems(params, named)
             checked = time.perf_counter()
@@ -63,8 +71,7 @@ def main() -> None:
                 self._send(400, {"success": False, "message": "; ".join(problems[:3])})
                 return
             with torch.no_grad():
-                for name, tensor in named:
-                    params[name].copy_(tensor, non_blocking=True)
+                torch._foreach_copy_([params[n] for n, _ in named], [t for _, t in named])
             if args.device != "cpu":
                 torch.cuda.synchronize(args.device)
             copied = time.perf_counter()

@@ -183,6 +183,8 @@ class Job:
         self.loop_started = False
         self.checkpoint_step: int | None = None  # the latest verified one: resumed or saved
         self.placed: list[Placed] = []  # where this attempt's actors run, from Ray
+        # Colocated on GPUs: trainer and engines take turns on the memory (`one_step`).
+        self.offload = False
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -267,6 +269,7 @@ class Job:
                 f"({spec.placement}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the "
                 f"cluster has {have}. Lower trainer/rollout GPU counts or add nodes."))
         device = "cuda" if use_gpu else "cpu"
+        self.offload = use_gpu and spec.placement == "colocated"
         res = {"num_gpus": layout.share, "num_cpus": 0} if use_gpu else {
             "num_cpus": layout.share}
 
@@ -293,7 +296,7 @@ class Job:
             engine_cls.options(**at(group[0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
                 spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
-                ray.get([h.where.remote() for h in hs]))
+                ray.get([h.where.remote() for h in hs]), self.offload)
             for group, hs, port in zip(groups, holders, ports, strict=True)
         ]
         world = trainer_world(spec)
@@ -561,9 +564,16 @@ class Job:
     def one_step(self, bar: ProgressBar) -> None:
         step = self.state.step
         t0 = time.monotonic()
+        if self.offload:  # the trainers' parameters, gradients and optimizer state leave
+            ray.get([t.offload.remote() for t in self.trainers])
         samples, rstats = ray.get(self.rollout.generate.remote(step))
         t1 = time.monotonic()
+        if self.offload:  # the engines' weights and caches leave; the trainers come back
+            ray.get([e.release_memory.remote() for e in self.engines])
         results = ray.get([t.train.remote(samples, step == 0) for t in self.trainers])
+        weights_kept = True
+        if self.offload:
+            weights_kept = all(ray.get([e.resume_memory.remote() for e in self.engines]))
         t2 = time.monotonic()
         m = results[0]
         for skipped in m["step_skipped"]:
@@ -591,6 +601,8 @@ class Job:
         self.state.samples += len(samples)
         if m["optimizer_steps"]:
             self.state.weight_version += 1
+            self.publish()
+        elif not weights_kept:  # SGLang dropped its released weights: the same version again
             self.publish()
         row: dict[str, Any] = {
             "step": self.state.step,

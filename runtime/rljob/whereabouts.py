@@ -19,8 +19,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import ray
-
 from rljob_api.layout import DRIVER_RESOURCE, HEAD_RESOURCE, group_resource
 
 LINE_PREFIX = "placement: "
@@ -34,6 +32,10 @@ SIDECAR = "weight-sync-sidecar"
 
 def here() -> dict[str, str]:
     """The Ray node and host of the calling process."""
+    # Imported here: the trainer and engine classes inherit `Locatable` and also run where
+    # Ray is not installed (the GPU measurements in benchmarks/).
+    import ray
+
     return {"node_id": str(ray.get_runtime_context().get_node_id()),
             "host": socket.gethostname()}
 

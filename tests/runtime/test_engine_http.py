@@ -15,7 +15,8 @@ from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.tiny_model import write_tiny
 from rljob.weightsync.engine_http import EngineError as HTTPEngineError
 from rljob.weightsync.engine_http import EngineHTTP
-from rljob.weightsync.tensor_payload import encode_named_tensors
+from rljob.weightsync.protocol import plan_buckets, unpack_bucket
+from rljob.weightsync.tensor_payload import encode_named_tensors, flat_span
 from rljob_api.spec import TinyModel
 
 pytestmark = pytest.mark.runtime
@@ -175,3 +176,34 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         assert http.weight_version() == "3"
     finally:
         srv.stop()
+
+
+def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
+    server: ServerThread,
+) -> None:
+    """The sidecar's staging (views of one buffer) reaches a one-rank engine as SGLang's
+    flattened bucket, in full and exactly; a second version over the same staging reuses
+    the connection and the engine's mapping; a non-finite one is refused whole."""
+    state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
+    plan = plan_buckets(list(state.items()), 1 << 20)
+    sizes = [b.nbytes for b in plan]
+    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
+             for nt in unpack_bucket(b, buf)]
+    assert flat_span(views) is not None
+    http = EngineHTTP(server.url)
+    for version, scale in (("1", 0.5), ("2", 2.0)):
+        for name, view in views:
+            view.copy_(state[name] * scale)
+        result = http.update_from_named_tensors(views, version, 60)
+        assert result.success, result.message
+        if version == "1":
+            local = http._local.conn.sock.getsockname()
+        assert http._local.conn.sock.getsockname() == local
+        assert http.weight_version() == version
+        got = server.engine.model.state_dict()
+        assert all(torch.equal(got[name], state[name] * scale) for name in state)
+    views[-1][1].view(-1)[0] = float("nan")
+    result = http.update_from_named_tensors(views, "3", 60)
+    assert not result.success and f"{views[-1][0]}: non-finite values" in result.message
+    assert http.weight_version() == "2"

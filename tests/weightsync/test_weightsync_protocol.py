@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,11 @@ from rljob.weightsync.protocol import (
 from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
 from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, Sidecar, SidecarConfig, parse_args
 from rljob.weightsync.tensor_payload import (
+    TensorReceiver,
     decode_named_tensors,
+    encode_flattened,
     encode_named_tensors,
+    flat_span,
     update_problems,
 )
 from rljob.weightsync.wiring import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
@@ -317,3 +321,77 @@ def test_driver_settings_come_from_the_operator_env_with_clear_errors() -> None:
         SyncSettings.from_env({SIDECARS_ENV: "pod"})
     with pytest.raises(ValueError, match=f"{ENGINE_PORT_ENV} must be a port number"):
         SyncSettings.from_env({ENGINE_PORT_ENV: "70000"})
+
+
+def test_views_of_one_buffer_are_screened_as_one_span_without_false_refusals() -> None:
+    """A staged version (views of one buffer, padding between them) is screened whole; a
+    NaN in the padding alone refuses nothing, one inside a tensor names exactly that one."""
+    plan = plan_buckets([("a", torch.zeros(5)), ("b", torch.zeros(7)), ("c", torch.zeros(3))],
+                        1 << 20)
+    buf = torch.zeros(plan[0].nbytes, dtype=torch.uint8)
+    views = unpack_bucket(plan[0], buf)
+    floats = buf.view(torch.float32)
+    padding = 5  # a is 20 bytes, b starts at 64: the float at byte 20 is padding
+    floats[padding] = float("nan")
+    assert nonfinite_names(views) == []
+    views[1][1][6] = float("inf")
+    assert nonfinite_names(views) == ["b"]
+    assert nonfinite_report(views) == ["b: 0 NaN, 1 Inf"]
+
+
+def test_the_gpu_bit_screen_finds_every_nan_and_inf_under_the_triton_interpreter() -> None:
+    """The Triton kernel of the GPU screen, run by Triton's interpreter on the CPU: every
+    NaN/Inf in either half of a word is found, in each format; finite extremes pass."""
+    code = """
+import torch
+from rljob.weightsync.protocol import _EXPONENT_MASKS
+from rljob.weightsync.screen_gpu import all_finite_words
+for dt, big in ((torch.bfloat16, 3e38), (torch.float16, 65000.0), (torch.float32, 3e38)):
+    lo, hi = _EXPONENT_MASKS[dt]
+    x = torch.randn(20000).to(dt)
+    x[-1], x[0] = big, -big
+    assert bool(all_finite_words(x.view(torch.int32), lo, hi)), dt
+    for pos in (0, 1, 9999, 19998, 19999):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            y = x.clone()
+            y[pos] = bad
+            assert not bool(all_finite_words(y.view(torch.int32), lo, hi)), (dt, pos, bad)
+print("screened")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert out.stdout.strip() == "screened", out.stderr[-2000:]
+
+
+def test_a_flattened_bucket_round_trips_and_stays_mapped_across_versions() -> None:
+    """Views of one staging buffer travel as one flattened bucket (SGLang's format); the
+    receiver keeps the shared memory mapped, so the next version's decode finds the same
+    memory and reads what the sender wrote there since."""
+    plan = plan_buckets([("w", torch.zeros(3, 4)), ("b", torch.zeros(4))], 1 << 20)
+    staging = torch.zeros(plan[0].nbytes, dtype=torch.uint8)
+    views = unpack_bucket(plan[0], staging)
+    views[0][1].copy_(torch.arange(12.0).view(3, 4))
+    flat = flat_span(views)
+    assert flat is not None and flat.dtype == torch.float32
+    receiver = TensorReceiver()
+    (first,) = receiver.decode([encode_flattened(views, flat)])
+    assert [(n, tuple(t.shape)) for n, t in first] == [("w", (3, 4)), ("b", (4,))]
+    assert torch.equal(first[0][1], torch.arange(12.0).view(3, 4))
+    views[1][1].fill_(7.0)
+    (second,) = receiver.decode([encode_flattened(views, flat)])
+    assert second[1][1].data_ptr() == first[1][1].data_ptr()
+    assert torch.equal(second[1][1], torch.full((4,), 7.0))
+    # Not one buffer, or two dtypes: no flattened bucket.
+    assert flat_span([("x", torch.zeros(2)), ("y", torch.zeros(2))]) is None
+    assert flat_span([("x", views[0][1]), ("y", views[1][1].view(torch.int32))]) is None
+
+
+def test_a_colocated_sglang_starts_with_its_memory_saver_once() -> None:
+    """Releasing SGLang's memory for the trainer needs --enable-memory-saver at start;
+    a user's own value for it does not add a second flag or switch it off."""
+    colocated = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=1,
+                             nccl_port=31000, memory_saver=True)
+    for user in ({}, {"enable-memory-saver": "true"}, {"enable-memory-saver": "false"}):
+        assert build_command(colocated, user).count("--enable-memory-saver") == 1
+    assert "--enable-memory-saver" not in build_command(SERVER, {})

@@ -25,13 +25,23 @@ from aiohttp import web
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rljob.offload import Offload, module_tensors
 from rljob.text_codec import TextCodec, load_codec
 from rljob.tiny_model import torch_dtype
-from rljob.weightsync.tensor_payload import NamedTensors, decode_named_tensors, update_problems
+from rljob.weightsync.tensor_payload import (
+    FLATTENED,
+    NamedTensors,
+    TensorReceiver,
+    update_problems,
+)
 
 
 class UpdateRejected(ValueError):
     """A weight update that does not fit the model; the previous version keeps serving."""
+
+
+class MemoryReleased(RuntimeError):
+    """The engine gave its memory back (a colocated trainer is training)."""
 
 
 def _filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -66,6 +76,10 @@ class HFEngine:
         self.weight_version = weight_version
         self.lock = threading.Lock()
         self.generated_tokens = 0
+        self.receiver = TensorReceiver()
+        # Weights leave the device while a colocated trainer trains (SGLang's release/resume
+        # memory occupation); a host copy brings them back as they were.
+        self.memory = Offload(self.device.type)
 
     def info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path,
@@ -76,9 +90,27 @@ class HFEngine:
         return {"model_path": self.model_path, "tp_size": self.tp_size,
                 "weight_version": self.weight_version}
 
+    def release_memory(self) -> int:
+        """Weights to host memory and the last version's handles closed, between requests;
+        returns the bytes moved. Generating or installing is refused until resumed."""
+        with self.lock:
+            self.receiver.release()
+            return self.memory.offload(module_tensors([self.model]))
+
+    def resume_memory(self) -> int:
+        """The weights back on the device, as they were; returns the bytes moved."""
+        with self.lock:
+            return self.memory.reload()
+
+    def _check_resident(self) -> None:
+        if self.memory.offloaded:
+            raise MemoryReleased("the engine's memory is released (a colocated trainer is "
+                                 "training); POST /resume_memory_occupation first")
+
     @torch.no_grad()
     def generate(self, rows: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
         with self.lock:
+            self._check_resident()
             version = self.weight_version
             out: list[dict[str, Any]] = [{} for _ in rows]
             by_length: dict[int, list[int]] = {}
@@ -178,6 +210,7 @@ class HFEngine:
         for fewer ranks, or ranks given different tensors, shows in the weights or is refused
         here. Every rank's tensors are checked first; on any problem nothing changes.
         """
+        self._check_resident()
         if len(per_rank) != self.tp_size:
             raise UpdateRejected(
                 f"serialized_named_tensors has {len(per_rank)} entries for {self.tp_size} "
@@ -191,12 +224,22 @@ class HFEngine:
             problems += [f"rank {rank}: {p}" for p in update_problems(current, named)]
         if problems:
             raise UpdateRejected("; ".join(problems[:8]))
+        owns = [current[name].tensor_split(self.tp_size)[rank]
+                for rank, named in enumerate(per_rank) for name, _ in named]
+        shards = [tensor.tensor_split(self.tp_size)[rank]
+                  for rank, named in enumerate(per_rank) for _, tensor in named]
         with self.lock, torch.no_grad():
-            for rank, named in enumerate(per_rank):
-                for name, tensor in named:
-                    own = current[name].tensor_split(self.tp_size)[rank]
-                    own.copy_(tensor.tensor_split(self.tp_size)[rank].to(self.device))
+            self._check_resident()
+            # One multi-tensor copy, not a launch per tensor; finished before the answer, so
+            # the sender may reuse its buffers as soon as it reads it.
+            torch._foreach_copy_(owns, shards)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.weight_version = version
+
+    def install_entries(self, entries: list[str], version: str) -> None:
+        """Install `serialized_named_tensors` (entry r for rank r), either format."""
+        self.install_ranks(self.receiver.decode(entries), version)
 
     def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
         """The first `truncate_size` rows of parameter `name` as float32 nested lists.
@@ -205,6 +248,7 @@ class HFEngine:
         dtypes exactly, so a reader can compare bit for bit.
         """
         with self.lock:
+            self._check_resident()
             current = self.model.state_dict()
             if name not in current:
                 raise UpdateRejected(f"{name}: not a parameter of this model")
@@ -258,6 +302,8 @@ def build_app(engine: HFEngine) -> web.Application:
             out = await run(engine.generate, rows, per_row)
         except FloatingPointError as err:
             return web.json_response({"error": str(err)}, status=500)
+        except MemoryReleased as err:
+            return web.json_response({"error": str(err)}, status=503)
         return web.json_response(out[0] if single else out)
 
     async def pause(_: web.Request) -> web.Response:
@@ -280,10 +326,23 @@ def build_app(engine: HFEngine) -> web.Application:
             if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
                 raise UpdateRejected("serialized_named_tensors must be a list of strings, "
                                      "one per tensor-parallel rank")
-            await run(engine.install_ranks, [decode_named_tensors(e) for e in entries], version)
+            if body.get("load_format") not in (None, FLATTENED):
+                raise UpdateRejected(f"load_format {body['load_format']!r}: this engine reads "
+                                     f"named tensors or {FLATTENED!r}")
+            await run(engine.install_entries, entries, version)
         except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
             return web.json_response({"success": False, "message": str(err)})
         return web.json_response({"success": True, "message": f"installed {version}"})
+
+    async def release_memory(_: web.Request) -> web.Response:
+        # Every tag SGLang knows is covered by the weights: this engine keeps no KV cache or
+        # CUDA graph between requests.
+        moved = await run(engine.release_memory)
+        return web.json_response({"success": True, "message": f"released {moved} bytes"})
+
+    async def resume_memory(_: web.Request) -> web.Response:
+        moved = await run(engine.resume_memory)
+        return web.json_response({"success": True, "message": f"resumed {moved} bytes"})
 
     async def update_disk(request: web.Request) -> web.Response:
         body = await request.json()
@@ -299,7 +358,7 @@ def build_app(engine: HFEngine) -> web.Application:
         try:
             value = await run(engine.weights_by_name, str(body["name"]),
                               int(body.get("truncate_size", 100)))
-        except (UpdateRejected, KeyError, ValueError) as err:
+        except (UpdateRejected, KeyError, ValueError, MemoryReleased) as err:
             return web.json_response({"success": False, "message": str(err)}, status=400)
         return web.json_response(value)
 
@@ -315,6 +374,8 @@ def build_app(engine: HFEngine) -> web.Application:
         web.post("/flush_cache", flush),
         web.post("/update_weights_from_tensor", update_tensor),
         web.post("/update_weights_from_disk", update_disk),
+        web.post("/release_memory_occupation", release_memory),
+        web.post("/resume_memory_occupation", resume_memory),
         web.post("/get_weights_by_name", weights_by_name),
     ])
     app.on_cleanup.append(lambda _: asyncio.to_thread(executor.shutdown))

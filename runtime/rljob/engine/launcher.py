@@ -20,9 +20,12 @@ from rljob import metrics
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
 from rljob.engine.slots import SlotDevices, engine_gpus, here
+from rljob.weightsync.engine_http import EngineHTTP
 from rljob.whereabouts import Locatable
 
 STARTUP_TIMEOUT_S = 900.0
+# Releasing or resuming an engine's memory moves at most its weights and KV cache.
+OCCUPATION_TIMEOUT_S = 600.0
 
 
 def _free_port(host: str) -> int:
@@ -35,9 +38,10 @@ class EngineProcess(Locatable):
     def __init__(
         self, backend: str, model_dir: str, dtype: str, device: str, weight_version: str,
         tp: int, sglang_args: dict[str, str], bind_host: str, port: int = 0,
-        further_slots: list[SlotDevices] | None = None,
+        further_slots: list[SlotDevices] | None = None, offload: bool = False,
     ) -> None:
         self.device = device
+        self.backend = backend
         self.server: ServerThread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
@@ -56,13 +60,14 @@ class EngineProcess(Locatable):
             server = SGLangServer(
                 model_path=model_dir, host=bind_host, port=port, tp_size=tp,
                 nccl_port=_free_port(bind_host), weight_version=weight_version,
-                python=sys.executable)
+                python=sys.executable, memory_saver=offload)
             # dtype follows spec.model.dtype unless the user passed one through. Ray showed
             # this actor its first GPU only; the server gets every slot's (rank r on the r-th).
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
             self.proc = launch(server, {"dtype": dtype, **sglang_args}, env=env,
                                startup_deadline_s=STARTUP_TIMEOUT_S)
         self.url = f"http://{advertise}:{port}"
+        self.local_url = f"http://{'127.0.0.1' if bind_host == '0.0.0.0' else bind_host}:{port}"
         self.metrics_port = metrics.serve()
 
     def address(self) -> str:
@@ -73,6 +78,24 @@ class EngineProcess(Locatable):
         return {"node_id": str(ray.get_runtime_context().get_node_id()),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")
                 if self.device.startswith("cuda") else ""}
+
+    def release_memory(self) -> None:
+        """Give the GPU to a colocated trainer: weights (and SGLang's KV cache and CUDA
+        graphs) leave it until `resume_memory`."""
+        if self.server is not None:
+            self.server.engine.release_memory()
+        else:
+            EngineHTTP(self.local_url).release_memory(OCCUPATION_TIMEOUT_S)
+
+    def resume_memory(self) -> bool:
+        """Take the GPU back; True when the weights came back too (the `hf` engine keeps a
+        host copy), False when a version must be installed before generating (SGLang
+        discards released weights)."""
+        if self.server is not None:
+            self.server.engine.resume_memory()
+            return True
+        EngineHTTP(self.local_url).resume_memory(OCCUPATION_TIMEOUT_S)
+        return False
 
     def stop(self) -> None:
         if self.server is not None:

@@ -49,6 +49,9 @@ class SGLangServer:
     tokenizer_path: str | None = None
     weight_version: str = "0"
     python: str = "python3"
+    # Colocated with a trainer: `/release_memory_occupation` must free the GPU, which SGLang
+    # does only when started with --enable-memory-saver (torch_memory_saver regions).
+    memory_saver: bool = False
 
 
 def _flag(key: str) -> str:
@@ -76,6 +79,10 @@ def build_command(server: SGLangServer, sglang_args: Mapping[str, str]) -> list[
     }
     for key, value in owned.items():
         argv += [_flag(key), value]
+    if server.memory_saver:
+        argv.append(_flag("enable-memory-saver"))
+        sglang_args = {k: v for k, v in sglang_args.items()
+                       if k.lstrip("-") != "enable-memory-saver"}
     for key, value in sglang_args.items():
         lowered = value.strip().lower()
         if lowered == "true":

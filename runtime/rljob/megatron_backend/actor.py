@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from rljob.megatron_backend.trainer import (
     PolicyMicroBatch,
     init_parallel,
 )
+from rljob.offload import TakesTurns, module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
 from rljob.trainer.batch import Batch, collate, rollout_summary
@@ -75,7 +77,7 @@ def _widen(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-class MegatronTrainerActor(WeightPublishing):
+class MegatronTrainerActor(WeightPublishing, TakesTurns):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -164,10 +166,19 @@ class MegatronTrainerActor(WeightPublishing):
                                              algo.kl_coef)
         return adv_fns.reinforce_pp(token_reward, mask, algo.gamma)
 
+    def _held_tensors(self) -> Iterator[Tensor]:
+        """The DDP model with its contiguous parameter and gradient buffers, the frozen
+        reference, the distributed optimizer (fp32 main parameters, Adam moments) and the
+        publisher's send buffers."""
+        yield from module_tensors([self.trainer.model, self.reference])
+        yield from optimizer_tensors([self.trainer.optimizer])
+        yield from self.sync.device_buffers()
+
     # ---- training ----------------------------------------------------------------------
 
     def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
         """Train on one rollout step's samples; return its metrics (same on every rank)."""
+        self.on_device()
         algo = self.spec.algorithm
         samples = [Sample.from_json(d) for d in sample_dicts]
         width = max(s.response_length for s in samples)
@@ -210,9 +221,11 @@ class MegatronTrainerActor(WeightPublishing):
         """HF-named weights in the serving dtype (what the engines load), left on this
         rank's GPU: the publisher packs them there for NCCL or CUDA IPC, with no round trip
         through host memory."""
+        self.on_device()
         return [(n, t.detach().to(dtype=self.serve_dtype)) for n, t in self.trainer.export_hf()]
 
     def nonfinite_weights(self) -> list[str]:
+        self.on_device()
         return [n for n, t in self.trainer.export_hf() if not bool(torch.isfinite(t).all())]
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -220,6 +233,7 @@ class MegatronTrainerActor(WeightPublishing):
     def save(self, directory: str, hf_export: bool) -> None:
         """Collective: every rank writes its shards; returns once all have (the driver then
         commits). `hf_export` adds an HF-format copy of the policy under `hf/`."""
+        self.on_device()
         d = Path(directory)
         self.trainer.save(d / CHECKPOINT_DIR)
         if hf_export and self.rank == 0:
@@ -230,6 +244,7 @@ class MegatronTrainerActor(WeightPublishing):
                       str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
 
     def load(self, directory: str) -> None:
+        self.on_device()
         self.trainer.load(Path(directory) / CHECKPOINT_DIR)
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from rljob.algo import advantages as adv_fns
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.logprobs_vocab_parallel import token_logprobs
+from rljob.offload import TakesTurns, module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
 from rljob.trainer.batch import Batch, collate, rollout_summary
@@ -108,7 +110,7 @@ def _widen(t: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-class TorchTrainer(WeightPublishing):
+class TorchTrainer(WeightPublishing, TakesTurns):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -198,8 +200,14 @@ class TorchTrainer(WeightPublishing):
 
     # ---- training ----------------------------------------------------------------------
 
+    def _held_tensors(self) -> Iterator[Tensor]:
+        yield from module_tensors([self.model, self.ref, self.critic])
+        yield from optimizer_tensors([self.optimizer, self.critic_optimizer])
+        yield from self.sync.device_buffers()
+
     def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
         """Train on one rollout step's samples; return its metrics (same on every rank)."""
+        self.on_device()
         algo = self.spec.algorithm
         temp = self.spec.rollout.sampling.temperature
         samples = [Sample.from_json(d) for d in sample_dicts]
@@ -288,15 +296,18 @@ class TorchTrainer(WeightPublishing):
     # ---- weights ---------------------------------------------------------------------
 
     def named_weights(self) -> NamedTensors:
+        self.on_device()
         return [(n, t.detach().to(self.serve_dtype).clone())
                 for n, t in self.model.state_dict().items()]
 
     def nonfinite_weights(self) -> list[str]:
+        self.on_device()
         return [n for n, t in self.model.state_dict().items() if not bool(torch.isfinite(t).all())]
 
     # ---- checkpoints -----------------------------------------------------------------
 
     def save(self, directory: str, hf_export: bool) -> None:
+        self.on_device()
         d = Path(directory)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
                     "numpy": np.random.get_state(),
@@ -313,6 +324,7 @@ class TorchTrainer(WeightPublishing):
             self.model.save_pretrained(d / "hf", safe_serialization=True)
 
     def load(self, directory: str) -> None:
+        self.on_device()
         d = Path(directory)
         self.model.load_state_dict(load_file(str(d / "model.safetensors"),
                                              device=str(self.device)))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+import torch
+
 from rljob import metrics
 from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
@@ -59,6 +61,13 @@ class TrainerSync:
             result = publisher.resync(named)
         metrics.WEIGHT_VERSION.set(version)
         return result
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The publisher's send buffers: a serving-dtype copy of the weights it keeps on the
+        trainer's GPU between versions, which leaves with the trainer's other tensors."""
+        if self.publisher is None:
+            return []
+        return [buf for _, buf in self.publisher._send_buffers.values()]
 
     def close(self) -> None:
         if self.publisher is not None:

@@ -11,15 +11,28 @@ one `serialized_named_tensors` entry per TP rank, which SGLang indexes by rank.
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import threading
+import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rljob.weightsync.tensor_payload import encode_named_tensors
+from rljob.weightsync.tensor_payload import (
+    FLATTENED,
+    encode_flattened,
+    encode_named_tensors,
+    flat_span,
+)
+
+# A kept connection idle longer than this is replaced rather than reused: servers close idle
+# ones (uvicorn, which serves SGLang, after 5 s), and a request on a connection the server is
+# closing fails without saying whether it was served.
+REUSE_IDLE_S = 2.0
 
 
 class EngineError(RuntimeError):
@@ -33,30 +46,86 @@ class InstallResult:
 
 
 class EngineHTTP:
+    """A client of one engine that keeps its connection (HTTP/1.1 keep-alive) between requests.
+
+    A fresh connection per request costs a TCP handshake and, on our servers, a thread: as
+    much as the rest of a 1 GB handoff. One connection per calling thread (the sidecar asks
+    from its main loop and its health handler).
+    """
+
     def __init__(self, base_url: str, *, timeout_s: float = 10.0) -> None:
         self.base_url = base_url.rstrip("/")
+        parsed = urllib.parse.urlsplit(self.base_url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"engine URL must be http://HOST:PORT, got {base_url!r}")
+        self._host, self._port = parsed.hostname, parsed.port or 80
+        self._prefix = parsed.path
         self.timeout_s = timeout_s
         self._tp_size: int | None = None
+        self._local = threading.local()
+
+    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        idle = time.monotonic() - getattr(self._local, "used", 0.0)
+        if conn is not None and idle < REUSE_IDLE_S:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            return conn, True
+        self._close()
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        conn.connect()
+        if conn.sock is not None:
+            # A request written in pieces must not wait for the server's delayed ACK.
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._local.conn = conn
+        return conn, False
+
+    def _close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def _exchange(
+        self, method: str, path: str, data: bytes | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        for attempt in (0, 1):
+            conn, reused = self._connection(timeout_s)
+            try:
+                conn.request(method, self._prefix + path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._close()
+                # A kept connection the server had closed: a GET is asked again on a new
+                # one; a POST is not (it may have been served), the caller sees the error.
+                if reused and method == "GET" and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                self._close()
+                raise
+            if resp.will_close:
+                self._close()
+            else:
+                self._local.used = time.monotonic()
+            return resp.status, raw
+        raise AssertionError("unreachable")
 
     def _request(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.base_url + path,
-            data=data,
-            method=method,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            # SGLang answers a refused update with 400 and a JSON body; keep its message.
-            raw = err.read()
-            try:
-                return err.code, json.loads(raw)
-            except ValueError:
-                return err.code, {"message": raw.decode(errors="replace")}
-        except (urllib.error.URLError, OSError, ValueError) as err:
+            status, raw = self._exchange(method, path, data, timeout_s)
+        except (OSError, http.client.HTTPException) as err:
+            raise EngineError(f"{method} {self.base_url}{path}: {err}") from err
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError as err:
+            if status >= 400:
+                # SGLang answers a refused update with 400 and a JSON body; keep any text.
+                return status, {"message": raw.decode(errors="replace")}
             raise EngineError(f"{method} {self.base_url}{path}: {err}") from err
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
@@ -91,7 +160,7 @@ class EngineHTTP:
         return InstallResult(success, str(answer.get("message", "")))
 
     def update_from_tensor(
-        self, entries: list[str], version: str, timeout_s: float
+        self, entries: list[str], version: str, timeout_s: float, load_format: str | None = None
     ) -> InstallResult:
         """Install `entries` as version `version`, entry r for tensor-parallel rank r.
 
@@ -103,7 +172,10 @@ class EngineHTTP:
         if len(entries) != ranks:
             raise EngineError(f"{len(entries)} serialized_named_tensors entries for an engine "
                               f"of {ranks} tensor-parallel ranks; send one per rank")
-        body = {"serialized_named_tensors": entries, "flush_cache": True, "weight_version": version}
+        body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": True,
+                                "weight_version": version}
+        if load_format is not None:
+            body["load_format"] = load_format
         return self._install("/update_weights_from_tensor", body, timeout_s)
 
     def update_from_named_tensors(
@@ -112,12 +184,40 @@ class EngineHTTP:
         """Install full HF-named tensors, which every rank loads (each keeps its own shard,
         as SGLang's `load_weights` does), as one entry per rank, each a pickle of its own.
 
+        An engine of one rank is sent the version as one flattened bucket when the tensors
+        are views of one buffer in one dtype (the sidecar's staging): one handle to share
+        and open instead of one a tensor. Several ranks get the named list: SGLang 0.5.3's
+        flattened path leaves the tensor on the GPU it arrived on, where its named path
+        moves each one to the rank's device.
+
         Torch counts one shared-memory (or CUDA IPC) reference per pickle and gives one back
         per unpickling, so a single entry read by several ranks releases the memory under
         the others: the sender's reused buffers are gone for the next version.
         """
-        entries = [encode_named_tensors(named) for _ in range(self.tp_size())]
+        ranks = self.tp_size()
+        flat = flat_span(named) if ranks == 1 else None
+        if flat is not None:
+            return self.update_from_tensor([encode_flattened(named, flat)], version, timeout_s,
+                                           FLATTENED)
+        entries = [encode_named_tensors(named) for _ in range(ranks)]
         return self.update_from_tensor(entries, version, timeout_s)
+
+    def release_memory(self, timeout_s: float) -> None:
+        """Free the engine's GPU memory (weights, KV cache, CUDA graphs) while a colocated
+        trainer trains: SGLang's `/release_memory_occupation`, every tag."""
+        self._occupation("/release_memory_occupation", timeout_s)
+
+    def resume_memory(self, timeout_s: float) -> None:
+        """Take the memory back (`/resume_memory_occupation`, every tag). SGLang keeps no
+        copy of released weights unless started with a CPU backup: a version must be
+        installed before it generates again."""
+        self._occupation("/resume_memory_occupation", timeout_s)
+
+    def _occupation(self, path: str, timeout_s: float) -> None:
+        status, body = self._request("POST", path, {}, timeout_s)
+        # SGLang 0.5.3 answers 200 with an empty body; a refusal is an error status.
+        if status != 200 or (isinstance(body, dict) and body.get("success") is False):
+            raise EngineError(f"POST {path} answered {status}: {body}")
 
     def update_from_disk(self, model_path: str, version: str, timeout_s: float) -> InstallResult:
         body = {"model_path": model_path, "weight_version": version}

@@ -156,42 +156,136 @@ def version_digest(
 # A tensor at least this large (elements) gets a reduction kernel of its own; smaller ones
 # are screened together, many per kernel, where a launch each would cost more than the read.
 SCREEN_ALONE = 1 << 20
+# Views of one buffer lying at most this many bytes apart are screened as one span (the
+# alignment padding between them is read too): a bucket is then one kernel, not one a tensor.
+SPAN_GAP_BYTES = 4096
+
+
+_Named = list[tuple[str, torch.Tensor]]
+
+
+def _spans(
+    named: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[torch.Tensor, _Named]], _Named]:
+    """Contiguous views of one storage in one dtype, merged into flat spans over it.
+
+    A received version is a few buffers holding all its tensors (a bucket, the sidecar's
+    staging, a flattened bucket): screening each buffer's span whole reads the same bytes
+    with one kernel, where one a tensor costs a launch and a reduction each. Returns the
+    spans with their members, and the tensors that are no such view (screened as before).
+    """
+    groups: dict[tuple[torch.device, int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    rest: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in named:
+        if not tensor.is_floating_point() or not tensor.numel():
+            continue
+        if tensor.is_contiguous():
+            key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.dtype)
+            groups.setdefault(key, []).append((name, tensor))
+        else:
+            rest.append((name, tensor))
+    spans: list[tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
+    for (_, _, dtype), members in groups.items():
+        if len(members) == 1:
+            rest.extend(members)
+            continue
+        gap = max(1, SPAN_GAP_BYTES // dtype.itemsize)
+        members.sort(key=lambda nt: nt[1].storage_offset())
+        run: list[tuple[str, torch.Tensor]] = []
+        end = 0
+        for nt in members:
+            begin = int(nt[1].storage_offset())
+            if run and begin - end > gap:
+                spans.append(_span(run))
+                run = []
+            end = begin + nt[1].numel() if not run else max(end, begin + nt[1].numel())
+            run.append(nt)
+        spans.append(_span(run))
+    single = [s for s in spans if len(s[1]) == 1]
+    rest.extend(m for _, members in single for m in members)
+    return [s for s in spans if len(s[1]) > 1], rest
+
+
+def _span(run: _Named) -> tuple[torch.Tensor, _Named]:
+    first = min(t.storage_offset() for _, t in run)
+    last = max(t.storage_offset() + t.numel() for _, t in run)
+    return run[0][1].as_strided((last - first,), (1,), first), run
+
+
+# Exponent bits of the float formats the GPU screen reads as 32-bit words: a NaN or Inf is a
+# value whose exponent bits are all set (both halves of a word for the 16-bit formats).
+_EXPONENT_MASKS: dict[torch.dtype, tuple[int, int]] = {
+    torch.bfloat16: (0x7F80, 0x7F800000),
+    torch.float16: (0x7C00, 0x7C000000),
+    torch.float32: (0x7F800000, 0),
+}
+
+
+def gpu_screen_fits(span: torch.Tensor) -> bool:
+    """Whether `span` can be read by the bit screen: a CUDA float of a format it knows,
+    word-aligned and a whole number of 32-bit words long."""
+    return (
+        span.device.type == "cuda"
+        and span.dtype in _EXPONENT_MASKS
+        and span.data_ptr() % 4 == 0
+        and (span.numel() * span.element_size()) % 4 == 0
+    )
+
+
+def _screen(span: torch.Tensor) -> torch.Tensor:
+    """A one-element bool tensor on the span's device: True when every value is finite.
+
+    On a GPU the span is read once as 32-bit words by a Triton kernel that tests exponent
+    bits (`rljob.weightsync.screen_gpu`): no float arithmetic, so no overflow, and it reads
+    at close to copy speed. Elsewhere a float32 sum, which a NaN/Inf makes non-finite (and
+    which finite values can overflow: the members of a flagged span are checked one by one).
+    """
+    if gpu_screen_fits(span):
+        from rljob.weightsync.screen_gpu import all_finite_words
+
+        lo, hi = _EXPONENT_MASKS[span.dtype]
+        return all_finite_words(span.view(torch.int32), lo, hi)
+    return torch.isfinite(span.sum(dtype=torch.float32))[None]
 
 
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
     """Names of the floating tensors holding NaN or Inf, in the given order.
 
-    A screen on the device instead of a check per tensor: every tensor is reduced to one
-    float32 sum (a large tensor by its own `sum`, which reads its bytes once at close to
-    copy speed; small ones together by `_foreach_norm`, one multi-tensor kernel per dtype)
-    and the results reach the host in one transfer per device, so a version costs about
-    one read of its bytes and a synchronisation per device, not one per tensor. A NaN or
-    Inf anywhere makes its tensor's sum non-finite, so nothing non-finite passes; a sum can
-    also overflow from finite values alone, so only the tensors the screen flags are
-    checked element by element before they are named.
+    A screen on the device instead of a check per tensor: views of one buffer are screened
+    as one span (`_spans`: a received version costs one kernel per buffer), any other large
+    tensor by a kernel of its own, small ones together by `_foreach_norm` (one multi-tensor
+    kernel per dtype), and the verdicts reach the host in one transfer per device, so a
+    version costs about one read of its bytes and one synchronisation per device, not one
+    per tensor. Only what the screen flags is checked element by element before it is
+    named, so a false alarm (a sum overflowing from finite values, or non-finite padding
+    between the tensors of a span) never refuses a finite tensor.
     """
-    screens: dict[torch.device, list[torch.Tensor]] = {}
-    screened: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    spans, rest = _spans(named)
+    verdicts: dict[torch.device, list[torch.Tensor]] = {}
+    screened: dict[torch.device, list[list[tuple[str, torch.Tensor]]]] = {}
     small: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in named:
-        if not tensor.is_floating_point() or not tensor.numel():
-            continue
+    for span, members in spans:
+        verdicts.setdefault(span.device, []).append(_screen(span))
+        screened.setdefault(span.device, []).append(members)
+    for name, tensor in rest:
         if tensor.numel() >= SCREEN_ALONE:
-            screens.setdefault(tensor.device, []).append(tensor.sum(dtype=torch.float32)[None])
-            screened.setdefault(tensor.device, []).append((name, tensor))
+            verdicts.setdefault(tensor.device, []).append(_screen(tensor.reshape(-1)))
+            screened.setdefault(tensor.device, []).append([(name, tensor)])
         else:
             small.setdefault((tensor.device, tensor.dtype), []).append((name, tensor))
     for (device, _), members in small.items():
         norms = torch._foreach_norm([t for _, t in members], 1)
-        screens.setdefault(device, []).append(torch.stack(list(norms)).float())
-        screened.setdefault(device, []).extend(members)
+        verdicts.setdefault(device, []).append(torch.isfinite(torch.stack(list(norms)).float()))
+        screened.setdefault(device, []).extend([m] for m in members)
     flagged: set[str] = set()
-    for device, parts in screens.items():
-        finite = torch.isfinite(torch.cat(parts)).tolist()
+    for device, parts in verdicts.items():
+        finite = torch.cat(parts).tolist()
         flagged.update(
             name
-            for (name, tensor), ok in zip(screened[device], finite, strict=True)
-            if not ok and not bool(torch.isfinite(tensor).all())
+            for members, ok in zip(screened[device], finite, strict=True)
+            if not ok
+            for name, tensor in members
+            if not bool(torch.isfinite(tensor).all())
         )
     return [name for name, _ in named if name in flagged]
 

@@ -275,6 +275,10 @@ class Sidecar:
                     for b, buf in zip(layout, buffers, strict=True)
                     for nt in unpack_bucket(b, buf)
                 ]
+                if self.device.type == "cuda":
+                    # The engine reads the staging through handles it already holds, which
+                    # carry no event to wait on: the bytes must be in place before it asks.
+                    torch.cuda.synchronize(self.device)
                 result = self.engine.update_from_named_tensors(
                     named, str(ann.version), self.config.install_timeout_s
                 )
@@ -345,15 +349,19 @@ class Sidecar:
         return buffers
 
     def _buffers(self, layout: Sequence[BucketMeta]) -> list[torch.Tensor]:
-        """This sidecar's staging buffers for `layout`.
+        """This sidecar's staging buffers for `layout`: consecutive views of one allocation.
 
         Kept across versions: fresh shared memory costs page faults on both sides of the
-        handoff, every version. The engine copies out before it answers, so nothing still
+        handoff, every version, and the engine keeps the last version's handles open
+        (`TensorReceiver`), so a kept buffer is not opened again. One allocation makes the
+        version one flat buffer: one handle to hand over (a flattened bucket) and one span
+        to screen for NaN/Inf. The engine copies out before it answers, so nothing still
         reads them when the next version arrives.
         """
         sizes = [b.nbytes for b in layout]
         if [b.numel() for b in self._staging] != sizes:
-            self._staging = [self._allocate(n) for n in sizes]
+            self._staging = []  # the old version's memory goes before the new is taken
+            self._staging = list(self._allocate(sum(sizes)).split(sizes))
         return self._staging
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
