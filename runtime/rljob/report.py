@@ -107,7 +107,7 @@ class StatusReporter:
 
     def __init__(self, name: str, namespace: str, api_client: Any = None, *,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, settle_s: float = SETTLE_S,
-                 backoff_s: tuple[float, float] = BACKOFF_S) -> None:
+                 backoff_s: tuple[float, float] = BACKOFF_S, idle_s: float = IDLE_S) -> None:
         from kubernetes import client, config
 
         if api_client is None:
@@ -122,6 +122,7 @@ class StatusReporter:
         self.request_timeout_s = request_timeout_s
         self.settle_s = settle_s
         self.backoff_s = backoff_s
+        self.idle_s = idle_s
         self._carried: dict[str, Any] | None = None  # read back from a predecessor
         self._reported: dict[str, Any] = {}  # the latest value of every field reported
         self._version = 0  # bumped by every report
@@ -159,6 +160,12 @@ class StatusReporter:
                 self._cond.wait_for(lambda: self._written >= mine or not self._healthy,
                                     timeout=self.settle_s)
 
+    @property
+    def writing(self) -> bool:
+        """A writer thread is alive (it ends after `idle_s` with nothing to write)."""
+        with self._cond:
+            return self._thread is not None
+
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until everything reported is written; True if it is."""
         with self._cond:
@@ -182,7 +189,7 @@ class StatusReporter:
         while True:
             with self._cond:
                 busy = self._cond.wait_for(
-                    lambda: self._closed or self._version > self._written, timeout=IDLE_S)
+                    lambda: self._closed or self._version > self._written, timeout=self.idle_s)
                 if self._closed or not busy:
                     self._thread = None  # idle: the next report starts a writer again
                     return

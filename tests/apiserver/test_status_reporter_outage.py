@@ -121,6 +121,28 @@ def test_reports_survive_a_minute_without_api_server(plane: ControlPlane) -> Non
     assert status["checkpoint"]["path"] == f"/checkpoints/job/step_{loop.checkpoint:08d}"
 
 
+def test_a_report_after_the_writer_went_idle_is_written(plane: ControlPlane) -> None:
+    """Between reports far apart (a long step) the writer thread ends; the next report must
+    start another, or the status would freeze at the last step written."""
+    name = "idle-writer"
+    plane.apply(base_job(name), "-n", "default")
+    client = config.new_client_from_config(config_file=str(plane.kubeconfig))
+    reporter = StatusReporter(name, "default", api_client=client, idle_s=0.5)
+    loop = Loop(reporter)
+    try:
+        loop.one_step()
+        assert reporter.flush(30), reporter.last_error
+        wait_for(lambda: not reporter.writing, timeout=30, what="the writer to go idle")
+        loop.one_step()
+        progress = wait_for(
+            lambda: (p := _status(plane, name).get("progress") or {}).get("rolloutStep") == 2
+            and p, timeout=30, what="the report after the idle writer in the status")
+    finally:
+        reporter.close(5)
+        client.close()
+    assert progress["trainStep"] == 4
+
+
 @pytest.mark.runtime
 def test_a_real_run_trains_through_a_minute_without_api_server(
         plane: ControlPlane, tmp_path: Path) -> None:
