@@ -32,6 +32,7 @@ from rljob.weightsync.tensor_payload import (
     FLATTENED,
     NamedTensors,
     TensorReceiver,
+    copy_into,
     update_problems,
 )
 
@@ -230,9 +231,8 @@ class HFEngine:
                   for rank, named in enumerate(per_rank) for _, tensor in named]
         with self.lock, torch.no_grad():
             self._check_resident()
-            # One multi-tensor copy, not a launch per tensor; finished before the answer, so
-            # the sender may reuse its buffers as soon as it reads it.
-            torch._foreach_copy_(owns, shards)
+            # Finished before the answer, so the sender may reuse its buffers once it reads it.
+            copy_into(owns, shards)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.weight_version = version

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
-from rljob.weightsync.protocol import nonfinite_names
+from rljob.weightsync.protocol import SCREEN_ALONE, nonfinite_names
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -118,6 +118,22 @@ def decode_named_tensors(entry: str) -> NamedTensors:
     """The inverse of `encode_named_tensors` and `encode_flattened`, run in the engine."""
     use_file_system_sharing()
     return _decoded(pickle.loads(base64.b64decode(entry)))
+
+
+def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copy each source into its target: a large tensor by its own copy (which runs at the
+    device's copy rate), the small ones together in one multi-tensor copy (one launch where
+    a copy each would cost more than its bytes). `torch._foreach_copy_` alone moved 1 GB of
+    128 MB tensors at two thirds of the copy rate on an H200."""
+    small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for target, source in zip(targets, sources, strict=True):
+        if target.numel() >= SCREEN_ALONE:
+            target.copy_(source)
+        else:
+            small[0].append(target)
+            small[1].append(source)
+    if small[0]:
+        torch._foreach_copy_(small[0], small[1])
 
 
 class TensorReceiver:
