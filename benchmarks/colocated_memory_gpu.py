@@ -3,13 +3,15 @@ generates, the engine's memory released while the trainer trains, then back.
 
 One process holds the trainer of an example job (`MegatronTrainerActor`, or `TorchTrainer`
 with `--backend torch` or where megatron-core is missing) and its `hf` engine on the same GPU,
-and walks through two rollout steps as the driver does for `placement: colocated` on GPUs
-(`Job.one_step`): `trainer.offload()` before generating, `engine.release_memory()` before
-training (the trainer comes back on its first use), `engine.resume_memory()` after, and the
-new weights installed. Each phase prints what the device has in use (`cudaMemGetInfo`, the
-CUDA context included), what torch has allocated, and the bytes the trainer's and the
-engine's tensors hold on the GPU. `--hidden/--layers` grow the example's tiny model so the
-moves show beside the context's fixed cost.
+and walks through `--steps` rollout steps as the driver does for `placement: colocated` on
+GPUs (`Job.one_step`): `trainer.offload()` before generating, `engine.release_memory()`
+before training (the trainer comes back on its first use), `engine.resume_memory()` after,
+and the new weights installed. Each phase prints what the device has in use
+(`cudaMemGetInfo`, the CUDA context included), what torch has allocated, the bytes the
+trainer's and the engine's tensors hold on the GPU and how fast they moved; the anchor for
+the moves, a plain copy of the trainer's bytes to pinned host memory and back, ends it.
+`--hidden/--layers` grow the example's tiny model so the moves show beside the context's
+fixed cost.
 
     python benchmarks/colocated_memory_gpu.py examples/tiny-megatron-gpu.yaml
 """
@@ -56,6 +58,27 @@ def row(phase: str, trainer: Any, engine: HFEngine, peak: int | None = None) -> 
     return text
 
 
+def host_copy_gbs(nbytes: int) -> tuple[float, float]:
+    """The anchor for the moves: a plain copy of `nbytes` GPU -> pinned host and back, GB/s
+    (best of three, after one to warm up)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    best = [float("inf"), float("inf")]
+    for _ in range(4):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        best = [min(best[0], middle - start), min(best[1], end - middle)]
+    del dev, host
+    torch.cuda.empty_cache()
+    return nbytes / best[0] / 1e9, nbytes / best[1] / 1e9
+
+
 def rollout(engine: HFEngine, task: Any, spec: Any, step: int) -> list[dict[str, Any]]:
     """One rollout step's samples from the engine, rewarded like the driver's worker does."""
     algo, sampling = spec.algorithm, spec.rollout.sampling
@@ -85,6 +108,7 @@ def main() -> None:
                    help="default: the job's, or torch where megatron-core is missing")
     p.add_argument("--hidden", type=int, default=None, help="grow the tiny model")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
     _, spec = load_job(args.job)
     backend = args.backend or str(spec.trainer.backend)
@@ -119,22 +143,27 @@ def main() -> None:
           f"hidden {tiny.hidden_size}, {tiny.num_layers} layers, {params / 1e6:.1f} M parameters "
           f"({spec.model.dtype} serving)", flush=True)
     print(row("both loaded (before the first step)", trainer, engine), flush=True)
-    for step in range(2):
+    for step in range(args.steps):
         start = time.perf_counter()
         moved = trainer.offload()
         took = time.perf_counter() - start
         samples = rollout(engine, task, spec, step)
         print(row(f"step {step}: rollout (trainer off)", trainer, engine)
-              + f" | offload {moved / MIB:.1f} MiB in {took * 1e3:.1f} ms", flush=True)
+              + f" | offload {moved / MIB:.1f} MiB in {took * 1e3:.1f} ms "
+              f"({moved / max(took, 1e-9) / 1e9:.1f} GB/s)", flush=True)
         start = time.perf_counter()
         released = engine.release_memory()
         took = time.perf_counter() - start
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        back = trainer.on_device()
+        took_back = time.perf_counter() - start
         result = trainer.train(samples, step == 0)
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         print(row(f"step {step}: training (engine off)", trainer, engine, peak)
-              + f" | release {released / MIB:.1f} MiB in {took * 1e3:.1f} ms; "
+              + f" | release {released / MIB:.1f} MiB in {took * 1e3:.1f} ms; trainer back "
+              f"{back / MIB:.1f} MiB in {took_back * 1e3:.1f} ms; "
               f"{result['optimizer_steps']} optimizer steps", flush=True)
         engine.resume_memory()
         engine.install(trainer.named_weights(), str(step + 1))
@@ -143,7 +172,12 @@ def main() -> None:
     for name, tensor in trainer.named_weights():
         if name in served and not torch.equal(served[name], tensor.to(served[name].device)):
             raise SystemExit(f"the engine does not serve the trainer's {name} after the moves")
-    print("the engine serves exactly the trainer's weights after two offload round trips")
+    print(f"the engine serves exactly the trainer's weights after {args.steps} offload round "
+          "trips")
+    if device == "cuda":
+        down, up = host_copy_gbs(trainer.gpu_bytes())
+        print(f"anchor, same run: a plain copy of the trainer's bytes GPU -> pinned host "
+              f"{down:.1f} GB/s, back {up:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,17 @@ class Offload:
     def __init__(self, device_type: str = "cuda") -> None:
         self.device_type = device_type
         self._held: list[tuple[torch.UntypedStorage, Tensor]] = []
+        # Host buffers of the last turn, by size, for the next: pinning fresh host memory
+        # every turn costs more than the copy. The price is host memory the size of what
+        # was offloaded, kept while the tensors are back on the device.
+        self._spare: dict[int, list[Tensor]] = {}
         self.offloaded = False
+
+    def _host(self, nbytes: int, pin: bool) -> Tensor:
+        spare = self._spare.get(nbytes)
+        if spare:
+            return spare.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def offload(self, tensors: Iterable[Tensor]) -> int:
         """Move the storages of `tensors` off the device; returns the bytes moved (storages
@@ -106,7 +116,7 @@ class Offload:
         self.offloaded = True
         pin = self.device_type == "cuda"
         for storage in filter(_movable, _storages(tensors, self.device_type)):
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            host = self._host(storage.nbytes(), pin)
             host.untyped_storage().copy_(storage, non_blocking=pin)
             self._held.append((storage, host))
         if pin and self._held:
@@ -126,6 +136,9 @@ class Offload:
             moved += host.numel()
         if self._held and self.device_type == "cuda":
             torch.cuda.synchronize()
+        self._spare = {}
+        for _, host in self._held:
+            self._spare.setdefault(host.numel(), []).append(host)
         self._held = []
         self.offloaded = False
         return moved
