@@ -406,16 +406,17 @@ class Job:
                                ) from None
             raise
 
-    def publish(self) -> None:
+    def publish(self, again: bool = False) -> None:
         """Deliver `state.weight_version` to every engine, or stop the run.
 
         Engines that reject a version keep serving the previous one and are resynced by
         the publisher within the deadline; one still stale after that fails the run
-        (retryable: a restart resyncs every engine from the checkpoint).
+        (retryable: a restart resyncs every engine from the checkpoint). `again` sends the
+        version to engines that already had it (they dropped their weights).
         """
         version = self.state.weight_version
         try:
-            result: SyncResult = ray.get(self.trainers[0].publish.remote(version))
+            result: SyncResult = ray.get(self.trainers[0].publish.remote(version, again))
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, NonFiniteWeights):
                 message = f"{err.cause}; nothing was sent to the engines"
@@ -603,7 +604,7 @@ class Job:
             self.state.weight_version += 1
             self.publish()
         elif not weights_kept:  # SGLang dropped its released weights: the same version again
-            self.publish()
+            self.publish(again=True)
         row: dict[str, Any] = {
             "step": self.state.step,
             **{k: v for k, v in m.items() if k not in ("step_skipped", "nonfinite", "skipped")},

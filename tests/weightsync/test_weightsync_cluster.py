@@ -298,3 +298,26 @@ def test_a_resumed_publisher_installs_only_its_own_disk_versions(
     # Only this attempt's versions remain.
     (attempt,) = tmp_path.iterdir()
     assert attempt == disk.attempt_dir(tmp_path, cluster.publisher.incarnation[:12])
+
+
+def test_redeliver_sends_the_current_version_to_engines_that_had_it(
+    cluster: Cluster, trainer: Trainer
+) -> None:
+    """An engine that dropped its weights while the trainer ran (SGLang releasing its memory)
+    still reports the version; a resync passes it over, a redelivery makes it whole."""
+    version = trainer.step()
+    assert cluster.publisher.publish(version, trainer.params().items()).acked == list(ENGINES)
+    initial = http_json(cluster.urls["e0"] + "/get_model_info")["model_path"]
+    out = http_json(cluster.urls["e0"] + "/update_weights_from_disk",
+                    {"model_path": initial, "weight_version": str(version)})
+    assert out["success"], out
+    assert cluster.version("e0") == str(version)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_engine_matches(cluster, "e0", trainer.params())
+
+    assert cluster.publisher.resync(trainer.params().items()).acked == []
+    result = cluster.publisher.redeliver(trainer.params().items())
+    assert result.acked == list(ENGINES), result.stale
+    assert result.attempts == 1 and result.version == version
+    for name in ENGINES:
+        assert_engine_matches(cluster, name, trainer.params())

@@ -47,16 +47,20 @@ class TrainerSync:
     def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
         return self._joined().wait_for_engines(count, timeout_s)
 
-    def publish(self, version: int, named: NamedTensors) -> SyncResult:
+    def publish(self, version: int, named: NamedTensors, *, again: bool = False) -> SyncResult:
         """Deliver `named` as `version` to every engine.
 
         The version a run starts or resumes at is already the publisher's: it is delivered
-        again as a resync, since engines start from the initial model, not from it.
-        Raises `NonFiniteWeights` (nothing sent) when a weight is NaN/Inf.
+        again as a resync, since engines start from the initial model, not from it. `again`
+        sends the current version to every engine, acknowledged or not (engines that dropped
+        their weights while the trainer ran). Raises `NonFiniteWeights` (nothing sent) when a
+        weight is NaN/Inf.
         """
         publisher = self._joined()
         if version > publisher.version:
             result = publisher.publish(version, named)
+        elif again:
+            result = publisher.redeliver(named)
         else:
             result = publisher.resync(named)
         metrics.WEIGHT_VERSION.set(version)
@@ -92,5 +96,5 @@ class WeightPublishing(Locatable, ABC):
     def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
         return self.sync.wait_for_engines(count, timeout_s)
 
-    def publish(self, version: int) -> SyncResult:
-        return self.sync.publish(version, self.named_weights())
+    def publish(self, version: int, again: bool = False) -> SyncResult:
+        return self.sync.publish(version, self.named_weights(), again=again)

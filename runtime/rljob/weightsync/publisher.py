@@ -239,6 +239,16 @@ class WeightPublisher:
         """Deliver the current version again to every engine that has not acknowledged it."""
         return self._deliver(self._checked(named_tensors))
 
+    def redeliver(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncResult:
+        """Deliver the current version again to every engine, acknowledged or not: an engine
+        that released its memory while the trainer ran (SGLang drops the weights) holds
+        nothing to serve until it gets the version whole again."""
+        named = self._checked(named_tensors)
+        self._refresh_members()
+        for record in self._engines.values():
+            record.acked_version = None
+        return self._deliver(named)
+
     def _checked(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
