@@ -369,3 +369,33 @@ def test_a_colocated_sglang_starts_with_its_memory_saver_once() -> None:
     for user in ({}, {"enable-memory-saver": "true"}, {"enable-memory-saver": "false"}):
         assert build_command(colocated, user).count("--enable-memory-saver") == 1
     assert "--enable-memory-saver" not in build_command(SERVER, {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_one_byte_floats_are_screened_by_their_bits(dtype: torch.dtype) -> None:
+    """float8 has no norm kernel: a small or lone float8 tensor used to make the screen
+    raise NotImplementedError instead of naming its NaN; a finite one is never named."""
+    small = torch.ones(6).to(dtype)
+    small[2] = float("nan")
+    big = torch.zeros(SCREEN_ALONE).to(dtype)
+    big[-1] = float("nan")
+    fine = torch.full((SCREEN_ALONE,), 240.0).to(dtype)  # finite, large, sums to 2.5e8
+    named = [("small", small), ("ok", torch.ones(3).to(dtype)), ("big", big), ("fine", fine)]
+    assert nonfinite_names(named) == ["small", "big"]
+    assert nonfinite_report(named) == ["small: 1 NaN, 0 Inf", "big: 1 NaN, 0 Inf"]
+    # Views of one buffer: a NaN in one, and (e5m2 has them) an Inf in another.
+    plan = plan_buckets([("a", torch.zeros(5).to(dtype)), ("b", torch.zeros(7).to(dtype))],
+                        1 << 20)
+    views = unpack_bucket(plan[0], torch.zeros(plan[0].nbytes, dtype=torch.uint8))
+    assert nonfinite_names(views) == []
+    views[1][1][3] = float("inf") if dtype == torch.float8_e5m2 else float("nan")
+    assert nonfinite_names(views) == ["b"]
+
+
+def test_opposite_infinities_in_one_span_are_named() -> None:
+    """+Inf and -Inf in one screened span sum to NaN, not to something finite."""
+    plan = plan_buckets([(n, torch.zeros(4, dtype=torch.bfloat16)) for n in "abc"], 1 << 20)
+    views = unpack_bucket(plan[0], torch.zeros(plan[0].nbytes, dtype=torch.uint8))
+    views[0][1][0] = float("inf")
+    views[2][1][3] = float("-inf")
+    assert nonfinite_names(views) == ["a", "c"]

@@ -212,15 +212,37 @@ def _span(run: _Named) -> tuple[torch.Tensor, _Named]:
     return run[0][1].as_strided((last - first,), (1,), first), run
 
 
+# One-byte floats have no norm kernel (and no sum on every device): their NaN/Inf are
+# found by their bits, as (mask, value) on the byte: exponent (and for e4m3fn the mantissa)
+# all ones, or the one NaN byte of the "fnuz" formats.
+_BYTE_NONFINITE: dict[torch.dtype, tuple[int, int]] = {
+    torch.float8_e4m3fn: (0x7F, 0x7F),
+    torch.float8_e5m2: (0x7C, 0x7C),
+    torch.float8_e4m3fnuz: (0xFF, 0x80),
+    torch.float8_e5m2fnuz: (0xFF, 0x80),
+}
+
+
 def _screen(span: torch.Tensor) -> torch.Tensor:
     """A one-element bool tensor on the span's device: True when its float32 sum is finite.
 
     A NaN or Inf makes the sum non-finite; finite values can overflow it too, so the
     members of a flagged span are checked one by one. torch's sum reads a bf16 buffer at
     3.6 TB/s on an H200, faster than a Triton kernel testing exponent bits that was tried
-    in its place (2.9 TB/s, benchmarks/weight_sync_ipc_gpu.py, 2026-12-01).
+    in its place (2.9 TB/s, benchmarks/weight_sync_ipc_gpu.py, 2026-12-01). A one-byte
+    float is tested by its bits (`_BYTE_NONFINITE`).
     """
+    if span.dtype.itemsize == 1:
+        mask, value = _BYTE_NONFINITE.get(span.dtype, (0, 1))  # (0, 1): none of these
+        return ~((span.reshape(-1).view(torch.uint8) & mask) == value).any()[None]
     return torch.isfinite(span.sum(dtype=torch.float32))[None]
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Element by element (a one-byte float by its bits, which is exact)."""
+    if tensor.dtype.itemsize == 1:
+        return bool(_screen(tensor).item())
+    return bool(torch.isfinite(tensor).all())
 
 
 def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
@@ -243,7 +265,7 @@ def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
         verdicts.setdefault(span.device, []).append(_screen(span))
         screened.setdefault(span.device, []).append(members)
     for name, tensor in rest:
-        if tensor.numel() >= SCREEN_ALONE:
+        if tensor.numel() >= SCREEN_ALONE or tensor.dtype.itemsize == 1:
             verdicts.setdefault(tensor.device, []).append(_screen(tensor.reshape(-1)))
             screened.setdefault(tensor.device, []).append([(name, tensor)])
         else:
@@ -260,7 +282,7 @@ def nonfinite_names(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
             for members, ok in zip(screened[device], finite, strict=True)
             if not ok
             for name, tensor in members
-            if not bool(torch.isfinite(tensor).all())
+            if not _all_finite(tensor)
         )
     return [name for name, _ in named if name in flagged]
 
