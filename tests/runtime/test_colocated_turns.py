@@ -1,0 +1,93 @@
+"""The driver's colocated turns (`Job.one_step` with offload on), with the Ray actors
+stood in by recorders: the trainers leave the GPU before the rollout, the engines after it
+and before training, the engines come back before a version is published, and an engine
+that lost its weights (SGLang) gets the version again when the step made no update."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from rljob import driver
+from rljob.driver import Job
+
+
+class Actor:
+    """A Ray actor handle whose `method.remote(...)` records the call and answers."""
+
+    def __init__(self, name: str, log: list[str], answers: dict[str, Any]) -> None:
+        self._name, self._log, self._answers = name, log, answers
+
+    def __getattr__(self, method: str) -> Any:
+        def remote(*args: Any) -> Any:
+            self._log.append(f"{self._name}.{method}")
+            return self._answers.get(method)
+
+        return SimpleNamespace(remote=remote)
+
+
+def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool,
+         log: list[str]) -> Job:
+    job = object.__new__(Job)
+    metrics = {"step_skipped": [False], "skipped_steps": 0, "optimizer_steps": optimizer_steps,
+               "nonfinite": [], "reward": 0.5}
+    job.offload = offload
+    job.trainers = [Actor(f"trainer{r}", log, {"train": metrics, "nonfinite_weights": [],
+                                                "offload": 1}) for r in range(2)]
+    job.engines = [Actor(f"engine{e}", log, {"resume_memory": weights_kept})
+                   for e in range(2)]
+    job.rollout = Actor("rollout", log, {"generate": (
+        [], {"tokens_per_second": 1.0, "rollout_seconds": 0.1})})
+    job.state = SimpleNamespace(step=3, weight_version=3, consecutive_nonfinite=0,
+                                skipped_steps=0, train_step=3, samples=0)
+    job.spec = SimpleNamespace(
+        algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10),
+        data=SimpleNamespace(eval_dataset=None, eval_interval=0))
+    job.store = SimpleNamespace(lease=SimpleNamespace(check=lambda: None))
+    job.metrics_path = tmp_path / "metrics.jsonl"
+    job.reporter = SimpleNamespace(progress=lambda _: None)
+    job.publish = lambda again=False: log.append(  # type: ignore[method-assign]
+        f"publish(again={again}, version={job.state.weight_version})")
+    return job
+
+
+@pytest.fixture(autouse=True)
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(driver.ray, "get", lambda value: value)
+
+
+def _step(tmp_path: Path, **kw: Any) -> list[str]:
+    log: list[str] = []
+    _job(tmp_path, log=log, **kw).one_step(SimpleNamespace(update=lambda *_: None))
+    return log
+
+
+def test_colocated_turns_in_order(tmp_path: Path) -> None:
+    assert _step(tmp_path, offload=True, optimizer_steps=1, weights_kept=True) == [
+        "trainer0.offload", "trainer1.offload", "rollout.generate",
+        "engine0.release_memory", "engine1.release_memory",
+        "trainer0.train", "trainer1.train",
+        "engine0.resume_memory", "engine1.resume_memory",
+        "trainer0.nonfinite_weights", "publish(again=False, version=4)",
+    ]
+
+
+def test_dropped_weights_get_the_same_version_again(tmp_path: Path) -> None:
+    """SGLang's resume brings memory back, not weights: with no update this step, the
+    version the engines had is sent again; with an update, the new one reaches them."""
+    log = _step(tmp_path, offload=True, optimizer_steps=0, weights_kept=False)
+    assert log[-1] == "publish(again=True, version=3)"
+    log = _step(tmp_path, offload=True, optimizer_steps=0, weights_kept=True)
+    assert not any(entry.startswith("publish") for entry in log)
+    log = _step(tmp_path, offload=True, optimizer_steps=2, weights_kept=False)
+    assert log[-1] == "publish(again=False, version=4)"
+
+
+def test_without_offload_nothing_moves(tmp_path: Path) -> None:
+    """A CPU run, or GPUs not colocated: no offload, release or resume is asked."""
+    log = _step(tmp_path, offload=False, optimizer_steps=1, weights_kept=False)
+    assert not any(m in entry for entry in log for m in ("offload", "_memory"))
+    assert log[-1] == "publish(again=False, version=4)"
