@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -68,8 +69,10 @@ def d2d_gbs(nbytes: int, reps: int) -> float:
     return nbytes / best / 1e9
 
 
-def check_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
-    """The finite check alone on the staged version (`nonfinite_names`: one span)."""
+def _best_gbs(views: list[tuple[str, torch.Tensor]], reps: int,
+              after: Callable[[], None] | None = None) -> float:
+    """GB/s of the best of `reps` (+1 warm-up) finite checks of `views`, each followed by
+    `after` (then a sync) when given."""
     nbytes = sum(t.numel() * t.element_size() for _, t in views)
     best = float("inf")
     for _ in range(reps + 1):
@@ -77,8 +80,16 @@ def check_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
         start = time.perf_counter()
         if nonfinite_names(views):
             raise SystemExit("the benchmark's weights are finite; the check says otherwise")
+        if after is not None:
+            after()
+            sync()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
+
+
+def check_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
+    """The finite check alone on the staged version (`nonfinite_names`: one span)."""
+    return _best_gbs(views, reps)
 
 
 def floor_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
@@ -86,17 +97,7 @@ def floor_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
     set of tensors (what any handoff that checks before it copies must do), no IPC, no
     request. Its ratio to the copy rate bounds the handoff's."""
     targets = [torch.empty_like(t) for _, t in views]
-    nbytes = sum(t.numel() * t.element_size() for _, t in views)
-    best = float("inf")
-    for _ in range(reps + 1):
-        sync()
-        start = time.perf_counter()
-        if nonfinite_names(views):
-            raise SystemExit("the benchmark's weights are finite; the check says otherwise")
-        copy_into(targets, [t for _, t in views])
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+    return _best_gbs(views, reps, lambda: copy_into(targets, [t for _, t in views]))
 
 
 def main() -> None:

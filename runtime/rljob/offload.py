@@ -11,6 +11,7 @@ Touching an offloaded tensor fails loudly (its storage holds no bytes), never si
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -144,7 +145,7 @@ class Offload:
         return moved
 
 
-class TakesTurns:
+class TakesTurns(ABC):
     """A trainer's side of sharing its GPU with engines (colocated placement).
 
     The driver calls `offload()` before each rollout; the trainer's own methods that need
@@ -154,9 +155,9 @@ class TakesTurns:
 
     _turns: Offload | None = None
 
+    @abstractmethod
     def _held_tensors(self) -> Iterator[Tensor]:
         """Everything the trainer keeps on its GPU: models, gradients, optimizer state."""
-        raise NotImplementedError
 
     def _offloader(self) -> Offload:
         if self._turns is None:
