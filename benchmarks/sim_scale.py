@@ -26,7 +26,6 @@ per job) as fast as the API server takes them, then leaves everything idle for
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -40,7 +39,8 @@ from typing import Any
 
 import yaml
 
-from tests.controlplane import REPO, ControlPlane, Process, k8s_bin_dir
+from tests.controlplane import REPO, ControlPlane, k8s_bin_dir
+from tests.controlplane_audit import audit_requests, describe_request
 from tests.operator_process import Operator
 from tests.polling import wait_for
 
@@ -69,21 +69,11 @@ rules:
 
 
 class AuditedControlPlane(ControlPlane):
-    """The harness's control plane, with the API server writing an audit log: the only
-    place that sees every request of every client, tagged with its user agent."""
+    """The harness's control plane, with the API server writing every request of every
+    client to its audit log (the only place that sees them all, tagged with user agents)."""
 
-    @property
-    def audit_log(self) -> Path:
-        return self.root / "audit.log"
-
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Process:
-        if name == "kube-apiserver":
-            policy = self.root / "audit-policy.yaml"
-            policy.write_text(AUDIT_POLICY)
-            args = [*args, f"--audit-policy-file={policy}",
-                    f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
-                    "--audit-log-maxsize=0"]
-        return super()._spawn(name, args, env)
+    def audit_policy(self) -> str:
+        return AUDIT_POLICY
 
 
 def job_manifest(name: str) -> dict[str, Any]:
@@ -128,31 +118,6 @@ def proc_stats(pid: int) -> ProcStats:
         return int(status[key].split()[0]) / 1024
 
     return ProcStats(ticks / os.sysconf("SC_CLK_TCK"), kib("VmRSS"), kib("VmHWM"))
-
-
-def parse_time(text: str) -> datetime:
-    return datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
-def audit_requests(log: Path, start: datetime, end: datetime) -> list[dict[str, Any]]:
-    """One audit event per request received in [start, end)."""
-    out = []
-    with log.open() as f:
-        for line in f:
-            event = json.loads(line)
-            counted = "ResponseStarted" if event["verb"] == "watch" else "ResponseComplete"
-            if event["stage"] == counted and \
-                    start <= parse_time(event["requestReceivedTimestamp"]) < end:
-                out.append(event)
-    return out
-
-
-def describe_request(event: dict[str, Any]) -> str:
-    ref = event.get("objectRef") or {}
-    resource = ref.get("resource", event.get("requestURI", "?"))
-    if ref.get("subresource"):
-        resource += "/" + ref["subresource"]
-    return f"{event['verb']} {resource}"
 
 
 def phases(api: Any) -> dict[str, str]:

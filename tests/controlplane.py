@@ -30,6 +30,10 @@ from tests.polling import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "rljob-test-admin-token"
+# A second admin whose every request the API server writes to its audit log (and only
+# that user's): a test runs a client as this user to count exactly what the client asks.
+AUDITED_USER = "audited-admin"
+AUDITED_TOKEN = "rljob-test-audited-token"
 GPU = "nvidia.com/gpu"
 
 
@@ -144,6 +148,25 @@ class ControlPlane:
         return self.root / "kubeconfig"
 
     @property
+    def audited_kubeconfig(self) -> Path:
+        """A kubeconfig of the audited admin (AUDITED_USER)."""
+        return self.root / "kubeconfig-audited"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.root / "audit.log"
+
+    def audit_policy(self) -> str:
+        """The API server's audit policy: the audited admin's requests, at Metadata level,
+        one event per request (a watch when its response starts, any other when it ends)."""
+        return (
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\n"
+            "omitStages: [RequestReceived]\nrules:\n"
+            f"- level: Metadata\n  users: [{AUDITED_USER}]\n"
+            "- level: None\n"
+        )
+
+    @property
     def server(self) -> str:
         return f"https://127.0.0.1:{self.api_port}"
 
@@ -216,7 +239,11 @@ class ControlPlane:
                 "warn",
             ],
         )
-        (self.root / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n')
+        (self.root / "tokens.csv").write_text(
+            f'{ADMIN_TOKEN},admin,admin-uid,"system:masters"\n'
+            f'{AUDITED_TOKEN},{AUDITED_USER},audited-uid,"system:masters"\n')
+        policy = self.root / "audit-policy.yaml"
+        policy.write_text(self.audit_policy())
         self.api_port = free_port()
         p = self.pki
         self.api_args = [
@@ -239,6 +266,10 @@ class ControlPlane:
             "--profiling=false",
             "--enable-priority-and-fairness=false",
             "--endpoint-reconciler-type=none",
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=0",
         ]
         self._write_kubeconfig()
         self.start_apiserver(timeout, etcd)
@@ -288,6 +319,8 @@ class ControlPlane:
             ],
         }
         self.kubeconfig.write_text(yaml.safe_dump(config))
+        config["users"] = [{"name": "admin", "user": {"token": AUDITED_TOKEN}}]
+        self.audited_kubeconfig.write_text(yaml.safe_dump(config))
 
     def _get(self, path: str) -> str:
         import ssl

@@ -37,15 +37,19 @@ class Operator:
     metrics_port: int = field(default_factory=free_port)
     liveness_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    kubeconfig: Path | None = None  # default: the control plane's admin
+    extra_args: tuple[str, ...] = ()
 
     def start(self) -> None:
+        kubeconfig = self.kubeconfig or self.cp.kubeconfig
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rljob_operator", "--kubeconfig", str(self.cp.kubeconfig),
+                [sys.executable, "-m", "rljob_operator", "--kubeconfig", str(kubeconfig),
                  "--namespace", self.namespace, "--interval", str(self.interval),
                  "--server-timeout", "30", "--metrics-port", str(self.metrics_port),
                  "--metrics-addr", "127.0.0.1",
-                 "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz"],
+                 "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
+                 *self.extra_args],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )

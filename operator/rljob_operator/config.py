@@ -11,7 +11,8 @@ from dataclasses import dataclass
 class OperatorConfig:
     kubeconfig: str | None = None
     namespaces: tuple[str, ...] = ()  # empty: every namespace
-    interval: float = 10.0  # seconds between resyncs of one job
+    interval: float = 10.0  # seconds between resyncs of one job (read from the watch cache)
+    resync: float = 600.0  # seconds between reads of one job from the API server itself
     workers: int = 4
     server_timeout: int = 60  # watch requests end server-side after this long (seconds)
     metrics_port: int = 9090  # 0 disables /metrics
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float,
                    default=_env_float("RLJOB_OPERATOR_INTERVAL", OperatorConfig.interval),
                    help="seconds between resyncs of each job ($RLJOB_OPERATOR_INTERVAL)")
+    p.add_argument("--resync", type=float,
+                   default=_env_float("RLJOB_OPERATOR_RESYNC", OperatorConfig.resync),
+                   help="seconds between safety resyncs of each job, which read it and its "
+                        "children from the API server instead of the watch cache "
+                        "($RLJOB_OPERATOR_RESYNC)")
     p.add_argument("--workers", type=int, default=OperatorConfig.workers,
                    help="jobs reconciled in parallel")
     p.add_argument("--server-timeout", type=int,
@@ -56,12 +62,15 @@ def parse_args(argv: list[str] | None = None) -> OperatorConfig:
     args = build_parser().parse_args(argv)
     if args.interval <= 0:
         raise SystemExit("rljob-operator: --interval must be > 0 seconds")
+    if args.resync <= 0:
+        raise SystemExit("rljob-operator: --resync must be > 0 seconds")
     if args.workers < 1:
         raise SystemExit("rljob-operator: --workers must be >= 1")
     return OperatorConfig(
         kubeconfig=args.kubeconfig or None,
         namespaces=tuple(args.namespaces),
         interval=args.interval,
+        resync=args.resync,
         workers=args.workers,
         server_timeout=args.server_timeout,
         metrics_port=args.metrics_port,

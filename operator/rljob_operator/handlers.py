@@ -1,4 +1,5 @@
-"""kopf wiring: watch events kick the controller; the controller does the work.
+"""kopf wiring: watch events fill the cache and kick the controller; the controller does
+the work, reading the cache.
 
 No on.create/update/delete, daemon or timer handlers: those need kopf's finalizers and
 per-object progress annotations, and a level-based reconcile needs neither. Deleting an
@@ -18,6 +19,7 @@ from kubernetes import client
 
 from rljob_api import GROUP, PLURAL, VERSION
 from rljob_operator import names
+from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store
 from rljob_operator.config import OperatorConfig
 from rljob_operator.controller import Controller
 from rljob_operator.kube import Kube, load_configuration
@@ -66,8 +68,21 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     metrics = Metrics()
     hints = FailureHints()
     kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)))
-    controller = Controller(Reconciler(kube, metrics, hints).reconcile, cfg.interval,
-                            cfg.workers)
+    store = Store()
+    # Filled by one list per kind before kopf's watches start (kopf's own initial listing
+    # has no end marker): the first reconcile of a job already sees all its children, so a
+    # restarted operator never takes a pod it has not been told of yet for a lost one.
+    for kind in (RLJOB, RAYCLUSTER, POD):
+        for ns in cfg.namespaces or (None,):
+            for obj in await asyncio.to_thread(kube.list_all, kind, ns):
+                store.put(kind, obj)
+    # Nodes: listed for all jobs at once, every 3 resync intervals (30 s in production).
+    nodes = NodeCache(kube.list_nodes, ttl=min(30.0, max(1.5, 3 * cfg.interval)),
+                      min_age=min(2.0, cfg.interval))
+    reconciler = Reconciler(kube, metrics, hints, store=store, nodes=nodes, resync=cfg.resync)
+    controller = Controller(reconciler.reconcile, cfg.interval, cfg.workers)
+    memo.store = store
+    memo.reconciler = reconciler
     memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr) \
         if cfg.metrics_port else None
     memo.hints = hints
@@ -90,19 +105,29 @@ def heartbeat(memo: kopf.Memo, **_: Any) -> float:
     return round(age, 1)
 
 
+def _cache(memo: kopf.Memo, kind: str, event: kopf.RawEvent) -> None:
+    if event["type"] == "DELETED":
+        memo.store.remove(kind, event["object"])
+    else:
+        memo.store.put(kind, event["object"])
+
+
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def rljob_event(type: str, name: str, namespace: str | None, memo: kopf.Memo,
-                      **_: Any) -> None:
+                      event: kopf.RawEvent, **_: Any) -> None:
     key = (namespace or "", name)
+    _cache(memo, RLJOB, event)
     if type == "DELETED":
         memo.controller.forget(key)
+        memo.reconciler.forget(*key)
     else:
         memo.controller.track(key)
 
 
 @kopf.on.event("", "v1", "pods", labels={names.LABEL_JOB: kopf.PRESENT})
 async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: kopf.Labels,
-                    memo: kopf.Memo, **_: Any) -> None:
+                    memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> None:
+    _cache(memo, POD, event)
     namespace = namespace or ""
     job = labels[names.LABEL_JOB]
     hint = pod_failure(dict(body))
@@ -117,5 +142,6 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
 @kopf.on.event(names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL,
                labels={names.LABEL_JOB: kopf.PRESENT})
 async def raycluster_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
-                           **_: Any) -> None:
+                           event: kopf.RawEvent, **_: Any) -> None:
+    _cache(memo, RAYCLUSTER, event)
     memo.controller.kick((namespace or "", labels[names.LABEL_JOB]))

@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -64,6 +65,11 @@ class Kube:
         # (namespace, kind, name, owner uid) seen owned by that RLJob: a later 409 on the same
         # create needs no read to know it is ours.
         self._owned: set[tuple[str, str, str, str]] = set()
+        # Told of each object as a write's response shows it (kind, object): the watch cache
+        # then holds the operator's own writes before their watch events arrive.
+        self.written: Callable[[str, Obj], None] = lambda kind, obj: None
+        # Told of each object a delete removed at once (kind, its last state).
+        self.removed: Callable[[str, Obj], None] = lambda kind, obj: None
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -91,6 +97,27 @@ class Kube:
         resp = self.core.list_namespaced_pod(
             namespace, label_selector=f"{names.LABEL_JOB}={job}",
             _preload_content=False, _request_timeout=TIMEOUT)
+        return list(_json(resp).get("items") or [])
+
+    def list_all(self, kind: str, namespace: str | None) -> list[Obj]:
+        """Every RLJob, or every RayCluster or pod carrying the job label, in one namespace or
+        (None) all: what the watch cache starts from."""
+        kw: dict[str, Any] = {"_preload_content": False, "_request_timeout": TIMEOUT}
+        selector = names.LABEL_JOB
+        resp: Any
+        if kind == "Pod":
+            resp = (self.core.list_namespaced_pod(namespace, label_selector=selector, **kw)
+                    if namespace else
+                    self.core.list_pod_for_all_namespaces(label_selector=selector, **kw))
+        else:
+            group, version, plural = ((GROUP, VERSION, PLURAL) if kind == KIND else
+                                      (names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL))
+            if kind != KIND:
+                kw["label_selector"] = selector
+            resp = (self.custom.list_namespaced_custom_object(group, version, namespace,
+                                                              plural, **kw)
+                    if namespace else
+                    self.custom.list_cluster_custom_object(group, version, plural, **kw))
         return list(_json(resp).get("items") or [])
 
     def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
@@ -150,10 +177,10 @@ class Kube:
         ns = obj["metadata"].get("namespace", "")
         kind = obj["kind"]
         body: Any = obj  # the client accepts plain dicts as well as its models
-        kw: dict[str, Any] = {"_request_timeout": TIMEOUT}
+        kw: dict[str, Any] = {"_request_timeout": TIMEOUT, "_preload_content": False}
         try:
             if kind == "Pod":
-                self.core.create_namespaced_pod(ns, body, **kw)
+                self.written(kind, _json(self.core.create_namespaced_pod(ns, body, **kw)))
             elif kind == "ConfigMap":
                 self.core.create_namespaced_config_map(ns, body, **kw)
             elif kind == "Secret":
@@ -167,8 +194,8 @@ class Kube:
             elif kind == "RoleBinding":
                 self.rbac.create_namespaced_role_binding(ns, body, **kw)
             elif kind == "RayCluster":
-                self.custom.create_namespaced_custom_object(
-                    names.RAY_GROUP, names.RAY_VERSION, ns, names.RAY_PLURAL, body, **kw)
+                self.written(kind, _json(self.custom.create_namespaced_custom_object(
+                    names.RAY_GROUP, names.RAY_VERSION, ns, names.RAY_PLURAL, body, **kw)))
             else:
                 raise ValueError(f"the operator does not create {kind} objects")
         except ApiException as err:
@@ -203,12 +230,24 @@ class Kube:
         """Delete a pod: at once (`force`), with `grace_s` seconds to stop, or with the grace
         its spec sets."""
         try:
-            self.core.delete_namespaced_pod(
+            self._deleted("Pod", self.core.delete_namespaced_pod(
                 name, namespace, grace_period_seconds=0 if force else grace_s,
-                _request_timeout=TIMEOUT)
+                _preload_content=False, _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status != 404:
                 raise
+
+    def _deleted(self, kind: str, resp: Any) -> None:
+        """What a delete's response says of the object: terminating (still there, with a
+        deletion time) or gone; the watch cache learns it before the watch event comes, so
+        the next reconcile does not act on the object as if it were still live."""
+        obj = _json(resp)
+        if obj.get("kind") == "Status" or "metadata" not in obj:
+            return
+        if obj["metadata"].get("deletionTimestamp"):
+            self.written(kind, obj)
+        else:
+            self.removed(kind, obj)
 
     def patch_raycluster(self, obj: Obj) -> None:
         """Bring the RayCluster's groups to `obj`'s (built from the current spec), then its
@@ -223,15 +262,16 @@ class Kube:
             *args, ops, _content_type="application/json-patch+json", _request_timeout=TIMEOUT)
         revision: Any = {"metadata": {"annotations": {
             names.ANNOTATION_REVISION: meta["annotations"][names.ANNOTATION_REVISION]}}}
-        self.custom.patch_namespaced_custom_object(
+        self.written("RayCluster", _json(self.custom.patch_namespaced_custom_object(
             *args, revision, _content_type="application/merge-patch+json",
-            _request_timeout=TIMEOUT)
+            _preload_content=False, _request_timeout=TIMEOUT)))
 
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
-            self.custom.delete_namespaced_custom_object(
+            self._deleted("RayCluster", self.custom.delete_namespaced_custom_object(
                 names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name,
-                propagation_policy="Background", _request_timeout=TIMEOUT)
+                propagation_policy="Background", _preload_content=False,
+                _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status != 404:
                 raise
@@ -241,10 +281,11 @@ class Kube:
         fields owned by the runtime's manager are untouched."""
         body = {"apiVersion": API_VERSION, "kind": KIND,
                 "metadata": {"name": name, "namespace": namespace}, "status": status}
-        self.custom.patch_namespaced_custom_object_status(
+        self.written(KIND, _json(self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, PLURAL, name, body,
             field_manager=names.FIELD_MANAGER, force=True,
-            _content_type="application/apply-patch+yaml", _request_timeout=TIMEOUT)
+            _content_type="application/apply-patch+yaml", _preload_content=False,
+            _request_timeout=TIMEOUT)))
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]

@@ -257,8 +257,10 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
             if not owned_by(meta, uid):
                 in_the_way = in_the_way or InTheWay("Pod", driver_name, owner_words(meta))
                 continue
-        elif owner is not None and cluster_uid is not None and owner != cluster_uid:
-            continue  # a pod of another RayCluster
+        elif owner is not None and uid is not None and owner != cluster_uid:
+            # A pod of another RayCluster, or of one that is gone (the job's was deleted and
+            # its pods not collected yet): never taken for this job's compute pods.
+            continue
         kept.append(pod)
     return _observe(job_name, raycluster, kept, nodes, hints, in_the_way)
 

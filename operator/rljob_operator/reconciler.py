@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -18,6 +20,7 @@ from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
+from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
 from rljob_operator.kube import Kube, ObjectInTheWay
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import FailureHint, InTheWay, observe
@@ -86,6 +89,10 @@ class Conflicts:
 
 # Phases in which pods are waiting to start; what they mount is made again if it is missing.
 WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
+# While pods wait, what they mount is made again (if missing) at most this often per job, and
+# at once when the job starts waiting; creates of what exists are no-op writes otherwise.
+SUPPORT_RECHECK_SECONDS = 10.0
+SAFETY_RESYNC_SECONDS = 600.0
 
 
 def _utcnow() -> datetime:
@@ -93,13 +100,81 @@ def _utcnow() -> datetime:
 
 
 class Reconciler:
+    """With a `store` (the watch cache), a reconcile reads the job, its RayCluster and pods
+    from it, and each job is read fresh from the API server once per `resync` seconds (at a
+    per-job offset, so that hundreds of jobs do not resync together); without one, every
+    reconcile reads the API server."""
+
     def __init__(self, kube: Kube, metrics: Metrics, hints: FailureHints,
-                 clock: Callable[[], datetime] = _utcnow) -> None:
+                 clock: Callable[[], datetime] = _utcnow, store: Store | None = None,
+                 nodes: NodeCache | None = None,
+                 resync: float = SAFETY_RESYNC_SECONDS,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
         self.metrics = metrics
         self.hints = hints
         self.clock = clock
         self.conflicts = Conflicts()
+        self.store = store
+        self.nodes = nodes or NodeCache(kube.list_nodes, ttl=0.0, min_age=0.0)
+        self.resync = resync
+        self.monotonic = monotonic
+        self._fresh_at: dict[tuple[str, str], float] = {}
+        # When a job's support objects were last made sure of: (uid and generation, when).
+        self._support_at: dict[tuple[str, str], tuple[str, float]] = {}
+        self._lock = threading.Lock()
+        if store is not None:
+            kube.written = store.put
+            kube.removed = store.remove
+
+    def _due_fresh(self, namespace: str, name: str) -> bool:
+        """Whether this reconcile reads the API server (the safety resync)."""
+        if self.store is None:
+            return True
+        key = (namespace, name)
+        now = self.monotonic()
+        with self._lock:
+            last = self._fresh_at.get(key)
+            if last is None:
+                # The first sight of a job: the cache was filled by a list at start-up and
+                # holds it; its first resync comes at an offset spread over one period.
+                offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
+                self._fresh_at[key] = now - offset * self.resync
+                return False
+            if now - last < self.resync:
+                return False
+            self._fresh_at[key] = now
+            return True
+
+    def _read(self, namespace: str, name: str) -> tuple[Obj | None, Obj | None, list[Obj]]:
+        """The job, its RayCluster and its pods: from the cache, or fresh (then the cache is
+        brought up to what was read)."""
+        store = self.store
+        if store is not None and not self._due_fresh(namespace, name):
+            body = store.rljob(namespace, name)
+            if body is not None:
+                return body, store.raycluster(namespace, name), store.pods(namespace, name)
+            # Not in the cache (yet): a job that is new or gone; the API server tells which.
+        body = self.kube.get_rljob(namespace, name)
+        if body is None:
+            return None, None, []
+        cluster = self.kube.get_raycluster(namespace, name)
+        pods = self.kube.list_pods(namespace, name)
+        if store is not None:
+            store.put(RLJOB, body)
+            store.replace_children(RAYCLUSTER, (namespace, name), [cluster] if cluster else [])
+            store.replace_children(POD, (namespace, name), pods)
+        return body, cluster, pods
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job was deleted: drop what is remembered of it (with hundreds of jobs made and
+        deleted, anything kept per job would grow without end)."""
+        self.metrics.set_phase((namespace, name), None)
+        self.hints.forget(namespace, name)
+        self.conflicts.forget(namespace, name)
+        with self._lock:
+            self._fresh_at.pop((namespace, name), None)
+            self._support_at.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> float | None:
         """Bring one job one step closer to its desired state; returns seconds until it
@@ -114,25 +189,22 @@ class Reconciler:
         return after
 
     def _reconcile(self, namespace: str, name: str) -> float | None:
-        body = self.kube.get_rljob(namespace, name)
+        body, cluster, pods = self._read(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             # Children go with the RLJob through owner references; nothing to do.
-            self.metrics.set_phase((namespace, name), None)
-            self.hints.forget(namespace, name)
-            self.conflicts.forget(namespace, name)
+            self.forget(namespace, name)
             return None
         job = parse_job(body)
         ref = JobRef.of(body)
-        pods = self.kube.list_pods(namespace, name)
-        nodes = self.kube.list_nodes() if any(p.get("spec", {}).get("nodeName")
-                                              for p in pods) else []
+        used = [str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")]
+        nodes = self.nodes.get(used, hurry=any(pod_unready(p) for p in pods)) if used else []
         in_the_way = self.conflicts.of(namespace, name)
         if in_the_way is not None:  # still there, still not ours?
             in_the_way = self.kube.in_the_way(in_the_way.kind, namespace, in_the_way.name,
                                               ref.uid)
             if in_the_way is None:
                 self.conflicts.forget(namespace, name)
-        observed = observe(name, self.kube.get_raycluster(namespace, name), pods, nodes,
+        observed = observe(name, cluster, pods, nodes,
                            self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
         if job.spec is not None and job.spec.checkpoint.pvc:
             observed = replace(observed, checkpoint_modes=self.kube.claim_access_modes(
@@ -155,7 +227,8 @@ class Reconciler:
                 and decision.status.get("phase") in WAITING_PHASES
             # While pods wait, what they mount is made again if it went missing (e.g. the
             # claim of a deleted job of the same name was still terminating at creation).
-            if waiting and job.spec is not None and self._ensure_support(ref, body, job.spec) \
+            due = self._support_due(ref, body["metadata"].get("generation"), waiting)
+            if due and job.spec is not None and self._ensure_support(ref, body, job.spec) \
                     and observed.cluster == "present":
                 self._token_replaced(ref, body)
                 return 0.0
@@ -167,6 +240,23 @@ class Reconciler:
             return 0.0
         self.metrics.set_phase((namespace, name), decision.status.get("phase"))
         return decision.requeue_after
+
+    def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:
+        """Whether the objects the pods mount are checked now: at once when the job starts
+        waiting or its spec changes, then every SUPPORT_RECHECK_SECONDS while it waits (not
+        on every watch event of its pods, each of which would cost six no-op writes)."""
+        key = (ref.namespace, ref.name)
+        now = self.monotonic()
+        with self._lock:
+            if not waiting:
+                self._support_at.pop(key, None)
+                return False
+            version = f"{ref.uid}/{generation}"
+            seen, last = self._support_at.get(key, ("", 0.0))
+            if seen == version and now - last < SUPPORT_RECHECK_SECONDS:
+                return False
+            self._support_at[key] = (version, now)
+            return True
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_time(body["metadata"].get("creationTimestamp"))

@@ -1,0 +1,193 @@
+"""What the operator knows of the cluster between reconciles: a store fed by its watches.
+
+Why: a reconcile that reads every RLJob, RayCluster and pod list from the API server costs
+four requests per job per resync, whether anything changed or not, and that is most of what
+hundreds of idle jobs cost the control plane. kopf already holds a watch on each of those
+kinds (to kick reconciles); the same events now keep a copy of every object, and a reconcile
+reads the copy. The API server is asked only when something is written, when a job is not
+in the copy yet, and on a slow per-job safety resync that replaces the copy with a fresh read
+(so an event lost in a watch gap costs at most one resync period, never correctness).
+
+The store holds the newest version of each object it has seen: an event or a write's
+response older than what it holds (a lagging watch delivering an update after the
+operator's own write came back) does not roll it back. Resource versions are compared as
+integers where both are integers (etcd's revisions, which every API server in use gives),
+else the later arrival wins.
+
+Nodes are not watched (their status changes every few seconds on every node and the
+operator needs one bit of each): `NodeCache` lists them at most once per `ttl` for all jobs
+together, sooner (at most once per `min_age`) when a reconcile sees a pod that is bound but
+not ready, which is how a lost node first shows on its pods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rljob_operator import names
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # namespace, name
+RLJOB = "RLJob"
+RAYCLUSTER = "RayCluster"
+POD = "Pod"
+MAX_TOMBSTONES = 10000
+
+
+def _rv(obj: Obj) -> int | None:
+    raw = (obj.get("metadata") or {}).get("resourceVersion")
+    return int(raw) if isinstance(raw, str) and raw.isdigit() else None
+
+
+def newer_or_same(new: Obj, old: Obj | None) -> bool:
+    """Whether `new` may replace `old` (an update never goes back in time)."""
+    if old is None:
+        return True
+    a, b = _rv(new), _rv(old)
+    return a is None or b is None or a >= b
+
+
+class Store:
+    """RLJobs by (namespace, name); their RayClusters and pods by (namespace, job label).
+    Thread-safe: watch events arrive on the event loop, reconciles read from worker threads.
+    Readers get the stored dicts themselves and must not change them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[Key, Obj] = {}
+        self._clusters: dict[Key, dict[str, Obj]] = {}
+        self._pods: dict[Key, dict[str, Obj]] = {}
+        # (kind, namespace, name) → the version a deletion was seen at: a write's response
+        # that arrives after the watch told of the deletion (a pod deleted at once, say)
+        # must not bring the object back. Bounded: the oldest go first.
+        self._tombstones: dict[tuple[str, str, str], Obj] = {}
+
+    def _buried(self, kind: str, obj: Obj) -> bool:
+        meta = obj["metadata"]
+        grave = self._tombstones.get((kind, meta.get("namespace") or "", meta["name"]))
+        return grave is not None and newer_or_same(grave, obj)
+
+    def _bury(self, kind: str, obj: Obj) -> None:
+        meta = obj["metadata"]
+        self._tombstones[(kind, meta.get("namespace") or "", meta["name"])] = obj
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.pop(next(iter(self._tombstones)))
+
+    def _children(self, kind: str) -> dict[Key, dict[str, Obj]]:
+        return self._clusters if kind == RAYCLUSTER else self._pods
+
+    @staticmethod
+    def job_of(obj: Obj) -> Key | None:
+        """The (namespace, RLJob name) a child belongs to, by the job label."""
+        meta = obj.get("metadata") or {}
+        job = (meta.get("labels") or {}).get(names.LABEL_JOB)
+        return (meta.get("namespace") or "", job) if job else None
+
+    def put(self, kind: str, obj: Obj) -> None:
+        """An object as a watch event or a write's response shows it."""
+        meta = obj["metadata"]
+        with self._lock:
+            if self._buried(kind, obj) and _rv(obj) is not None:
+                return
+            if kind == RLJOB:
+                key = (meta.get("namespace") or "", meta["name"])
+                if newer_or_same(obj, self._jobs.get(key)):
+                    self._jobs[key] = obj
+                return
+            job = self.job_of(obj)
+            if job is None:
+                return
+            per_job = self._children(kind).setdefault(job, {})
+            if newer_or_same(obj, per_job.get(meta["name"])):
+                per_job[meta["name"]] = obj
+
+    def remove(self, kind: str, obj: Obj) -> None:
+        """A deletion seen on a watch: forgets the object unless a newer one (made again since,
+        under the same name) is already stored."""
+        meta = obj["metadata"]
+        with self._lock:
+            self._bury(kind, obj)
+            if kind == RLJOB:
+                key = (meta.get("namespace") or "", meta["name"])
+                if newer_or_same(obj, self._jobs.get(key)):
+                    self._jobs.pop(key, None)
+                return
+            job = self.job_of(obj)
+            if job is None:
+                return
+            children = self._children(kind)
+            per_job = children.get(job, {})
+            if newer_or_same(obj, per_job.get(meta["name"])):
+                per_job.pop(meta["name"], None)
+                if not per_job:
+                    children.pop(job, None)
+
+    def replace_children(self, kind: str, job: Key, objs: Iterable[Obj]) -> None:
+        """A fresh list of one job's children of `kind` (the safety resync): whatever the
+        store held for that job and is not in the list is gone."""
+        with self._lock:
+            fresh = {o["metadata"]["name"]: o for o in objs}
+            if fresh:
+                self._children(kind)[job] = fresh
+            else:
+                self._children(kind).pop(job, None)
+
+    def forget_job(self, job: Key) -> None:
+        with self._lock:
+            self._jobs.pop(job, None)
+
+    def rljob(self, namespace: str, name: str) -> Obj | None:
+        with self._lock:
+            return self._jobs.get((namespace, name))
+
+    def raycluster(self, namespace: str, job: str) -> Obj | None:
+        """The job's RayCluster (named after the job)."""
+        with self._lock:
+            return self._clusters.get((namespace, job), {}).get(names.raycluster_name(job))
+
+    def pods(self, namespace: str, job: str) -> list[Obj]:
+        with self._lock:
+            return list(self._pods.get((namespace, job), {}).values())
+
+    def sizes(self) -> tuple[int, int, int]:
+        """Objects held: RLJobs, RayClusters, pods (for tests and the benchmark's log)."""
+        with self._lock:
+            return (len(self._jobs), sum(len(v) for v in self._clusters.values()),
+                    sum(len(v) for v in self._pods.values()))
+
+
+def pod_unready(pod: Obj) -> bool:
+    """A bound, running pod whose Ready condition is not True: what the node lifecycle
+    controller makes of the pods of a node that stopped reporting."""
+    status = pod.get("status") or {}
+    if not (pod.get("spec") or {}).get("nodeName") or status.get("phase") != "Running":
+        return False
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+    return ready is None or ready.get("status") != "True"
+
+
+class NodeCache:
+    """The node list, shared by every job's reconcile and refreshed at most once per `ttl`
+    (or `min_age` when asked to hurry)."""
+
+    def __init__(self, lister: Callable[[], list[Obj]], ttl: float, min_age: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._lister = lister
+        self.ttl = ttl
+        self.min_age = min_age
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: dict[str, Obj] = {}
+        self._at: float | None = None
+
+    def get(self, used: Iterable[str], hurry: bool = False) -> list[Obj]:
+        """The nodes named `used` that exist (a job needs only those of its pods)."""
+        with self._lock:
+            age = None if self._at is None else self._clock() - self._at
+            if age is None or age >= self.ttl or (hurry and age >= self.min_age):
+                self._nodes = {n["metadata"]["name"]: n for n in self._lister()}
+                self._at = self._clock()
+            return [self._nodes[name] for name in set(used) if name in self._nodes]
