@@ -34,7 +34,7 @@ Key = tuple[str, str]  # namespace, name
 RLJOB = "RLJob"
 RAYCLUSTER = "RayCluster"
 POD = "Pod"
-MAX_TOMBSTONES = 10000
+MAX_TOMBSTONES = 20000
 
 
 def _rv(obj: Obj) -> int | None:
@@ -63,16 +63,22 @@ class Store:
         # (kind, namespace, name) → the version a deletion was seen at: a write's response
         # that arrives after the watch told of the deletion (a pod deleted at once, say)
         # must not bring the object back. Bounded: the oldest go first.
-        self._tombstones: dict[tuple[str, str, str], Obj] = {}
+        self._tombstones: dict[tuple[str, str, str], int] = {}
 
     def _buried(self, kind: str, obj: Obj) -> bool:
         meta = obj["metadata"]
         grave = self._tombstones.get((kind, meta.get("namespace") or "", meta["name"]))
-        return grave is not None and newer_or_same(grave, obj)
+        rv = _rv(obj)
+        return grave is not None and rv is not None and grave >= rv
 
     def _bury(self, kind: str, obj: Obj) -> None:
+        """Only the version is kept (the whole object of every deleted pod would be
+        megabytes per hundred jobs)."""
+        rv = _rv(obj)
+        if rv is None:
+            return
         meta = obj["metadata"]
-        self._tombstones[(kind, meta.get("namespace") or "", meta["name"])] = obj
+        self._tombstones[(kind, meta.get("namespace") or "", meta["name"])] = rv
         while len(self._tombstones) > MAX_TOMBSTONES:
             self._tombstones.pop(next(iter(self._tombstones)))
 
@@ -90,7 +96,7 @@ class Store:
         """An object as a watch event or a write's response shows it."""
         meta = obj["metadata"]
         with self._lock:
-            if self._buried(kind, obj) and _rv(obj) is not None:
+            if self._buried(kind, obj):
                 return
             if kind == RLJOB:
                 key = (meta.get("namespace") or "", meta["name"])

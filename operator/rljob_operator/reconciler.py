@@ -232,13 +232,18 @@ class Reconciler:
                     and observed.cluster == "present":
                 self._token_replaced(ref, body)
                 return 0.0
-            self._act(ref, body, job, decision.actions, restarts)
+            # Made sure of just now: the creates below need not repeat the same writes.
+            self._act(ref, body, job, decision.actions, restarts, supported=due)
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
             log.warning("%s/%s: %s is in the way", namespace, name, err)
             self.conflicts.record(namespace, name, err.found)
             return 0.0
         self.metrics.set_phase((namespace, name), decision.status.get("phase"))
+        if self.store is not None and self.store.rljob(namespace, name) is None:
+            # Deleted while this reconcile ran: what it remembered after the deletion's
+            # own clean-up is dropped now (else one gauge entry per such job stays).
+            self.forget(namespace, name)
         return decision.requeue_after
 
     def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:
@@ -295,7 +300,7 @@ class Reconciler:
         self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
-             restarts: int) -> None:
+             restarts: int, supported: bool = False) -> None:
         ns = ref.namespace
         for pod in actions.delete_pods:
             self.kube.delete_pod(ns, pod, force=True)
@@ -315,10 +320,11 @@ class Reconciler:
         for pod in actions.replace_pods:
             self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
-            self._ensure_support(ref, body, job.spec)
+            if not supported:
+                self._ensure_support(ref, body, job.spec)
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
-            if self._ensure_support(ref, body, job.spec):
+            if not supported and self._ensure_support(ref, body, job.spec):
                 self._token_replaced(ref, body)
                 return
             self.kube.create(builders.build_driver(ref, job.spec, restarts,
