@@ -24,8 +24,8 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_operator import names
+from rljob_operator.decide import Event
 from rljob_operator.observe import InTheWay, owned_by, owner_words
-from rljob_operator.status import Event
 
 Obj = dict[str, Any]
 TIMEOUT = (5.0, 30.0)  # connect, read

@@ -1,6 +1,6 @@
 """Pure observation: raw API objects of one job's children into a compact view.
 
-The decision logic (`status.py`) only sees these views, so it can be tested with plain
+The decision logic (`decide.py`) only sees these views, so it can be tested with plain
 values and cannot accidentally depend on a field the API server did not send.
 """
 

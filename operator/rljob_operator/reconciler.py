@@ -21,10 +21,7 @@ from rljob_api.status import Phase
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
-from rljob_operator.kube import Kube, ObjectInTheWay
-from rljob_operator.metrics import Metrics
-from rljob_operator.observe import FailureHint, InTheWay, observe
-from rljob_operator.status import (
+from rljob_operator.decide import (
     Actions,
     Event,
     JobView,
@@ -33,6 +30,9 @@ from rljob_operator.status import (
     parse_job,
     parse_time,
 )
+from rljob_operator.kube import Kube, ObjectInTheWay
+from rljob_operator.metrics import Metrics
+from rljob_operator.observe import FailureHint, InTheWay, observe
 
 log = logging.getLogger("rljob_operator")
 MAX_HINTS_PER_JOB = 64

@@ -4,7 +4,7 @@ non-retryable runtime failure it fails; a killed operator duplicates nothing.
 
 What a restart resumed from is a runtime fact: these tests assert it only where a real
 `rljob run` process reported it (the kwok pods run no containers); elsewhere they assert
-the operator's own behaviour, and the derivation itself is unit-tested in test_status.py.
+the operator's own behaviour, and the derivation itself is unit-tested in test_decide.py.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ import pytest
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import spec_problems
 from rljob_operator.builders import JobRef, revisions
-from rljob_operator.observe import FailureHint, InTheWay, observe
-from rljob_operator.status import (
+from rljob_operator.decide import (
     OPERATOR_FIELDS,
     Actions,
     Decision,
@@ -23,6 +22,7 @@ from rljob_operator.status import (
     parse_job,
     resume_figures,
 )
+from rljob_operator.observe import FailureHint, InTheWay, observe
 
 pytestmark = pytest.mark.unit
 Obj = dict[str, Any]
