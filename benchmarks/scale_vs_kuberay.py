@@ -60,6 +60,7 @@ from benchmarks.sim_scale import (
     percentile,
     proc_stats,
 )
+from rljob_api.layout import DRIVER, TRAINER
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef
 from rljob_operator.decide import parse_job
@@ -151,7 +152,7 @@ class Seen:
             if kind == "DELETED":
                 self.gone.setdefault((ns, name), at)
                 return
-            if labels.get(names.LABEL_COMPONENT) == names.DRIVER:
+            if labels.get(names.LABEL_COMPONENT) == DRIVER:
                 job = labels[names.LABEL_JOB]
                 uids = self.drivers.setdefault(job, [])
                 if meta["uid"] not in {u for u, _ in uids}:
@@ -329,7 +330,7 @@ def main() -> int:
         for job in victims:
             found: Any = core.list_namespaced_pod(
                 RLJOB_NS, label_selector=f"{names.LABEL_JOB}={job},"
-                f"{names.LABEL_COMPONENT}=trainer")
+                f"{names.LABEL_COMPONENT}={TRAINER}")
             trainer = str(found.items[0].metadata.name)
             killed[job] = trainer
             core.delete_namespaced_pod(trainer, RLJOB_NS, grace_period_seconds=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rljob.report import now
+from rljob_api.status import timestamp as now
 from tests.controlplane import ControlPlane, free_port
 from tests.polling import wait_for
 

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from e2e.sim.kubectl_view import RLJobsView
-from rljob.report import StatusReporter, now
+from rljob.report import StatusReporter
 from rljob_api.status import CheckpointStatus, Progress
+from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
 from tests.operator.jobs import patch_pod_phase
 from tests.operator_process import POOL_LABEL, NodePool, Operator

@@ -15,7 +15,21 @@ from typing import Any
 import yaml
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, env
-from rljob_api.layout import engines_per_pod, group_resource
+from rljob_api.layout import (
+    COLOCATED,
+    DRIVER,
+    ENGINE_PORT,
+    HEAD,
+    RAY_GCS_PORT,
+    ROLLOUT,
+    TRAINER,
+    WEIGHT_SYNC_PORT,
+    engine_count,
+    engine_port,
+    engines_per_pod,
+    group_resource,
+    weight_sync_health_port,
+)
 from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
 from rljob_operator import names
@@ -201,7 +215,7 @@ def _field_env(name: str, field_path: str) -> Obj:
 
 def weight_sync_store(job: JobRef) -> str:
     """HOST:PORT of the weight-sync store: on the Ray head, behind its stable Service."""
-    return f"{names.head_service(job.name, job.namespace)}:{names.WEIGHT_SYNC_PORT}"
+    return f"{names.head_service(job.name, job.namespace)}:{WEIGHT_SYNC_PORT}"
 
 
 def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int) -> Obj:
@@ -209,7 +223,7 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int)
     engine and the weight-sync store, never to Ray, so it gets no Ray token."""
     _, mounts = _data_volumes(job, spec)
     command = [WEIGHT_SYNC_COMMAND, "--listen",
-               f"0.0.0.0:{names.WEIGHT_SYNC_HEALTH_PORT + index}"]
+               f"0.0.0.0:{weight_sync_health_port(index)}"]
     identity: list[Obj] = []
     if engines > 1:
         # Registers as `<pod>-<index>`. Staged on CPU: which GPU Ray gave this sidecar's
@@ -223,14 +237,14 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int)
         "env": [
             *_env(job, names.WEIGHT_SYNC),
             {"name": env.ENGINE_URL,
-             "value": f"http://127.0.0.1:{names.ENGINE_PORT + index}"},
+             "value": f"http://127.0.0.1:{engine_port(index)}"},
             {"name": env.WEIGHT_SYNC_TRAINER, "value": weight_sync_store(job)},
             # The engine's name in the group, and where the trainer probes its /health.
             _field_env(env.POD_NAME, "metadata.name"),
             _field_env(env.POD_IP, "status.podIP"),
             *identity,
         ],
-        "ports": [{"containerPort": names.WEIGHT_SYNC_HEALTH_PORT + index,
+        "ports": [{"containerPort": weight_sync_health_port(index),
                    "name": names.per_engine(names.WEIGHT_SYNC, index, engines)}],
         "resources": SIDECAR_RESOURCES,
         "volumeMounts": mounts,
@@ -238,7 +252,7 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int)
 
 
 def _engine_ports(engines: int) -> list[Obj]:
-    return [{"containerPort": names.ENGINE_PORT + i, "name": names.per_engine("engine", i, engines)}
+    return [{"containerPort": engine_port(i), "name": names.per_engine("engine", i, engines)}
             for i in range(engines)]
 
 
@@ -254,21 +268,17 @@ def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
     return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
 
 
-def engine_count(spec: RLJobSpec) -> int:
-    return spec.rollout.gpus // spec.rollout.gpus_per_engine
-
-
 def worker_groups(spec: RLJobSpec) -> dict[str, int]:
     """Worker group name → pod count; the operator waits for exactly these (plus the head)."""
     if spec.placement == Placement.colocated:
-        return {names.COLOCATED: spec.trainer.replicas}
-    return {names.TRAINER: spec.trainer.replicas, names.ROLLOUT: engine_count(spec)}
+        return {COLOCATED: spec.trainer.replicas}
+    return {TRAINER: spec.trainer.replicas, ROLLOUT: engine_count(spec)}
 
 
 def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Obj:
     # Engines per pod: one in a rollout pod, gpusPerReplica / gpusPerEngine in a colocated one.
-    engines = {names.ROLLOUT: 1, names.COLOCATED: engines_per_pod(spec)}.get(group, 0)
-    if group == names.ROLLOUT:
+    engines = {ROLLOUT: 1, COLOCATED: engines_per_pod(spec)}.get(group, 0)
+    if group == ROLLOUT:
         gpus = rollout_gpus_per_pod(spec)
         main = _ray_container(job, spec, "ray-worker", group, spec.rollout.image,
                               _resources(spec.rollout.resources, gpus), _engine_ports(engines))
@@ -314,14 +324,14 @@ def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
     A worker template's revision includes the head's, since workers cannot outlive their
     head; replica counts are in no template, so scaling replaces no pod."""
     # KubeRay's head Service exposes exactly the head container's ports.
-    head_ports = [{"containerPort": names.RAY_GCS_PORT, "name": "gcs"},
-                  {"containerPort": names.WEIGHT_SYNC_PORT, "name": "weight-sync"}]
-    head = _ray_container(job, spec, "ray-head", names.HEAD, spec.trainer.image,
+    head_ports = [{"containerPort": RAY_GCS_PORT, "name": "gcs"},
+                  {"containerPort": WEIGHT_SYNC_PORT, "name": "weight-sync"}]
+    head = _ray_container(job, spec, "ray-head", HEAD, spec.trainer.image,
                           HEAD_RESOURCES, head_ports)
     head_group: Obj = {
         # No work on the head: every actor lands on a trainer or rollout pod.
         "rayStartParams": {"num-cpus": "0"},
-        "template": _pod_template(job, spec, names.HEAD, [head], 0),
+        "template": _pod_template(job, spec, HEAD, [head], 0),
     }
     head_revision = _revision(head_group)
     _stamp(head_group["template"]["metadata"], head_revision)
@@ -333,7 +343,7 @@ def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
         _stamp(worker["template"]["metadata"], _revision({"head": head_revision, **shape}))
         groups.append(worker)
     cluster_spec: Obj = {"headGroupSpec": head_group, "workerGroupSpecs": groups}
-    meta = _metadata(job, names.raycluster_name(job.name), names.HEAD)
+    meta = _metadata(job, names.raycluster_name(job.name), HEAD)
     _stamp(meta, _revision(cluster_spec))
     return {
         "apiVersion": names.RAY_API_VERSION,
@@ -370,7 +380,7 @@ class Revisions:
 def revisions(job: JobRef, spec: RLJobSpec) -> Revisions:
     rc = build_raycluster(job, spec)
     head = rc["spec"]["headGroupSpec"]["template"]["metadata"]["annotations"]
-    templates = {names.HEAD: head[names.ANNOTATION_REVISION]}
+    templates = {HEAD: head[names.ANNOTATION_REVISION]}
     for group in rc["spec"]["workerGroupSpecs"]:
         templates[group["groupName"]] = group["template"]["metadata"]["annotations"][
             names.ANNOTATION_REVISION]
@@ -394,7 +404,7 @@ def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
     return [
         "rljob", "run", f"{names.SPEC_DIR}/{names.SPEC_FILE}",
         "--workdir", f"{spec.checkpoint.path.rstrip('/')}/{job.name}",
-        "--join", f"{names.head_service(job.name, job.namespace)}:{names.RAY_GCS_PORT}",
+        "--join", f"{names.head_service(job.name, job.namespace)}:{RAY_GCS_PORT}",
     ]
 
 
@@ -418,7 +428,7 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
 
 def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[str]) -> Obj:
     volumes, mounts = _data_volumes(job, spec)
-    meta = _metadata(job, names.driver_name(job.name), names.DRIVER)
+    meta = _metadata(job, names.driver_name(job.name), DRIVER)
     meta["annotations"] = {
         names.ANNOTATION_RESTARTS: str(restarts),
         names.ANNOTATION_COMPUTE_PODS: ",".join(sorted(compute_pods)),
@@ -428,7 +438,7 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
         "image": spec.trainer.image,
         "command": driver_command(job, spec),
         "env": [
-            *_env(job, names.DRIVER),
+            *_env(job, DRIVER),
             *_ray_auth_env(job),
             {"name": env.RESTARTS, "value": str(restarts)},
             _field_env(env.POD_NAME, "metadata.name"),
@@ -437,8 +447,8 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             # Weight sync: the rollout pods run the sidecars, engines listen where those
             # sidecars look, and the store takes the port the head Service exposes.
             {"name": env.WEIGHT_SYNC_SIDECARS, "value": "pods"},
-            {"name": env.ENGINE_PORT, "value": str(names.ENGINE_PORT)},
-            {"name": env.WEIGHT_SYNC_PORT, "value": str(names.WEIGHT_SYNC_PORT)},
+            {"name": env.ENGINE_PORT, "value": str(ENGINE_PORT)},
+            {"name": env.WEIGHT_SYNC_PORT, "value": str(WEIGHT_SYNC_PORT)},
         ],
         "resources": DRIVER_RESOURCES,
         "volumeMounts": [
@@ -483,7 +493,7 @@ def build_checkpoint_claim(job: JobRef, spec: RLJobSpec) -> Obj | None:
     claim: Obj = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": _metadata(job, names.checkpoint_claim(job.name), names.DRIVER),
+        "metadata": _metadata(job, names.checkpoint_claim(job.name), DRIVER),
         "spec": {
             "accessModes": ["ReadWriteMany"],
             "resources": {"requests": {"storage": spec.checkpoint.size}},
@@ -500,7 +510,7 @@ def build_ray_token_secret(job: JobRef, token: str) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(job, names.ray_token_secret(job.name, job.uid), names.HEAD),
+        "metadata": _metadata(job, names.ray_token_secret(job.name, job.uid), HEAD),
         "type": "Opaque",
         "immutable": True,
         "stringData": {names.RAY_TOKEN_KEY: token},
@@ -522,7 +532,7 @@ def build_configmap(job: JobRef, spec: Obj) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, names.configmap_name(job.name), names.DRIVER),
+        "metadata": _metadata(job, names.configmap_name(job.name), DRIVER),
         "data": {names.SPEC_FILE: spec_document(job, spec)},
     }
 
@@ -540,11 +550,11 @@ def build_rbac(job: JobRef) -> list[Obj]:
     role = names.role_name(job.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": _metadata(job, sa, names.DRIVER)},
+         "metadata": _metadata(job, sa, DRIVER)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": _metadata(job, role, names.DRIVER),
+            "metadata": _metadata(job, role, DRIVER),
             # Used by the driver pod alone (the Ray pods mount no token): what its status
             # reporter needs, for this one RLJob.
             "rules": [
@@ -557,7 +567,7 @@ def build_rbac(job: JobRef) -> list[Obj]:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": _metadata(job, role, names.DRIVER),
+            "metadata": _metadata(job, role, DRIVER),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": job.namespace}],
         },

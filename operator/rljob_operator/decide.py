@@ -15,14 +15,22 @@ and are only read here. What a restart resumed from is never predicted: it is de
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
 
 from rljob_api import exits
+from rljob_api.layout import HEAD
 from rljob_api.spec import FailureKind, RLJobSpec
-from rljob_api.status import MESSAGE_MAX, TERMINAL_PHASES, Phase
+from rljob_api.status import (
+    MESSAGE_MAX,
+    OPERATOR_FIELDS,
+    TERMINAL_PHASES,
+    Phase,
+    parse_timestamp,
+    timestamp,
+)
 from rljob_api.validate import spec_problems
 from rljob_operator import names
 from rljob_operator.builders import (
@@ -36,8 +44,6 @@ from rljob_operator.builders import (
 from rljob_operator.observe import InTheWay, Observed, PodView
 
 Obj = dict[str, Any]
-OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
-                   "startedAt", "finishedAt")
 # Phases in which an attempt is starting: the start-up deadline runs.
 STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
                              Phase.recovering.value})
@@ -46,22 +52,6 @@ STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
 RECOVERY_FIELDS = ("restarts", "maxRestarts", "lastFailure", "action", "nextAttemptAt")
 DERIVED_RECOVERY_FIELDS = ("resumedFromStep", "lostSteps")
 MAX_LISTED_PODS = 5
-
-
-def iso(t: datetime) -> str:
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    """An RFC 3339 time from the API server or a runtime report; None when absent or not a
-    time (a malformed report must not break every reconcile of the job)."""
-    if not text:
-        return None
-    try:
-        parsed = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -173,7 +163,7 @@ def condition(old: list[Obj], kind: str, status: str, reason: str, message: str,
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": iso(now) if moved or prev is None
+        "lastTransitionTime": timestamp(now) if moved or prev is None
         else prev["lastTransitionTime"],
         "observedGeneration": generation,
     }
@@ -298,10 +288,10 @@ class _Decider:
             out["startingSince"] = since
         started = self.cur.get("startedAt")
         if started is None and phase == Phase.running.value:
-            started = iso(self.now)
+            started = timestamp(self.now)
         if started:
             out["startedAt"] = started
-        finished_at = self.cur.get("finishedAt") or (iso(self.now) if finished else None)
+        finished_at = self.cur.get("finishedAt") or (timestamp(self.now) if finished else None)
         if finished_at:
             out["finishedAt"] = finished_at
         return out
@@ -462,8 +452,8 @@ class _Decider:
         """`status.runtimeFailure` when the runtime of this driver's attempt reported it
         (not one left over from an earlier attempt); else {}."""
         runtime: Obj = self.cur.get("runtimeFailure") or {}
-        reported = parse_time(runtime.get("time"))
-        started = parse_time(driver.failure.started_at if driver.failure else None)
+        reported = parse_timestamp(runtime.get("time"))
+        started = parse_timestamp(driver.failure.started_at if driver.failure else None)
         if reported is None or started is None or reported >= started:
             return runtime
         return {}
@@ -500,7 +490,7 @@ class _Decider:
         spec = self.job.spec
         assert spec is not None
         seen: Obj = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
-                     "time": iso(self.now)}
+                     "time": timestamp(self.now)}
         last: Obj = {k: v for k, v in seen.items() if v is not None}
         if not failure.retryable:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod})", last)
@@ -526,7 +516,8 @@ class _Decider:
             # attempt says where it resumed.
             last["step"] = int(progress["rolloutStep"])
         self.restarts = restart
-        rec = self.base_recovery("WaitingForBackoff", iso(self.now + timedelta(seconds=delay)))
+        rec = self.base_recovery("WaitingForBackoff",
+                                 timestamp(self.now + timedelta(seconds=delay)))
         rec["lastFailure"] = last
         message = (f"{failure.kind} (pod {failure.pod}): {failure.message}; restart "
                    f"{restart}/{spec.recovery.max_restarts} in {delay}s; the runtime resumes "
@@ -563,15 +554,15 @@ class _Decider:
         """When the current start-up began: kept from the status, unless the spec was edited
         since (a fix restarts the clock); a restart's start-up begins when its backoff ends."""
         stored = self.cur.get("startingSince")
-        if stored and not self.edited and parse_time(stored) is not None:
+        if stored and not self.edited and parse_timestamp(stored) is not None:
             return str(stored)
-        due = parse_time(recovering_from)
-        return iso(max(self.now, due) if due is not None else self.now)
+        due = parse_timestamp(recovering_from)
+        return timestamp(max(self.now, due) if due is not None else self.now)
 
     def deadline(self, since: str) -> datetime | None:
         spec = self.job.spec
         assert spec is not None
-        start = parse_time(since)
+        start = parse_timestamp(since)
         timeout = spec.recovery.startup_timeout_seconds
         if timeout <= 0 or start is None:
             return None
@@ -592,11 +583,11 @@ class _Decider:
                     and p.stuck.reason == first.reason]
             return Problem(first.reason, f"{first.reason} in pod(s) {_pod_list(same)}: "
                            f"container {first.container}: {first.message}", stuck[0].name)
-        started = parse_time(since)
+        started = parse_timestamp(since)
         failed = {p.name: p.failure for p in obs.compute if p.failure is not None}
         present = {p.name for p in obs.compute}
         for name, hint in obs.hints.items():
-            seen = parse_time(hint.seen_at)
+            seen = parse_timestamp(hint.seen_at)
             if name not in present and seen is not None and started is not None \
                     and seen >= started and name != names.driver_name(self.job.name):
                 failed[name] = hint
@@ -634,7 +625,7 @@ class _Decider:
         deadline = self.deadline(since)
         assert self.job.spec is not None
         timeout = self.job.spec.recovery.startup_timeout_seconds
-        when = (f"start-up began at {since}; the job fails at {iso(deadline)} unless it has "
+        when = (f"start-up began at {since}; the job fails at {timestamp(deadline)} unless it has "
                 f"started (spec.recovery.startupTimeoutSeconds: {timeout})"
                 if deadline is not None else
                 f"start-up began at {since}; no deadline (spec.recovery.startupTimeoutSeconds: "
@@ -655,7 +646,7 @@ class _Decider:
                               driver.name if driver is not None else None)
         message = (f"the job did not start within {timeout}s of {since} "
                    f"(spec.recovery.startupTimeoutSeconds): {problem.message}")
-        last: Obj = {"reason": problem.reason, "message": message, "time": iso(self.now)}
+        last: Obj = {"reason": problem.reason, "message": message, "time": timestamp(self.now)}
         if problem.pod:
             last["pod"] = problem.pod
         decision = self.fail(problem.reason, message, last)
@@ -675,7 +666,7 @@ class _Decider:
 
     def expected(self) -> dict[str, int]:
         assert self.job.spec is not None
-        return {names.HEAD: 1, **worker_groups(self.job.spec)}
+        return {HEAD: 1, **worker_groups(self.job.spec)}
 
     def current(self, pod: PodView) -> bool:
         """Whether a compute pod was built from the template the current spec builds."""
@@ -772,7 +763,7 @@ class _Decider:
         elif not ready:
             phase, action = waiting_phase, "WaitingForPods"
         else:
-            due = parse_time(next_at)
+            due = parse_timestamp(next_at)
             if recovering and due is not None and self.now < due:
                 phase, action = waiting_phase, "WaitingForBackoff"
                 requeue = (due - self.now).total_seconds()

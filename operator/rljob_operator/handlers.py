@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from kubernetes import client
 
 from rljob_api import GROUP, PLURAL, VERSION
+from rljob_api.status import timestamp
 from rljob_operator import names
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store
 from rljob_operator.config import OperatorConfig
@@ -134,7 +134,7 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
     if hint is not None:
         # When it was seen: a failure during a start-up (a crash loop) is told from an
         # older one by this time.
-        seen = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        seen = timestamp()
         memo.hints.record(namespace, job, name, replace(hint, seen_at=seen))
     memo.controller.kick((namespace, job))
 

@@ -16,13 +16,13 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from rljob_api.status import OPERATOR_MANAGER, apply_status, timestamp
 from rljob_operator import names
 from rljob_operator.decide import Event
 from rljob_operator.observe import InTheWay, owned_by, owner_words
@@ -279,17 +279,13 @@ class Kube:
     def apply_status(self, namespace: str, name: str, status: Obj) -> None:
         """Server-side apply of the operator's status fields under its own field manager;
         fields owned by the runtime's manager are untouched."""
-        body = {"apiVersion": API_VERSION, "kind": KIND,
-                "metadata": {"name": name, "namespace": namespace}, "status": status}
-        self.written(KIND, _json(self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, body,
-            field_manager=names.FIELD_MANAGER, force=True,
-            _content_type="application/apply-patch+yaml", _preload_content=False,
-            _request_timeout=TIMEOUT)))
+        self.written(KIND, _json(apply_status(self.custom, namespace, name, status,
+                                              OPERATOR_MANAGER, TIMEOUT,
+                                              _preload_content=False)))
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = timestamp()
         body: Any = {
             "apiVersion": "v1",
             "kind": "Event",
@@ -300,8 +296,8 @@ class Kube:
             "type": event.type,
             "reason": event.reason,
             "message": event.message[:1024],
-            "source": {"component": names.FIELD_MANAGER},
-            "reportingComponent": names.FIELD_MANAGER,
+            "source": {"component": OPERATOR_MANAGER},
+            "reportingComponent": OPERATOR_MANAGER,
             "reportingInstance": self.instance,
             "firstTimestamp": now,
             "lastTimestamp": now,

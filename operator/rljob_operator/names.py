@@ -7,8 +7,9 @@ children its predecessor made instead of creating duplicates.
 from __future__ import annotations
 
 from rljob_api import GROUP
+from rljob_api.layout import COLOCATED, HEAD, ROLLOUT, TRAINER
+from rljob_api.status import OPERATOR_MANAGER
 
-FIELD_MANAGER = "rljob-operator"
 LABEL_JOB = f"{GROUP}/job"
 LABEL_COMPONENT = f"{GROUP}/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -18,25 +19,12 @@ ANNOTATION_COMPUTE_PODS = f"{GROUP}/compute-pods"
 # whose revision differs from what the current spec builds is patched or replaced.
 ANNOTATION_REVISION = f"{GROUP}/revision"
 
-HEAD = "head"
-TRAINER = "trainer"
-ROLLOUT = "rollout"
-COLOCATED = "colocated"
-DRIVER = "driver"
 COMPUTE_COMPONENTS = (HEAD, TRAINER, ROLLOUT, COLOCATED)
 
 RAY_API_VERSION = "ray.io/v1"
 RAY_GROUP = "ray.io"
 RAY_VERSION = "v1"
 RAY_PLURAL = "rayclusters"
-RAY_GCS_PORT = 6379
-# Engine i of a pod listens on ENGINE_PORT + i (the runtime binds it there, see
-# rljob_api.layout) and its sidecar serves /health and /metrics on WEIGHT_SYNC_HEALTH_PORT + i.
-ENGINE_PORT = 30000
-# The weight-sync store runs on the Ray head node (the driver starts it there), so every pod
-# reaches it through the head Service.
-WEIGHT_SYNC_PORT = 29600
-WEIGHT_SYNC_HEALTH_PORT = 8090
 WEIGHT_SYNC = "weight-sync"
 SPEC_FILE = "rljob.yaml"
 SPEC_DIR = "/etc/rljob"
@@ -89,7 +77,7 @@ def checkpoint_claim(job: str) -> str:
 
 def labels(job: str, component: str) -> dict[str, str]:
     """Labels every child carries: `kubectl get pods -l rljob.io/job=NAME` finds them all."""
-    return {LABEL_JOB: job, LABEL_COMPONENT: component, LABEL_MANAGED_BY: FIELD_MANAGER}
+    return {LABEL_JOB: job, LABEL_COMPONENT: component, LABEL_MANAGED_BY: OPERATOR_MANAGER}
 
 
 def per_engine(base: str, index: int, engines: int) -> str:

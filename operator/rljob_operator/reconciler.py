@@ -17,7 +17,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from rljob_api.spec import RLJobSpec
-from rljob_api.status import Phase
+from rljob_api.status import Phase, parse_timestamp
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
@@ -28,7 +28,6 @@ from rljob_operator.decide import (
     decide,
     needs_write,
     parse_job,
-    parse_time,
 )
 from rljob_operator.kube import Kube, ObjectInTheWay
 from rljob_operator.metrics import Metrics
@@ -264,7 +263,7 @@ class Reconciler:
             return True
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
-        created = parse_time(body["metadata"].get("creationTimestamp"))
+        created = parse_timestamp(body["metadata"].get("creationTimestamp"))
         if created is not None and not old.get("startedAt") and new.get("startedAt"):
             self.metrics.time_to_running.observe((now - created).total_seconds())
 

@@ -41,7 +41,7 @@ from rljob.engine.launcher import EngineProcess
 from rljob.engine.slots import SlotHolder
 from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
 from rljob.progress_bar import ProgressBar
-from rljob.report import Reporter, now
+from rljob.report import Reporter
 from rljob.rollout import RolloutWorker
 from rljob.stop import StopSignals
 from rljob.store_lease import writer_identity
@@ -52,7 +52,7 @@ from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
 from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
 from rljob.whereabouts import Placed
 from rljob_api import env, exits
-from rljob_api.layout import DRIVER_RESOURCE
+from rljob_api.layout import COLOCATED, DRIVER, DRIVER_RESOURCE, HEAD, ROLLOUT, TRAINER
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import (
     CheckpointRecord,
@@ -61,6 +61,7 @@ from rljob_api.status import (
     ResumeReport,
     RuntimeFailure,
     RuntimeStop,
+    timestamp,
 )
 
 EXIT_OK = exit_codes.OK
@@ -140,14 +141,13 @@ def expected_group(role: str, colocated: bool) -> str:
     """The kind of pod an actor of `role` is meant to run on, on a cluster."""
     if role in (whereabouts.TRAINER, whereabouts.ENGINE, whereabouts.SIDECAR):
         if colocated:
-            return "colocated"
-        return "trainer" if role == whereabouts.TRAINER else "rollout"
-    return {whereabouts.ROLLOUT_WORKER: "driver", whereabouts.STORE: "head"}[role]
+            return COLOCATED
+        return TRAINER if role == whereabouts.TRAINER else ROLLOUT
+    return {whereabouts.ROLLOUT_WORKER: DRIVER, whereabouts.STORE: HEAD}[role]
 
 
 def _mtime(path: Path) -> str:
-    stamp = datetime.fromtimestamp(path.stat().st_mtime, UTC)
-    return stamp.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return timestamp(datetime.fromtimestamp(path.stat().st_mtime, UTC))
 
 
 def rendezvous_address() -> str:
@@ -365,7 +365,7 @@ class Job:
         history = [CheckpointRecord(step=s, path=str(p), saved_at=_mtime(p))
                    for s, p in self.store.published()[-16:]]
         self.reporter.checkpoint(CheckpointStatus(
-            step=verified.step, path=str(verified.path), saved_at=now(),
+            step=verified.step, path=str(verified.path), saved_at=timestamp(),
             size_bytes=verified.size_bytes, checksum=verified.checksum, verified=True,
             history=history))
         return verified
@@ -443,7 +443,7 @@ class Job:
         self.reporter.resumed(ResumeReport(
             attempt=attempt_number(dict(os.environ)), found=loaded is not None,
             step=self.state.step, path=str(loaded.path) if loaded else None,
-            checksum=loaded.checksum if loaded else None, at=now(),
+            checksum=loaded.checksum if loaded else None, at=timestamp(),
             driver_pod_uid=os.environ.get(env.POD_UID) or None))
 
     def report_placement(self) -> None:
@@ -479,7 +479,7 @@ class Job:
     def fail(self, reason: str, message: str, retryable: bool,
              lost_pods: list[str] | None = None) -> None:
         self.reporter.failure(RuntimeFailure(reason=reason, message=message, retryable=retryable,
-                                             step=self.state.step, time=now(),
+                                             step=self.state.step, time=timestamp(),
                                              lost_pods=lost_pods or []))
 
     def lost_pods(self, wait_s: float) -> dict[str, str]:
@@ -510,7 +510,7 @@ class Job:
         self.reporter.stopped(RuntimeStop(
             signal=self.stop.name, attempt=attempt_number(dict(os.environ)),
             step=self.state.step, checkpoint_step=checkpoint, aborted=aborted,
-            exit_code=exit_codes.for_signal(signum), time=now()))
+            exit_code=exit_codes.for_signal(signum), time=timestamp()))
 
     def run(self) -> int:
         try:  # set by the operator on a cluster; defaults for `rljob run` on one machine
@@ -627,7 +627,7 @@ class Job:
             total_steps=self.spec.algorithm.total_steps, samples=self.state.samples,
             mean_reward=m["reward"], tokens_per_second=rstats["tokens_per_second"],
             weight_version=self.state.weight_version, skipped_steps=self.state.skipped_steps,
-            updated_at=now()))
+            updated_at=timestamp()))
         bar.update(self.state.step, m["reward"], rstats["tokens_per_second"])
 
     def summary(self, rows: list[dict[str, Any]], seconds: float, code: int) -> None:
@@ -773,7 +773,7 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
                    "by the pods' user")
         print(f"rljob run: {message}", file=sys.stderr, flush=True)
         reporter.failure(RuntimeFailure(reason="WorkdirNotWritable", message=message,
-                                        retryable=False, step=0, time=now()))
+                                        retryable=False, step=0, time=timestamp()))
         return EXIT_INVALID
     with job.stop.installed():
         try:

@@ -10,7 +10,7 @@ import os
 
 from prometheus_client import Counter, Gauge, start_http_server
 
-PORT_ENV = "RLJOB_METRICS_PORT"
+from rljob_api import env
 
 SAMPLES = Counter("rljob_rollout_samples_total", "Samples generated and rewarded")
 RESPONSE_TOKENS = Counter("rljob_rollout_response_tokens_total", "Response tokens generated")
@@ -28,7 +28,7 @@ def serve() -> int:
     """Start this process's metrics endpoint once; return its port."""
     global _served
     if _served is None:
-        server, _ = start_http_server(int(os.environ.get(PORT_ENV, "0")))
+        server, _ = start_http_server(int(os.environ.get(env.METRICS_PORT, "0")))
         _served = int(server.server_address[1])
     return _served
 

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rljob_api.layout import engine_local_index, group_resource
-from rljob_api.spec import RLJobSpec
+from rljob_api.layout import (
+    COLOCATED,
+    ROLLOUT,
+    TRAINER,
+    engine_count,
+    engine_local_index,
+    group_resource,
+)
+from rljob_api.spec import Placement, RLJobSpec
 
 # What a weight-sync sidecar asks of its engine's first slot. It stages each version on
 # that GPU, so it must hold a share of that very GPU (Ray then shows it that GPU alone);
@@ -43,8 +50,8 @@ class Layout:
     def slot_resource(self, slot: int) -> str:
         """The operator's custom Ray resource of the worker group that holds `slot`."""
         if self.colocated:
-            return group_resource("colocated")
-        return group_resource("trainer" if slot < len(self.trainer_slots) else "rollout")
+            return group_resource(COLOCATED)
+        return group_resource(TRAINER if slot < len(self.trainer_slots) else ROLLOUT)
 
     def bundles(self, use_gpu: bool, on_cluster: bool = False) -> list[dict[str, float]]:
         device = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
@@ -61,8 +68,8 @@ def trainer_world(spec: RLJobSpec) -> int:
 def plan(spec: RLJobSpec) -> Layout:
     world = trainer_world(spec)
     per_engine = spec.rollout.gpus_per_engine
-    engines = spec.rollout.gpus // per_engine
-    if spec.placement == "colocated":
+    engines = engine_count(spec)
+    if spec.placement == Placement.colocated:
         return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
                       tuple(i * per_engine for i in range(engines)), (1.0 - SIDECAR_SHARE) / 2,
                       colocated=True,

@@ -24,19 +24,19 @@ import math
 import os
 import sys
 import threading
-from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
-from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION, env
+from rljob_api import GROUP, PLURAL, VERSION, env
 from rljob_api.status import (
+    RUNTIME_MANAGER,
     CheckpointStatus,
     Progress,
     ResumeReport,
     RuntimeFailure,
     RuntimeStop,
+    apply_status,
 )
 
-FIELD_MANAGER = "rljob-runtime"
 ENV_NAME = env.JOB_NAME
 ENV_NAMESPACE = env.JOB_NAMESPACE
 # Fields a restarted runtime carries over from its predecessor (same field manager): an
@@ -48,11 +48,6 @@ SETTLE_S = 1.0  # the longest a report waits for its write while the API server 
 BACKOFF_S = (0.5, 15.0)  # first and longest pause between failed writes
 FLUSH_TIMEOUT_S = 10.0  # what `rljob run` gives the last writes at exit
 IDLE_S = 30.0  # a writer thread with nothing to write ends; the next report starts one
-
-
-def now() -> str:
-    """RFC 3339 UTC time, the format Kubernetes uses."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def finite_progress(progress: Progress) -> dict[str, Any]:
@@ -233,24 +228,8 @@ class StatusReporter:
             )
             current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
             self._carried = {k: current[k] for k in CARRIED_OVER if k in current}
-        body = {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "metadata": {"name": self.name, "namespace": self.namespace},
-            "status": {**self._carried, **fields},
-        }
-        self.api.patch_namespaced_custom_object_status(
-            GROUP,
-            VERSION,
-            self.namespace,
-            PLURAL,
-            self.name,
-            body,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type="application/apply-patch+yaml",
-            _request_timeout=timeout,
-        )
+        apply_status(self.api, self.namespace, self.name, {**self._carried, **fields},
+                     RUNTIME_MANAGER, timeout)
 
     # ---- what the runtime reports -----------------------------------------------------
 

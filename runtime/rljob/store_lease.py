@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from rljob_api import env
+
 PREFIX = ".writer-lease."
 TTL_S = 30.0
 WAIT_S = 90.0  # a newcomer outwaits a crashed holder's TTL, then gives up (retryable)
@@ -68,7 +70,7 @@ def _pid_alive(pid: int) -> bool:
 
 def writer_identity(attempt: int | None = None) -> str:
     """Who writes, for people reading the lease: pod (or host), attempt and process."""
-    where = os.environ.get("POD_NAME") or socket.gethostname()
+    where = os.environ.get(env.POD_NAME) or socket.gethostname()
     part = f"/attempt-{attempt}" if attempt is not None else ""
     return f"{where}{part}/pid-{os.getpid()}"
 

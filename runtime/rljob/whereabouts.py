@@ -19,10 +19,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from rljob_api.layout import DRIVER_RESOURCE, HEAD_RESOURCE, group_resource
+from rljob_api.layout import (
+    DRIVER,
+    DRIVER_RESOURCE,
+    GROUPS,
+    HEAD,
+    HEAD_RESOURCE,
+    group_resource,
+)
 
 LINE_PREFIX = "placement: "
-GROUPS = ("trainer", "rollout", "colocated")
 TRAINER = "trainer"
 ENGINE = "engine"
 ROLLOUT_WORKER = "rollout-worker"
@@ -58,9 +64,9 @@ def node_groups(nodes: Iterable[Mapping[str, Any]]) -> dict[str, str]:
         resources = node.get("Resources") or {}
         group = next((g for g in GROUPS if group_resource(g) in resources), "")
         if not group and DRIVER_RESOURCE in resources:
-            group = "driver"
+            group = DRIVER
         if not group and HEAD_RESOURCE in resources:
-            group = "head"
+            group = HEAD
         out[str(node["NodeID"])] = group
     return out
 

@@ -36,6 +36,9 @@ POD_IP = "POD_IP"
 # a spec edit) for the running one's.
 POD_UID = "POD_UID"
 
+# A worker process's Prometheus endpoint (unset or 0: a free port, which the driver logs).
+METRICS_PORT = "RLJOB_METRICS_PORT"
+
 # Ray's token authentication (Ray >= 2.52): every Ray process of the job (head, workers,
 # driver) runs with the same mode and token, which the operator keeps in a Secret.
 RAY_AUTH_MODE = "RAY_AUTH_MODE"

@@ -10,23 +10,59 @@ A colocated pod holds `gpusPerReplica` slots (the trainer's GPUs, shared with th
 Placement uses custom Ray resources that the operator gives each kind of pod and the runtime
 asks for: `rljob_<group>` on the worker groups' pods (one unit per slot) and
 `rljob_driver` on the driver pod's own Ray node, so every actor lands on the pod meant for it.
+
+The kinds of pod, their Ray resources and the ports below are the pod contract: the
+operator's builders declare them and the runtime binds and asks for them, so each is
+written here once.
 """
 
 from __future__ import annotations
 
 from rljob_api.spec import Placement, RLJobSpec
 
-# The custom Ray resource of the driver pod's Ray node: nothing but the actors the driver
-# deliberately keeps next to itself asks for it (its node offers no CPU or GPU).
-DRIVER_RESOURCE = "rljob_driver"
-# Ray gives the head node one unit of this resource; actors pinned to the head ask for it.
-HEAD_RESOURCE = "node:__internal_head__"
+# The kinds of pod of a job: the Ray head, the worker groups of the RayCluster (`trainer`
+# and `rollout`, or the one `colocated` group) and the driver pod. The operator labels each
+# pod with its kind; the runtime tells from Ray's resources which kind a Ray node is.
+HEAD = "head"
+TRAINER = "trainer"
+ROLLOUT = "rollout"
+COLOCATED = "colocated"
+DRIVER = "driver"
+GROUPS = (TRAINER, ROLLOUT, COLOCATED)
+
+# Ports. Engine i of a pod listens on ENGINE_PORT + i and its weight-sync sidecar serves
+# /health and /metrics on WEIGHT_SYNC_HEALTH_PORT + i. The weight-sync store runs on the Ray
+# head node (the driver starts it there), so every pod reaches it through the head Service
+# on WEIGHT_SYNC_PORT, as the driver's Ray node reaches the head's GCS on RAY_GCS_PORT.
+RAY_GCS_PORT = 6379
+ENGINE_PORT = 30000
+WEIGHT_SYNC_PORT = 29600
+WEIGHT_SYNC_HEALTH_PORT = 8090
 
 
 def group_resource(group: str) -> str:
     """The custom Ray resource of a worker group's pods (`trainer`, `rollout`, `colocated`):
     one unit per placement slot of the pod."""
     return f"rljob_{group}"
+
+
+# The custom Ray resource of the driver pod's Ray node: nothing but the actors the driver
+# deliberately keeps next to itself asks for it (its node offers no CPU or GPU).
+DRIVER_RESOURCE = group_resource(DRIVER)
+# Ray gives the head node one unit of this resource; actors pinned to the head ask for it.
+HEAD_RESOURCE = "node:__internal_head__"
+
+
+def engine_port(index: int) -> int:
+    return ENGINE_PORT + index
+
+
+def weight_sync_health_port(index: int) -> int:
+    return WEIGHT_SYNC_HEALTH_PORT + index
+
+
+def engine_count(spec: RLJobSpec) -> int:
+    return spec.rollout.gpus // spec.rollout.gpus_per_engine
 
 
 def slots_per_pod(spec: RLJobSpec) -> int:

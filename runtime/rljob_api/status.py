@@ -1,24 +1,62 @@
 """The RLJob status: what the operator and the runtime report.
 
-Ownership is split by field manager: the operator writes `phase`, `conditions`,
-`observedGeneration`, `recovery`, `startingSince`, `startedAt` and `finishedAt`; the runtime writes
-`progress`, `checkpoint`, `resumed`, `runtimeFailure` and `stopped` (server-side apply).
-Neither overwrites the other's fields. Facts about training (what was saved, what was loaded) come
-only from the runtime; the operator derives its recovery figures from them.
+Ownership is split by field manager: the operator writes `OPERATOR_FIELDS`, the runtime
+`RUNTIME_FIELDS`, each with server-side apply (`apply_status`) under its own manager, so
+neither overwrites the other's fields. Facts about training (what was saved, what was loaded)
+come only from the runtime; the operator derives its recovery figures from them.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from enum import Enum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
+from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_api.spec import ApiModel, ShortText
 
 MESSAGE_MAX = 32768
 Message = Annotated[str, StringConstraints(max_length=MESSAGE_MAX)]
 Timestamp = Annotated[str, StringConstraints(max_length=64)]
+
+OPERATOR_MANAGER = "rljob-operator"
+RUNTIME_MANAGER = "rljob-runtime"
+OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
+                   "startedAt", "finishedAt")
+RUNTIME_FIELDS = ("progress", "checkpoint", "resumed", "runtimeFailure", "stopped")
+
+
+def timestamp(t: datetime | None = None) -> str:
+    """RFC 3339 UTC to the second, as Kubernetes writes times: every status time, whoever
+    writes it, reads and compares the same way. `t` None: now."""
+    return (t or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_timestamp(text: str | None) -> datetime | None:
+    """An RFC 3339 time from the API server or a runtime report; None when absent or not a
+    time (a malformed report must not break every reconcile of the job)."""
+    if not text:
+        return None
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+def apply_status(api: Any, namespace: str, name: str, status: dict[str, Any], manager: str,
+                 timeout: float | tuple[float, float], **options: Any) -> Any:
+    """Server-side apply of `status` to the RLJob's status subresource through a kubernetes
+    `CustomObjectsApi`, as `manager`, taking ownership of exactly these fields: an apply
+    drops the fields its manager applied before and leaves out now, and never touches
+    another manager's. `options` go to the client call (e.g. `_preload_content`)."""
+    body = {"apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": name, "namespace": namespace}, "status": status}
+    return api.patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, body, field_manager=manager, force=True,
+        _content_type="application/apply-patch+yaml", _request_timeout=timeout, **options)
 
 
 class Phase(str, Enum):

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.report import FIELD_MANAGER, StatusReporter
+from rljob.report import StatusReporter
+from rljob_api.status import RUNTIME_MANAGER as FIELD_MANAGER
 from rljob_api.status import CheckpointStatus, Progress
 from tests.controlplane import REPO, ControlPlane
 from tests.specs import BAD_SPECS, BAD_UPDATES, BadSpec, BadUpdate, base_job

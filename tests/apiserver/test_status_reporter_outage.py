@@ -18,9 +18,10 @@ import yaml
 from kubernetes import config
 
 from rljob import metrics_log
-from rljob.report import SETTLE_S, StatusReporter, now
+from rljob.report import SETTLE_S, StatusReporter
 from rljob_api import env
 from rljob_api.status import CheckpointStatus, Progress
+from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
 from tests.polling import wait_for
 from tests.processes import reap

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rljob.report import now
+from rljob_api.status import timestamp as now
 from tests.controlplane import ControlPlane, fake_node
 from tests.operator_process import POOL_LABEL
 from tests.polling import wait_for

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rljob.report import now
+from rljob_api.status import timestamp as now
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for
 

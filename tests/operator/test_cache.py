@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from rljob_api.layout import HEAD
 from rljob_operator import names
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
 
@@ -103,7 +104,7 @@ def test_pods_of_a_raycluster_that_is_gone_are_not_the_jobs_compute_pods() -> No
     from rljob_operator.observe import observe
 
     head = pod("j-head-x", "3")
-    head["metadata"]["labels"][names.LABEL_COMPONENT] = names.HEAD
+    head["metadata"]["labels"][names.LABEL_COMPONENT] = HEAD
     head["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "name": "j",
                                             "uid": "old-cluster", "controller": True}]
     assert observe("j", None, [head], [], uid="job-uid").compute == ()

@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 
 from rljob_api.spec import RLJobSpec
+from rljob_api.status import OPERATOR_FIELDS
+from rljob_api.status import timestamp as iso
 from rljob_api.validate import spec_problems
 from rljob_operator.builders import JobRef, revisions
 from rljob_operator.decide import (
-    OPERATOR_FIELDS,
     Actions,
     Decision,
     backoff_seconds,
     decide,
-    iso,
     needs_write,
     parse_job,
     resume_figures,

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from rljob.checkpoint import MANIFEST
-from rljob.report import StatusReporter, now
+from rljob.report import StatusReporter
 from rljob_api.status import RuntimeFailure
+from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
 from tests.faults import PAUSE_MARKER, PAUSE_SAVE_ENV
 from tests.operator.harness import job_manifest

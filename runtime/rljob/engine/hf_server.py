@@ -35,6 +35,7 @@ from rljob.weightsync.tensor_payload import (
     copy_into,
     update_problems,
 )
+from rljob_api.layout import ENGINE_PORT
 
 
 class UpdateRejected(ValueError):
@@ -425,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    parser.add_argument("--port", type=int, default=ENGINE_PORT, help="0 picks a free port")
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--tp-size", type=int, default=1,
                         help="tensor-parallel ranks whose weight-update contract to keep")

@@ -74,7 +74,7 @@ class SidecarConfig:
     trainer_host: str
     trainer_port: int
     listen_host: str = "0.0.0.0"
-    listen_port: int = 8090
+    listen_port: int = layout.WEIGHT_SYNC_HEALTH_PORT
     advertise_host: str = ""
     device: str = "cpu"
     connect_timeout_s: float = 30.0
@@ -466,7 +466,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     )
     p.add_argument(
         "--engine-url",
-        default=env.get(ENGINE_URL, "http://127.0.0.1:30000"),
+        default=env.get(ENGINE_URL, f"http://127.0.0.1:{layout.ENGINE_PORT}"),
         help="base URL of the local engine (RLJOB_ENGINE_URL)",
     )
     p.add_argument(
@@ -475,7 +475,8 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
         help="this engine's name in the group (default: POD_NAME, plus -RLJOB_ENGINE_INDEX "
         "when a pod holds several engines)",
     )
-    p.add_argument("--listen", default="0.0.0.0:8090", help="HOST:PORT for /health and /metrics")
+    p.add_argument("--listen", default=f"0.0.0.0:{layout.WEIGHT_SYNC_HEALTH_PORT}",
+                   help="HOST:PORT for /health and /metrics")
     p.add_argument(
         "--advertise-host",
         default=env.get(POD_IP, ""),
