@@ -133,7 +133,7 @@ def main() -> None:
 
         trainer: Any = MegatronTrainerActor(spec_json, str(model_dir), 0, 1, "", device)
     else:
-        from rljob.trainer.torch_backend import TorchTrainer
+        from rljob.torch_backend.actor import TorchTrainer
 
         trainer = TorchTrainer(spec_json, str(model_dir), 0, 1, "", device)
     engine = HFEngine(str(model_dir), spec.model.dtype, device, "0")

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from rljob import metrics_log
-from rljob.driver import RunOptions, run_job
+from rljob.cluster import RunOptions
+from rljob.driver import run_job
 from rljob.report import PrintReporter
 from rljob_api.validate import load_job
 

@@ -21,3 +21,12 @@ TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (suspend, preemptio
 def for_signal(signum: int) -> int:
     """The exit code of a run stopped by signal `signum`."""
     return 128 + signum
+
+
+class JobError(Exception):
+    """Stops the run with exit code `code` and a message (no traceback): a failure the run
+    names itself, as opposed to one raised from a worker."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)

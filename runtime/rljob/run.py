@@ -58,7 +58,8 @@ def run_command(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(err, file=sys.stderr)
             return EXIT_INVALID
-    from rljob.driver import RunOptions, run_job
+    from rljob.cluster import RunOptions
+    from rljob.driver import run_job
 
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()

@@ -197,8 +197,8 @@ def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
 
     from rljob.algo.logprobs import pad_responses, response_index
     from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
+    from rljob.torch_backend.actor import response_logprobs
     from rljob.trainer.batch import Batch
-    from rljob.trainer.torch_backend import response_logprobs
 
     torch.manual_seed(0)
     config = Qwen2Config(

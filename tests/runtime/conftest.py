@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import ray
 
-from rljob.driver import worker_env
+from rljob.cluster import worker_env
 from rljob_api.status import (
     CheckpointStatus,
     Progress,

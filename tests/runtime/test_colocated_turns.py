@@ -12,7 +12,10 @@ from typing import Any
 import pytest
 
 from rljob import driver
+from rljob.cluster import Workers
 from rljob.driver import Job
+from rljob.loop_state import LoopState
+from rljob.trainer.trainer_group import TrainerGroup
 
 
 class Actor:
@@ -34,19 +37,20 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     job = object.__new__(Job)
     metrics = {"step_skipped": [False], "skipped_steps": 0, "optimizer_steps": optimizer_steps,
                "nonfinite": [], "reward": 0.5}
-    job.offload = offload
-    job.trainers = [Actor(f"trainer{r}", log, {"train": metrics, "nonfinite_weights": [],
-                                                "offload": 1}) for r in range(2)]
-    job.engines = [Actor(f"engine{e}", log, {"resume_memory": weights_kept})
-                   for e in range(2)]
-    job.rollout = Actor("rollout", log, {"generate": (
-        [], {"tokens_per_second": 1.0, "rollout_seconds": 0.1})})
-    job.state = SimpleNamespace(step=3, weight_version=3, consecutive_nonfinite=0,
-                                skipped_steps=0, train_step=3, samples=0)
+    job.workers = Workers(
+        offload=offload,
+        trainers=TrainerGroup([Actor(f"trainer{r}", log, {
+            "train": metrics, "nonfinite_weights": [], "offload": 1}) for r in range(2)]),
+        engines=[Actor(f"engine{e}", log, {"resume_memory": weights_kept})
+                 for e in range(2)],
+        rollout=Actor("rollout", log, {"generate": (
+            [], {"tokens_per_second": 1.0, "rollout_seconds": 0.1})}))
+    job.state = LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
+                          skipped_steps=0, train_step=3, samples=0)
     job.spec = SimpleNamespace(
         algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10),
         data=SimpleNamespace(eval_dataset=None, eval_interval=0))
-    job.store = SimpleNamespace(lease=SimpleNamespace(check=lambda: None))
+    job.checkpoints = SimpleNamespace(check_writer=lambda: None)  # type: ignore[assignment]
     job.metrics_path = tmp_path / "metrics.jsonl"
     job.reporter = SimpleNamespace(progress=lambda _: None)
     job.publish = lambda again=False: log.append(  # type: ignore[method-assign]

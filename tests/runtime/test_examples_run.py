@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rljob import metrics_log
-from rljob.driver import EXIT_OK
+from rljob.exit_codes import OK as EXIT_OK
 from tests.processes import reap
 from tests.unit.test_examples import cpu_examples
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob.driver import EXIT_FAILED, EXIT_OK
+from rljob.exit_codes import FAILED as EXIT_FAILED
+from rljob.exit_codes import OK as EXIT_OK
 from rljob.ray_node import JoinedNode
 from rljob.whereabouts import parse_line
 from rljob_api.layout import group_resource

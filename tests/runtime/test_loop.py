@@ -11,7 +11,10 @@ import pytest
 from safetensors.torch import load_file
 
 from rljob import metrics_log
-from rljob.driver import EXIT_NONFINITE, EXIT_OK, RunOptions, run_job
+from rljob.cluster import RunOptions
+from rljob.driver import run_job
+from rljob.exit_codes import NONFINITE as EXIT_NONFINITE
+from rljob.exit_codes import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
 

@@ -17,15 +17,13 @@ import yaml
 
 from rljob import metrics_log
 from rljob.checkpoint import CheckpointStore
-from rljob.driver import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_INVALID,
-    EXIT_OK,
-    EXIT_TERMINATED,
-    RunOptions,
-    run_job,
-)
+from rljob.cluster import RunOptions
+from rljob.driver import run_job
+from rljob.exit_codes import FAILED as EXIT_FAILED
+from rljob.exit_codes import INTERRUPTED as EXIT_INTERRUPTED
+from rljob.exit_codes import INVALID as EXIT_INVALID
+from rljob.exit_codes import OK as EXIT_OK
+from rljob.exit_codes import TERMINATED as EXIT_TERMINATED
 from rljob_api import env
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for

@@ -17,10 +17,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rljob import metrics_log
-from rljob.driver import EXIT_OK
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.sglang_launcher import EngineStartError
 from rljob.engine.slots import SlotHolder
+from rljob.exit_codes import OK as EXIT_OK
 from rljob.tiny_model import write_tiny
 from rljob.weightsync.engine_http import EngineHTTP
 from rljob_api.spec import TinyModel

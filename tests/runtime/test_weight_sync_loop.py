@@ -16,7 +16,9 @@ import pytest
 import ray
 import torch
 
-from rljob.driver import EXIT_OK, WEIGHT_SYNC_LOG, Job, RunOptions, worker_env
+from rljob.cluster import RunOptions, worker_env
+from rljob.driver import WEIGHT_SYNC_LOG, Job
+from rljob.exit_codes import OK as EXIT_OK
 from rljob.weightsync.engine_http import EngineHTTP
 from tests.faults import CORRUPT_ENV, SETUP_HOOK
 from tests.runtime.conftest import RecordingReporter
@@ -60,8 +62,8 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
         job = Job("job", spec, RunOptions(workdir), RecordingReporter())
         try:
             assert job.run() == EXIT_OK
-            trainer = dict(ray.get(job.trainers[0].named_weights.remote()))
-            for url in job.urls:
+            trainer = dict(ray.get(job.workers.trainers.rank0.named_weights.remote()))
+            for url in job.workers.urls:
                 got = engine_weights(url, trainer)
                 differing = [n for n, t in trainer.items() if not torch.equal(got[n], t)]
                 assert not differing, f"engine {url} differs from the trainer in {differing}"

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rljob.megatron_backend.layout import (
+from rljob.megatron_backend.shape import ModelShape, UnsupportedModel
+from rljob.megatron_backend.tensor_layout import (
     fuse_qkv,
     hf_to_megatron,
     megatron_to_hf,
     tp_shard,
     tp_unshard,
 )
-from rljob.megatron_backend.shape import ModelShape, UnsupportedModel
 
 pytestmark = pytest.mark.unit
 

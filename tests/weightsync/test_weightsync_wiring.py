@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob.driver import worker_env
+from rljob.cluster import worker_env
 from rljob.placement import plan
 from rljob.weightsync.wiring import sidecar_options
 from rljob_api.spec import RLJobSpec

@@ -1,5 +1,5 @@
 """The `megatron` trainer backend: megatron-core GPTModel trained with the RL losses.
 
-Only `shape` and `layout` import without megatron-core; the other modules need it (a GPU
+Only `shape` and `tensor_layout` import without megatron-core; the other modules need it (a GPU
 machine with `pip install .[megatron]`).
 """

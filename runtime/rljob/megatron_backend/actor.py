@@ -1,8 +1,7 @@
 """`trainer.backend: megatron` behind the driver's trainer-actor interface.
 
-The driver talks to every trainer rank the same way whatever the backend (`train`,
-`named_weights`, `nonfinite_weights`, `set_publisher`, `publish`, `save`, `load`,
-`shutdown`; see `rljob.trainer.torch_backend.TorchTrainer`). This actor turns one rollout
+The driver talks to every trainer rank the same way whatever the backend
+(`rljob.trainer.interface.TrainerActor`). This actor turns one rollout
 step's samples into `PolicyMicroBatch`es for `MegatronTrainer`: old-policy and reference
 log-probs first (the reference is a frozen GPTModel of the initial weights), then the
 advantages, then `stepsPerRollout` optimizer steps over consecutive `globalBatchSize` slices,
@@ -32,7 +31,6 @@ from torch._C._distributed_c10d import HashStore
 from transformers import AutoModelForCausalLM
 
 from rljob import metrics
-from rljob.algo import advantages as adv_fns
 from rljob.megatron_backend.model import build_model, load_hf_weights
 from rljob.megatron_backend.shape import ModelShape
 from rljob.megatron_backend.trainer import (
@@ -42,12 +40,21 @@ from rljob.megatron_backend.trainer import (
     PolicyMicroBatch,
     init_parallel,
 )
-from rljob.offload import TakesTurns, module_tensors, optimizer_tensors
+from rljob.offload import module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
-from rljob.trainer.batch import Batch, collate, rollout_summary
-from rljob.trainer.torch_backend import InitialKLMismatch
-from rljob.trainer.weight_sync import TrainerSync, WeightPublishing
+from rljob.trainer.batch import (
+    Batch,
+    advantages,
+    collate,
+    micro_batches,
+    rewards_of,
+    rollout_summary,
+    verify_initial_kl,
+    widen,
+)
+from rljob.trainer.interface import TrainerActor
+from rljob.trainer.weight_sync import TrainerSync
 from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
 
@@ -73,11 +80,7 @@ def check_supported(spec: RLJobSpec) -> None:
         )
 
 
-def _widen(t: Tensor, width: int) -> Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-class MegatronTrainerActor(WeightPublishing, TakesTurns):
+class MegatronTrainerActor(TrainerActor):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -133,10 +136,6 @@ class MegatronTrainerActor(WeightPublishing, TakesTurns):
 
     # ---- batches -----------------------------------------------------------------------
 
-    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
-        mbs = self.spec.algorithm.micro_batch_size
-        return [indices[i : i + mbs] for i in range(0, len(indices), mbs)]
-
     def _policy_batch(self, batch: Batch, old: Tensor, ref: Tensor, adv: Tensor
                       ) -> PolicyMicroBatch:
         t = max(batch.response_lengths)
@@ -151,20 +150,8 @@ class MegatronTrainerActor(WeightPublishing, TakesTurns):
         inputs = [self._policy_batch(b, z, z, z) for b, z in zip(batches, zeros, strict=True)]
         old = self.trainer.logprobs(inputs)
         ref = self.trainer.logprobs(inputs, model=self.reference)
-        return (torch.cat([_widen(t.float().cpu(), width) for t in old]),
-                torch.cat([_widen(t.float().cpu(), width) for t in ref]))
-
-    def _advantages(self, rewards: Tensor, old: Tensor, ref: Tensor, mask: Tensor) -> Tensor:
-        algo = self.spec.algorithm
-        kl_tok = (old - ref) * mask
-        in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
-        if algo.estimator == "grpo":
-            if in_reward:
-                rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
-            return adv_fns.group_normalized(rewards, algo.n_samples_per_prompt).unsqueeze(1) * mask
-        token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
-                                             algo.kl_coef)
-        return adv_fns.reinforce_pp(token_reward, mask, algo.gamma)
+        return (torch.cat([widen(t.float().cpu(), width) for t in old]),
+                torch.cat([widen(t.float().cpu(), width) for t in ref]))
 
     def _held_tensors(self) -> Iterator[Tensor]:
         """The DDP model with its contiguous parameter and gradient buffers, the frozen
@@ -182,18 +169,14 @@ class MegatronTrainerActor(WeightPublishing, TakesTurns):
         algo = self.spec.algorithm
         samples = [Sample.from_json(d) for d in sample_dicts]
         width = max(s.response_length for s in samples)
-        groups = self._micro_batches(list(range(len(samples))))
+        groups = micro_batches(list(range(len(samples))), algo.micro_batch_size)
         batches = [collate([samples[i] for i in mb], self.pad_id) for mb in groups]
         old, ref = self._infer(batches, width)
-        mask = torch.cat([_widen(b.loss_mask, width) for b in batches])
-        rollout_logp = torch.cat([_widen(b.rollout_logp, width) for b in batches])
-        if check_initial_kl and not torch.equal(ref, old):
-            gap = float((ref - old).abs().max())
-            raise InitialKLMismatch(
-                f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
-                "the reference must be the initial policy")
-        rewards = torch.tensor([float("nan") if s.reward is None else s.reward for s in samples])
-        adv = self._advantages(rewards, old, ref, mask)
+        mask = torch.cat([widen(b.loss_mask, width) for b in batches])
+        rollout_logp = torch.cat([widen(b.rollout_logp, width) for b in batches])
+        if check_initial_kl:
+            verify_initial_kl(old, ref)
+        adv, _ = advantages(algo, rewards_of(samples), old, ref, mask)
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
         steps: list[dict[str, float]] = []
@@ -202,7 +185,7 @@ class MegatronTrainerActor(WeightPublishing, TakesTurns):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
             mbs = [self._policy_batch(collate([samples[i] for i in mb], self.pad_id),
                                       old[mb], ref[mb], adv[mb])
-                   for mb in self._micro_batches(idx[dp_rank::dp_size])]
+                   for mb in micro_batches(idx[dp_rank::dp_size], algo.micro_batch_size)]
             try:
                 m = self.trainer.train_step(mbs)
                 row = {TORCH_KEYS[key]: m[key] for key in TORCH_KEYS}

@@ -22,8 +22,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from rljob.megatron_backend.layout import hf_to_megatron, megatron_to_hf, tp_shard, tp_unshard
 from rljob.megatron_backend.shape import ModelShape
+from rljob.megatron_backend.tensor_layout import (
+    hf_to_megatron,
+    megatron_to_hf,
+    tp_shard,
+    tp_unshard,
+)
 
 VOCAB_DIVISOR = 128
 """Megatron-LM's default `make_vocab_size_divisible_by`."""

@@ -33,6 +33,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from rljob import rng
 from rljob.algo.logprobs import pad_responses, response_index
 from rljob.algo.losses import policy_loss
 from rljob.logprobs_vocab_parallel import token_logprobs
@@ -390,14 +391,8 @@ class MegatronTrainer:
         once all have written (the caller's commit may follow at once)."""
         directory.mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(directory))
-        torch.save(
-            {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state(),
-                "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-            },
-            self._rng_file(directory),
-        )
+        rng.save(self._rng_file(directory), cuda=True,
+                 tracker=tensor_parallel.get_cuda_rng_tracker().get_states())
         dist.barrier()
 
     def load(self, directory: Path) -> None:
@@ -409,7 +404,4 @@ class MegatronTrainer:
         self._set_adam_step(int(state["adam_step"]))
         rng_file = self._rng_file(directory)
         if rng_file.exists():  # absent when the data-parallel size changed
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            torch.cuda.set_rng_state(rng["cuda"])
-            tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(rng.load(rng_file)["tracker"])

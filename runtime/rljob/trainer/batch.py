@@ -1,4 +1,7 @@
-"""Samples → padded tensors for one forward pass."""
+"""One rollout step's samples as every trainer backend sees them: padded tensors,
+micro-batches, advantages, the initial-KL check and the step's metrics. Kept in one module
+both backends import, so a job gives the same numbers whichever backend trains it.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rljob.algo import advantages as adv_fns
 from rljob.sample import Sample
+from rljob_api.spec import AlgorithmSpec
+
+
+class InitialKLMismatch(AssertionError):
+    """Reference and actor log-probs differ before any update: the two models differ."""
 
 
 @dataclass
@@ -64,3 +73,48 @@ def rollout_summary(
         "nonfinite": skipped,
     })
     return out
+
+
+def micro_batches(indices: list[int], size: int) -> list[list[int]]:
+    return [indices[i : i + size] for i in range(0, len(indices), size)]
+
+
+def widen(t: Tensor, width: int) -> Tensor:
+    """`t` right-padded with zeros to `width` columns."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def rewards_of(samples: list[Sample], device: torch.device | None = None) -> Tensor:
+    """Per-sample rewards; NaN where a reward is missing, so nothing passes for zero."""
+    return torch.tensor([float("nan") if s.reward is None else s.reward for s in samples],
+                        dtype=torch.float32, device=device)
+
+
+def verify_initial_kl(old: Tensor, ref: Tensor) -> None:
+    """At step 0 the reference must be the policy itself: any gap means the two differ."""
+    if not torch.equal(ref, old):
+        gap = float((ref - old).abs().max())
+        raise InitialKLMismatch(
+            f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
+            "the reference must be the initial policy")
+
+
+def advantages(
+    algo: AlgorithmSpec, rewards: Tensor, old: Tensor, ref: Tensor, mask: Tensor,
+    values: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token advantages `[N, T]` and, for PPO (which needs the critic's `values`), the
+    returns the critic is trained towards."""
+    kl_tok = (old - ref) * mask
+    in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
+    if algo.estimator == "grpo":
+        if in_reward:
+            rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
+        per_sample = adv_fns.group_normalized(rewards, algo.n_samples_per_prompt)
+        return per_sample.unsqueeze(1) * mask, None
+    token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
+                                         algo.kl_coef)
+    if algo.estimator == "reinforce++":
+        return adv_fns.reinforce_pp(token_reward, mask, algo.gamma), None
+    assert values is not None
+    return adv_fns.gae(token_reward, values, mask, algo.gamma, algo.lam)

@@ -1,12 +1,11 @@
 """Trainer rank 0's side of weight sync, the same for every trainer backend.
 
-A trainer class inherits `WeightPublishing` (the methods the driver calls) and sets
-`self.sync`; the backend only supplies its weights in HF names (`named_weights`).
+A trainer (`rljob.trainer.interface.TrainerActor`) sets `self.sync`; the backend only
+supplies its weights in HF names (`named_weights`).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from pathlib import Path
 
 import torch
@@ -15,7 +14,6 @@ from rljob import metrics
 from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
 from rljob.weightsync.tensor_payload import NamedTensors
-from rljob.whereabouts import Locatable
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 
@@ -78,23 +76,3 @@ class TrainerSync:
             self.publisher.close()
             self.publisher = None
 
-
-class WeightPublishing(Locatable, ABC):
-    """What the driver calls on trainer rank 0 to publish weights."""
-
-    sync: TrainerSync
-
-    @abstractmethod
-    def named_weights(self) -> NamedTensors:
-        """The weights the engines serve: HF names, serving dtype."""
-
-    def set_publisher(
-        self, store_host: str, store_port: int, disk_dir: str, start_version: int
-    ) -> None:
-        self.sync.join(store_host, store_port, disk_dir, start_version)
-
-    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
-        return self.sync.wait_for_engines(count, timeout_s)
-
-    def publish(self, version: int, again: bool = False) -> SyncResult:
-        return self.sync.publish(version, self.named_weights(), again=again)

@@ -1,17 +1,19 @@
 """Which trainer-actor class runs `spec.trainer.backend`.
 
-Both classes take the same constructor arguments and answer the same calls, so the driver
-places and drives either one the same way. The megatron one is imported only when asked for:
-megatron-core is an optional dependency (`.[megatron]`) that only GPU images carry.
+Both classes implement `rljob.trainer.interface.TrainerActor`, so the driver places and
+drives either one the same way. This module sits above both backends (they never import
+each other). The megatron one is imported only when asked for: megatron-core is an optional
+dependency (`.[megatron]`) that only GPU images carry.
 """
 
 from __future__ import annotations
 
-from rljob.trainer.torch_backend import TorchTrainer
+from rljob.torch_backend.actor import TorchTrainer
+from rljob.trainer.interface import TrainerActor
 from rljob_api.spec import RLJobSpec
 
 
-def trainer_class(spec: RLJobSpec, use_gpu: bool) -> type:
+def trainer_class(spec: RLJobSpec, use_gpu: bool) -> type[TrainerActor]:
     """The actor class for `spec.trainer.backend`; ValueError (naming the field) if it cannot
     run here."""
     if spec.trainer.backend != "megatron":

@@ -11,7 +11,6 @@ is skipped (nothing is replaced) and reported.
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -25,24 +24,29 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
-from rljob import metrics
-from rljob.algo import advantages as adv_fns
+from rljob import metrics, rng
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.logprobs_vocab_parallel import token_logprobs
-from rljob.offload import TakesTurns, module_tensors, optimizer_tensors
+from rljob.offload import module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
-from rljob.trainer.batch import Batch, collate, rollout_summary
-from rljob.trainer.weight_sync import TrainerSync, WeightPublishing
+from rljob.trainer.batch import (
+    Batch,
+    advantages,
+    collate,
+    micro_batches,
+    rewards_of,
+    rollout_summary,
+    verify_initial_kl,
+    widen,
+)
+from rljob.trainer.interface import TrainerActor
+from rljob.trainer.weight_sync import TrainerSync
 from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
 
 VALUE_CLIP = 0.2
-
-
-class InitialKLMismatch(AssertionError):
-    """Reference and actor log-probs differ before any update: the two models differ."""
 
 
 @dataclass
@@ -106,11 +110,7 @@ def response_values(critic: PreTrainedModel, batch: Batch) -> Tensor:
                          batch.response_lengths)
 
 
-def _widen(t: Tensor, width: int) -> Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-
-class TorchTrainer(WeightPublishing, TakesTurns):
+class TorchTrainer(TrainerActor):
     def __init__(
         self, spec_json: str, model_dir: str, rank: int, world: int, init_method: str,
         device: str,
@@ -152,51 +152,28 @@ class TorchTrainer(WeightPublishing, TakesTurns):
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.serve_dtype)
 
-    def _micro_batches(self, indices: list[int]) -> list[list[int]]:
-        mbs = self.spec.algorithm.micro_batch_size
-        return [indices[i : i + mbs] for i in range(0, len(indices), mbs)]
-
     @torch.no_grad()
     def _infer(self, samples: list[Sample]) -> Inference:
         algo = self.spec.algorithm
         temp = self.spec.rollout.sampling.temperature
         width = max(s.response_length for s in samples)
         parts: dict[str, list[Tensor]] = {"old": [], "ref": [], "val": [], "roll": [], "mask": []}
-        for mb in self._micro_batches(list(range(len(samples)))):
+        for mb in micro_batches(list(range(len(samples))), algo.micro_batch_size):
             batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
             with self._autocast():
                 old, _ = response_logprobs(self.model, batch, algo.logprob_chunk_tokens, temp)
                 ref, _ = response_logprobs(self.ref, batch, algo.logprob_chunk_tokens, temp)
                 if self.critic is not None:
-                    parts["val"].append(_widen(response_values(self.critic, batch), width))
-            parts["old"].append(_widen(old, width))
-            parts["ref"].append(_widen(ref, width))
-            parts["roll"].append(_widen(batch.rollout_logp, width))
-            parts["mask"].append(_widen(batch.loss_mask, width))
+                    parts["val"].append(widen(response_values(self.critic, batch), width))
+            parts["old"].append(widen(old, width))
+            parts["ref"].append(widen(ref, width))
+            parts["roll"].append(widen(batch.rollout_logp, width))
+            parts["mask"].append(widen(batch.loss_mask, width))
         return Inference(
             old_logp=torch.cat(parts["old"]), ref_logp=torch.cat(parts["ref"]),
             values=torch.cat(parts["val"]) if parts["val"] else None,
             rollout_logp=torch.cat(parts["roll"]), mask=torch.cat(parts["mask"]),
         )
-
-    def _advantages(self, samples: list[Sample], inf: Inference) -> tuple[Tensor, Tensor | None]:
-        algo = self.spec.algorithm
-        rewards = torch.tensor([float("nan") if s.reward is None else s.reward for s in samples],
-                               dtype=torch.float32, device=self.device)
-        mask = inf.mask
-        kl_tok = (inf.old_logp - inf.ref_logp) * mask
-        in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
-        if algo.estimator == "grpo":
-            if in_reward:
-                rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
-            per_sample = adv_fns.group_normalized(rewards, algo.n_samples_per_prompt)
-            return per_sample.unsqueeze(1) * mask, None
-        token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
-                                             algo.kl_coef)
-        if algo.estimator == "reinforce++":
-            return adv_fns.reinforce_pp(token_reward, mask, algo.gamma), None
-        assert inf.values is not None
-        return adv_fns.gae(token_reward, inf.values, mask, algo.gamma, algo.lam)
 
     # ---- training ----------------------------------------------------------------------
 
@@ -212,12 +189,10 @@ class TorchTrainer(WeightPublishing, TakesTurns):
         temp = self.spec.rollout.sampling.temperature
         samples = [Sample.from_json(d) for d in sample_dicts]
         inf = self._infer(samples)
-        if check_initial_kl and not torch.equal(inf.ref_logp, inf.old_logp):
-            gap = float((inf.ref_logp - inf.old_logp).abs().max())
-            raise InitialKLMismatch(
-                f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
-                "the reference must be the initial policy")
-        advantages, returns = self._advantages(samples, inf)
+        if check_initial_kl:
+            verify_initial_kl(inf.old_logp, inf.ref_logp)
+        adv, returns = advantages(algo, rewards_of(samples, self.device), inf.old_logp,
+                                  inf.ref_logp, inf.mask, inf.values)
         mask = inf.mask
         kl_coef_loss = algo.kl_coef if algo.kl_mode == "loss" else 0.0
         clip_high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
@@ -227,14 +202,14 @@ class TorchTrainer(WeightPublishing, TakesTurns):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
             denominator = float(mask[idx].sum())
             sums = Sums()
-            for mb in self._micro_batches(idx[self.rank :: self.world]):
+            for mb in micro_batches(idx[self.rank :: self.world], algo.micro_batch_size):
                 batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
                 t = max(batch.response_lengths)
                 with self._autocast():
                     logp, ent = response_logprobs(self.model, batch, algo.logprob_chunk_tokens,
                                                   temp)
                 terms = policy_loss(
-                    logp, inf.old_logp[mb, :t], inf.ref_logp[mb, :t], advantages[mb, :t],
+                    logp, inf.old_logp[mb, :t], inf.ref_logp[mb, :t], adv[mb, :t],
                     ent, mask[mb, :t], denominator=max(denominator, 1.0),
                     clip_low=algo.clip_eps, clip_high=clip_high, kl_coef=kl_coef_loss,
                     entropy_coef=algo.entropy_coef,
@@ -309,10 +284,7 @@ class TorchTrainer(WeightPublishing, TakesTurns):
     def save(self, directory: str, hf_export: bool) -> None:
         self.on_device()
         d = Path(directory)
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                   d / f"trainer_rng_rank{self.rank}.pt")
+        rng.save(d / f"trainer_rng_rank{self.rank}.pt", cuda=torch.cuda.is_available())
         if self.rank != 0:
             return
         save_file(self.model.state_dict(), str(d / "model.safetensors"))
@@ -336,12 +308,7 @@ class TorchTrainer(WeightPublishing, TakesTurns):
                 torch.load(d / "critic_optimizer.pt", weights_only=False))
         rng_file = d / f"trainer_rng_rank{self.rank}.pt"
         if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            if rng["cuda"]:
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            rng.load(rng_file)
 
     def shutdown(self) -> None:
         self.sync.close()

@@ -1,0 +1,2 @@
+"""The `torch` trainer backend: plain PyTorch on CPU or GPUs, for laptops, tests and small
+models."""

@@ -1,0 +1,70 @@
+"""What the driver calls on a trainer rank, whatever the backend.
+
+Both backends (`rljob.torch_backend.actor.TorchTrainer`,
+`rljob.megatron_backend.actor.MegatronTrainerActor`) implement `TrainerActor`, so the driver
+places and drives either one the same way through `rljob.trainer.trainer_group.TrainerGroup`.
+Weight sync runs on rank 0 alone: the backend only supplies its weights in HF names
+(`named_weights`); publishing them is the same for every backend (`TrainerSync`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any
+
+from rljob.offload import TakesTurns
+from rljob.trainer.weight_sync import TrainerSync
+from rljob.weightsync.publisher import SyncResult
+from rljob.weightsync.tensor_payload import NamedTensors
+from rljob.whereabouts import Locatable
+
+
+class TrainerActor(Locatable, TakesTurns):
+    """One trainer rank, a Ray actor. Every rank of a job is constructed with the same
+    arguments but its `rank`; calls other than the weight-sync ones go to every rank (they
+    are collectives)."""
+
+    sync: TrainerSync
+
+    @abstractmethod
+    def __init__(self, spec_json: str, model_dir: str, rank: int, world: int,
+                 init_method: str, device: str) -> None:
+        """`init_method` is rank 0's rendezvous address (empty for a single rank)."""
+
+    @abstractmethod
+    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool
+              ) -> dict[str, Any]:
+        """Train on one rollout step's samples; return its metrics (same on every rank,
+        `rljob.trainer.batch.rollout_summary`)."""
+
+    @abstractmethod
+    def named_weights(self) -> NamedTensors:
+        """The weights the engines serve: HF names, serving dtype."""
+
+    @abstractmethod
+    def nonfinite_weights(self) -> list[str]:
+        """Names of the weights holding NaN/Inf (none may reach the engines)."""
+
+    @abstractmethod
+    def save(self, directory: str, hf_export: bool) -> None:
+        """Write this rank's part of a checkpoint into `directory` (the driver commits it
+        once every rank returned); `hf_export` adds an HF-format copy under `hf/`."""
+
+    @abstractmethod
+    def load(self, directory: str) -> None:
+        """Restore what `save` wrote."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Leave the weight-sync and trainer process groups."""
+
+    def set_publisher(
+        self, store_host: str, store_port: int, disk_dir: str, start_version: int
+    ) -> None:
+        self.sync.join(store_host, store_port, disk_dir, start_version)
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        return self.sync.wait_for_engines(count, timeout_s)
+
+    def publish(self, version: int, again: bool = False) -> SyncResult:
+        return self.sync.publish(version, self.named_weights(), again=again)

@@ -1,0 +1,75 @@
+"""The trainer ranks of a job as one object: each call the driver makes on trainers goes
+to every rank (collectives) or to rank 0 (weight sync, the non-finite scan) here, once."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from rljob.trainer.interface import TrainerActor
+from rljob.weightsync.publisher import SyncResult
+
+
+class TrainerGroup:
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles  # Ray actor handles of `TrainerActor`s, by rank
+
+    @classmethod
+    def start(
+        cls, actor: type[TrainerActor], options: Callable[[int], dict[str, Any]],
+        slots: list[int], spec_json: str, model_dir: str, init_method: str, device: str,
+    ) -> TrainerGroup:
+        """One rank per slot of the placement group; `options(slot)` places it there."""
+        remote: Any = ray.remote(actor)
+        world = len(slots)
+        return cls([remote.options(**options(slot)).remote(spec_json, model_dir, rank, world,
+                                                           init_method, device)
+                    for rank, slot in enumerate(slots)])
+
+    @property
+    def rank0(self) -> Any:
+        return self.handles[0]
+
+    def train(self, samples: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+        """One rollout step on every rank; the metrics (the same on every rank)."""
+        results: list[dict[str, Any]] = ray.get(
+            [t.train.remote(samples, check_initial_kl) for t in self.handles])
+        return results[0]
+
+    def offload(self) -> None:
+        ray.get([t.offload.remote() for t in self.handles])
+
+    def nonfinite_weights(self) -> list[str]:
+        bad: list[str] = ray.get(self.rank0.nonfinite_weights.remote())
+        return bad
+
+    def save(self, directory: str, hf_export: bool) -> None:
+        ray.get([t.save.remote(directory, hf_export) for t in self.handles])
+
+    def load(self, directory: str) -> None:
+        ray.get([t.load.remote(directory) for t in self.handles])
+
+    def set_publisher(self, store: tuple[str, int], disk_dir: str, start_version: int) -> None:
+        ray.get(self.rank0.set_publisher.remote(*store, disk_dir, start_version))
+
+    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
+        joined: list[str] = ray.get(self.rank0.wait_for_engines.remote(count, timeout_s))
+        return joined
+
+    def publish(self, version: int, again: bool) -> SyncResult:
+        result: SyncResult = ray.get(self.rank0.publish.remote(version, again))
+        return result
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Each rank leaves its process groups; a dead one has nothing to leave."""
+        for t in self.handles:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(t.shutdown.remote(), timeout=timeout_s)
+
+    def kill(self) -> None:
+        for t in self.handles:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(t)
