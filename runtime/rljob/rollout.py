@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rljob import metrics
+from rljob import worker_metrics
 from rljob.data_source import DataSource
 from rljob.engine.client import EngineClient
 from rljob.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
@@ -54,7 +54,7 @@ class RolloutWorker(Locatable):
             return [str(err)]
         self.source = DataSource(self.task.prompts, self.spec.algorithm.seed, data.shuffle)
         self.codec = load_codec(Path(self.model_dir))
-        self.metrics_port = metrics.serve()
+        self.metrics_port = worker_metrics.serve()
         return []
 
     def _sampling(self) -> dict[str, Any]:
@@ -114,7 +114,7 @@ class RolloutWorker(Locatable):
         samples = [s for g in done for s in g]
         seconds = time.monotonic() - started
         tokens = sum(s.response_length for s in samples)
-        metrics.record_rollout(len(samples), tokens)
+        worker_metrics.record_rollout(len(samples), tokens)
         stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
                  "tokens_per_second": tokens / seconds if seconds > 0 else 0.0}
         return [s.to_json() for s in samples], stats

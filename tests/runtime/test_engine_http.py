@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from rljob.engine.client import EngineClient, EngineError
+from rljob.engine.client import EngineError as HTTPEngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.tiny_model import write_tiny
-from rljob.weightsync.engine_http import EngineError as HTTPEngineError
 from rljob.weightsync.engine_http import EngineHTTP
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob.weightsync.tensor_payload import encode_named_tensors, flat_span

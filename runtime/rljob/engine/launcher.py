@@ -16,7 +16,7 @@ import sys
 
 import ray
 
-from rljob import metrics
+from rljob import worker_metrics
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
 from rljob.engine.slots import SlotDevices, engine_gpus, here
@@ -68,7 +68,7 @@ class EngineProcess(Locatable):
                                startup_deadline_s=STARTUP_TIMEOUT_S)
         self.url = f"http://{advertise}:{port}"
         self.local_url = f"http://{'127.0.0.1' if bind_host == '0.0.0.0' else bind_host}:{port}"
-        self.metrics_port = metrics.serve()
+        self.metrics_port = worker_metrics.serve()
 
     def address(self) -> str:
         return self.url

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rljob.weightsync.engine_http import EngineHTTP
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 
 SGLANG_VERSION = "0.5.3"
@@ -92,14 +91,6 @@ def build_command(server: SGLangServer, sglang_args: Mapping[str, str]) -> list[
     return argv
 
 
-def health_ok(base_url: str, timeout_s: float) -> bool:
-    try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return int(resp.status) == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def wait_healthy(
     base_url: str,
     *,
@@ -112,13 +103,14 @@ def wait_healthy(
 
     Fails early, with the exit code, when the server process dies while loading.
     """
+    engine = EngineHTTP(base_url)
     start = time.monotonic()
     while True:
         if process is not None and process.poll() is not None:
             raise EngineStartError(
                 f"SGLang server at {base_url} exited with code {process.returncode} while loading"
             )
-        if health_ok(base_url, request_timeout_s):
+        if engine.healthy(request_timeout_s):
             return time.monotonic() - start
         if time.monotonic() - start >= deadline_s:
             raise EngineStartError(

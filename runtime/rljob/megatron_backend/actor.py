@@ -30,7 +30,7 @@ from torch import Tensor
 from torch._C._distributed_c10d import HashStore
 from transformers import AutoModelForCausalLM
 
-from rljob import metrics
+from rljob import worker_metrics
 from rljob.megatron_backend.model import build_model, load_hf_weights
 from rljob.megatron_backend.shape import ModelShape
 from rljob.megatron_backend.trainer import (
@@ -132,7 +132,7 @@ class MegatronTrainerActor(TrainerActor):
         load_hf_weights(reference, weights, shape)
         self.reference = reference.eval().requires_grad_(False)
         del hf, weights
-        self.metrics_port = metrics.serve()
+        self.metrics_port = worker_metrics.serve()
 
     # ---- batches -----------------------------------------------------------------------
 
@@ -194,7 +194,8 @@ class MegatronTrainerActor(TrainerActor):
                 skipped.append(f"optimizer step {k}: {err}")
                 row = {**{v: float("nan") for v in TORCH_KEYS.values()}, "value_loss": 0.0,
                        "grad_norm": float("nan"), "skipped": 1.0}
-            metrics.record_train_step(row["loss"], row["grad_norm"], skipped=bool(row["skipped"]))
+            worker_metrics.record_train_step(row["loss"], row["grad_norm"],
+                                             skipped=bool(row["skipped"]))
             steps.append(row)
         return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped)
 

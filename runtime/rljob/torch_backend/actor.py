@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
-from rljob import metrics, rng
+from rljob import rng, worker_metrics
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.logprobs_vocab_parallel import token_logprobs
@@ -143,7 +143,7 @@ class TorchTrainer(TrainerActor):
         self.sync = TrainerSync(self.spec.weight_sync, cuda=self.device.type == "cuda",
                                 config_json=self.model.config.to_json_string())
         self.pad_id = int(self.model.config.pad_token_id or 0)
-        self.metrics_port = metrics.serve()
+        self.metrics_port = worker_metrics.serve()
 
     # ---- forward helpers -------------------------------------------------------------
 
@@ -259,7 +259,7 @@ class TorchTrainer(TrainerActor):
             if reason is None:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        metrics.record_train_step(float(totals[0]), norms[0], skipped=reason is not None)
+        worker_metrics.record_train_step(float(totals[0]), norms[0], skipped=reason is not None)
         if reason is not None:
             skipped.append(reason)
         names = ("loss", "pg_loss", "kl_loss", "entropy", "clipfrac", "value_loss")

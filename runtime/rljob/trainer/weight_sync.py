@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rljob import metrics
+from rljob import worker_metrics
 from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
 from rljob.weightsync.tensor_payload import NamedTensors
@@ -61,7 +61,7 @@ class TrainerSync:
             result = publisher.redeliver(named)
         else:
             result = publisher.resync(named)
-        metrics.WEIGHT_VERSION.set(version)
+        worker_metrics.WEIGHT_VERSION.set(version)
         return result
 
     def device_buffers(self) -> list[torch.Tensor]:

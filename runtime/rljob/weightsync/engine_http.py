@@ -1,7 +1,8 @@
 """The few engine endpoints the sidecar needs, over plain HTTP with explicit timeouts.
 
 The sidecar runs blocking collectives on its main thread, so a small synchronous client
-(stdlib HTTP) fits better than the runtime's async client.
+(stdlib HTTP) fits better than the runtime's async client (`rljob.engine.client`); both
+raise that module's `EngineError`, so a caller tells a failed engine call one way.
 
 Endpoints are those SGLang 0.5.3 serves (the pinned version): the weight version is read from
 `/get_model_info` (`/get_weight_version` is gone from later releases), the tensor-parallel
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rljob.engine.client import EngineError
 from rljob.weightsync.tensor_payload import (
     FLATTENED,
     encode_flattened,
@@ -33,10 +35,6 @@ from rljob.weightsync.tensor_payload import (
 # ones (uvicorn, which serves SGLang, after 5 s), and a request on a connection the server is
 # closing fails without saying whether it was served.
 REUSE_IDLE_S = 2.0
-
-
-class EngineError(RuntimeError):
-    """The engine could not be reached or answered something unusable."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +117,14 @@ class EngineHTTP:
         try:
             status, raw = self._exchange(method, path, data, timeout_s)
         except (OSError, http.client.HTTPException) as err:
-            raise EngineError(f"{method} {self.base_url}{path}: {err}") from err
+            raise EngineError(self.base_url, f"{method} {path}", str(err)) from err
         try:
             return status, json.loads(raw or b"null")
         except ValueError as err:
             if status >= 400:
                 # SGLang answers a refused update with 400 and a JSON body; keep any text.
                 return status, {"message": raw.decode(errors="replace")}
-            raise EngineError(f"{method} {self.base_url}{path}: {err}") from err
+            raise EngineError(self.base_url, f"{method} {path}", str(err)) from err
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
@@ -138,8 +136,8 @@ class EngineHTTP:
     def weight_version(self) -> str:
         status, body = self._request("GET", "/get_model_info", None, self.timeout_s)
         if status != 200 or not isinstance(body, dict) or "weight_version" not in body:
-            raise EngineError(f"GET /get_model_info answered {status} without weight_version: "
-                              f"{body}")
+            raise EngineError(self.base_url, "GET /get_model_info",
+                              f"answered {status} without weight_version: {body}")
         return str(body["weight_version"])
 
     def tp_size(self) -> int:
@@ -148,7 +146,8 @@ class EngineHTTP:
             status, body = self._request("GET", "/get_server_info", None, self.timeout_s)
             size = body.get("tp_size") if isinstance(body, dict) else None
             if status != 200 or not isinstance(size, int) or size < 1:
-                raise EngineError(f"GET /get_server_info answered {status} without a tp_size")
+                raise EngineError(self.base_url, "GET /get_server_info",
+                                  f"answered {status} without a tp_size")
             self._tp_size = size
         return self._tp_size
 
@@ -170,7 +169,8 @@ class EngineHTTP:
         """
         ranks = self.tp_size()
         if len(entries) != ranks:
-            raise EngineError(f"{len(entries)} serialized_named_tensors entries for an engine "
+            raise EngineError(self.base_url, "POST /update_weights_from_tensor",
+                              f"{len(entries)} serialized_named_tensors entries for an engine "
                               f"of {ranks} tensor-parallel ranks; send one per rank")
         body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": True,
                                 "weight_version": version}
@@ -217,7 +217,7 @@ class EngineHTTP:
         status, body = self._request("POST", path, {}, timeout_s)
         # SGLang 0.5.3 answers 200 with an empty body; a refusal is an error status.
         if status != 200 or (isinstance(body, dict) and body.get("success") is False):
-            raise EngineError(f"POST {path} answered {status}: {body}")
+            raise EngineError(self.base_url, f"POST {path}", f"answered {status}: {body}")
 
     def update_from_disk(self, model_path: str, version: str, timeout_s: float) -> InstallResult:
         body = {"model_path": model_path, "weight_version": version}

@@ -35,8 +35,9 @@ from prometheus_client import (
 )
 from torch._C._distributed_c10d import Store
 
+from rljob.engine.client import EngineError
 from rljob.weightsync import disk
-from rljob.weightsync.engine_http import EngineError, EngineHTTP
+from rljob.weightsync.engine_http import EngineHTTP
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.protocol import (
     Ack,
