@@ -6,17 +6,17 @@ exactly where the previous one stopped. All durable state lives in `status` (res
 backoff deadline) and in the driver pod's annotations (its attempt and the compute pods it
 started with).
 
-The operator owns `phase`, `conditions`, `observedGeneration`, `recovery`, `startedAt` and
-`finishedAt`; `progress`, `checkpoint`, `resumed` and `runtimeFailure` belong to the runtime
-and are only read here. What a restart resumed from is never predicted: it is derived
-(`resume_figures`) from what the restarted runtime reported it loaded.
+The operator writes its own status fields (`rljob_api.status.OPERATOR_FIELDS`), built from
+the API's typed `Condition` and `RecoveryStatus`; the runtime's fields are only read here. What
+a restart resumed from is never predicted: it is derived (`resume_figures`) from what the
+restarted runtime reported it loaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -27,10 +27,13 @@ from rljob_api.status import (
     MESSAGE_MAX,
     OPERATOR_FIELDS,
     TERMINAL_PHASES,
+    Condition,
     Phase,
+    RecoveryStatus,
     parse_timestamp,
     timestamp,
 )
+from rljob_api.status import Failure as LastFailure
 from rljob_api.validate import spec_problems
 from rljob_operator import names
 from rljob_operator.builders import (
@@ -47,10 +50,9 @@ Obj = dict[str, Any]
 # Phases in which an attempt is starting: the start-up deadline runs.
 STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
                              Phase.recovering.value})
-# What the operator decides itself in status.recovery; the last two are derived from the
-# runtime's report each time (resume_figures).
-RECOVERY_FIELDS = ("restarts", "maxRestarts", "lastFailure", "action", "nextAttemptAt")
-DERIVED_RECOVERY_FIELDS = ("resumedFromStep", "lostSteps")
+# The fields of status.recovery derived from the runtime's report each time
+# (resume_figures); the operator decides the others itself and carries them over.
+DERIVED_RECOVERY_FIELDS = {"resumed_from_step", "lost_steps"}
 MAX_LISTED_PODS = 5
 
 
@@ -153,22 +155,6 @@ def needs_write(current: Obj, desired: Obj) -> bool:
     return _normal(operator_fields(current)) != _normal(desired)
 
 
-def condition(old: list[Obj], kind: str, status: str, reason: str, message: str,
-              generation: int, now: datetime) -> Obj:
-    """A metav1.Condition; its lastTransitionTime only moves when `status` changes."""
-    prev = next((c for c in old if c.get("type") == kind), None)
-    moved = prev is None or prev.get("status") != status
-    return {
-        "type": kind,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": timestamp(now) if moved or prev is None
-        else prev["lastTransitionTime"],
-        "observedGeneration": generation,
-    }
-
-
 def backoff_seconds(spec: RLJobSpec, restart: int) -> int:
     """Delay before restart number `restart` (1-based): doubling, capped."""
     rec = spec.recovery
@@ -234,21 +220,21 @@ def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None,
     return out
 
 
-def refine_last_failure(recovery: Obj, obs: Observed) -> Obj:
+def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStatus:
     """A `WorkerLost` failure (Ray lost a pod's node before Kubernetes noticed) renamed
     `NodeLost` once the pod's node is seen lost, before the next attempt starts (which waits
     for that pod's replacement): the reason then says what happened, the message what Ray saw
     first."""
-    last: Obj = dict(recovery.get("lastFailure") or {})
-    if last.get("reason") != FailureKind.worker_lost.value:
+    last = recovery.last_failure
+    if last is None or last.reason != FailureKind.worker_lost.value:
         return recovery
-    pod = next((p for p in obs.compute if p.name == last.get("pod")), None)
+    pod = next((p for p in obs.compute if p.name == last.pod), None)
     if pod is None or pod.node not in obs.lost_nodes:
         return recovery
-    last["reason"] = FailureKind.node_lost.value
-    last["message"] = (f"node {pod.node} is not Ready or was removed; Ray saw it first: "
-                       f"{last.get('message', '')}")[:MESSAGE_MAX]
-    return {**recovery, "lastFailure": last}
+    message = (f"node {pod.node} is not Ready or was removed; Ray saw it first: "
+               f"{last.message}")[:MESSAGE_MAX]
+    refined = last.model_copy(update={"reason": FailureKind.node_lost.value, "message": message})
+    return recovery.model_copy(update={"last_failure": refined})
 
 
 class _Decider:
@@ -260,10 +246,10 @@ class _Decider:
         self.now = now
         self.cur = job.status
         self.phase = self.cur.get("phase")
-        self.recovery: Obj = dict(self.cur.get("recovery") or {})
+        self.recovery = RecoveryStatus.model_validate(self.cur.get("recovery") or {})
         if self.phase == Phase.recovering.value:
             self.recovery = refine_last_failure(self.recovery, obs)
-        self.restarts = int(self.recovery.get("restarts") or 0)
+        self.restarts = self.recovery.restarts
         observed = self.cur.get("observedGeneration")
         # The spec was edited since the last status write: a start-up begins afresh.
         self.edited = observed is not None and observed != job.generation
@@ -274,15 +260,28 @@ class _Decider:
 
     # -- status assembly -------------------------------------------------------------------
 
-    def status(self, phase: str, conditions: list[tuple[str, str, str, str]],
-               recovery: Obj, finished: bool = False, since: str | None = None) -> Obj:
-        old = list(self.cur.get("conditions") or [])
+    def condition(self, kind: str, status: Literal["True", "False", "Unknown"], reason: str,
+                  message: str) -> Condition:
+        """A condition of this decision; its lastTransitionTime only moves when `status`
+        changes."""
+        prev = next((c for c in self.cur.get("conditions") or [] if c.get("type") == kind),
+                    None)
+        moved = prev is None or prev.get("status") != status
+        return Condition(
+            type=kind, status=status, reason=reason, message=message[:MESSAGE_MAX],
+            last_transition_time=timestamp(self.now) if moved or prev is None
+            else prev["lastTransitionTime"],
+            observed_generation=self.job.generation,
+        )
+
+    def status(self, phase: str, conditions: list[Condition], recovery: RecoveryStatus,
+               finished: bool = False, since: str | None = None) -> Obj:
         out: Obj = {
             "phase": phase,
             "observedGeneration": self.job.generation,
-            "conditions": [condition(old, k, s, r, m, self.job.generation, self.now)
-                           for k, s, r, m in conditions],
-            "recovery": {k: v for k, v in recovery.items() if v is not None},
+            "conditions": [c.model_dump(by_alias=True) for c in conditions],
+            "recovery": recovery.model_dump(by_alias=True, exclude_unset=True,
+                                            exclude_none=True),
         }
         if since is not None and phase in STARTING_PHASES:
             out["startingSince"] = since
@@ -296,17 +295,20 @@ class _Decider:
             out["finishedAt"] = finished_at
         return out
 
-    def base_recovery(self, action: str | None, next_at: str | None = None) -> Obj:
-        rec = {k: v for k, v in self.recovery.items() if k in RECOVERY_FIELDS}
-        rec["restarts"] = self.restarts
-        driver = self.obs.driver
-        rec.update(resume_figures(self.restarts, rec.get("lastFailure"),
-                                  self.cur.get("resumed"), driver.uid if driver else None))
+    def base_recovery(self, action: str | None, next_at: str | None = None,
+                      last_failure: LastFailure | None = None) -> RecoveryStatus:
+        """status.recovery of this decision; `last_failure` replaces the stored one, after
+        the stored one has measured the steps lost by the attempt that runs now."""
+        rec = self.recovery.model_dump(exclude=DERIVED_RECOVERY_FIELDS, exclude_unset=True)
+        rec.update(restarts=self.restarts, action=action, next_attempt_at=next_at)
         if self.job.spec is not None:
-            rec["maxRestarts"] = self.job.spec.recovery.max_restarts
-        rec["action"] = action
-        rec["nextAttemptAt"] = next_at
-        return rec
+            rec["max_restarts"] = self.job.spec.recovery.max_restarts
+        driver = self.obs.driver
+        rec.update(resume_figures(self.restarts, rec.get("last_failure"),
+                                  self.cur.get("resumed"), driver.uid if driver else None))
+        if last_failure is not None:
+            rec["last_failure"] = last_failure
+        return RecoveryStatus.model_validate(rec)
 
     def transition_event(self, phase: str, type_: str, message: str) -> Event | None:
         return None if phase == self.phase else Event(type_, phase, message)
@@ -319,14 +321,12 @@ class _Decider:
         status["observedGeneration"] = self.job.generation
         return Decision(status, Actions(delete_cluster=self.obs.cluster == "present"))
 
-    def fail(self, reason: str, message: str, last_failure: Obj | None = None) -> Decision:
-        rec = self.base_recovery(None)
-        if last_failure is not None:
-            rec["lastFailure"] = last_failure
+    def fail(self, reason: str, message: str,
+             last_failure: LastFailure | None = None) -> Decision:
         status = self.status(Phase.failed.value, [
-            ("Ready", "False", reason, message),
-            ("Failed", "True", reason, message),
-        ], rec, finished=True)
+            self.condition("Ready", "False", reason, message),
+            self.condition("Failed", "True", reason, message),
+        ], self.base_recovery(None, last_failure=last_failure), finished=True)
         return Decision(
             status,
             Actions(delete_cluster=self.obs.cluster == "present"),
@@ -336,8 +336,8 @@ class _Decider:
     def succeed(self) -> Decision:
         message = "the driver completed every step"
         status = self.status(Phase.succeeded.value, [
-            ("Ready", "False", "Succeeded", message),
-            ("Succeeded", "True", "DriverSucceeded", message),
+            self.condition("Ready", "False", "Succeeded", message),
+            self.condition("Succeeded", "True", "DriverSucceeded", message),
         ], self.base_recovery(None), finished=True)
         return Decision(status, Actions(delete_cluster=self.obs.cluster == "present"),
                         self.transition_event(Phase.succeeded.value, "Normal", message))
@@ -353,9 +353,9 @@ class _Decider:
             message = ("spec.scheduling.suspend is true: the driver stops (it saves the step "
                        "in progress), then compute is released; checkpoints are kept")
         status = self.status(Phase.suspended.value, [
-            ("Ready", "False", "Suspended", message),
-            ("Scheduled", "False", "Suspended", message),
-            ("Suspended", "True", "Suspended", message),
+            self.condition("Ready", "False", "Suspended", message),
+            self.condition("Scheduled", "False", "Suspended", message),
+            self.condition("Suspended", "True", "Suspended", message),
         ], self.base_recovery(None))
         actions = Actions(
             delete_cluster=self.obs.cluster == "present" and driver is None,
@@ -372,14 +372,14 @@ class _Decider:
         problem = Problem("ObjectInTheWay", found.describe(self.job.namespace))
         recovering = self.phase == Phase.recovering.value
         phase = self.phase if self.phase in STARTING_PHASES else Phase.pending.value
-        next_at = self.recovery.get("nextAttemptAt") if recovering else None
+        next_at = self.recovery.next_attempt_at if recovering else None
         since = self.starting_since(next_at)
         deadline = self.deadline(since)
         if deadline is not None and self.now >= deadline:
             return self.startup_failed(since, problem)
         rec = self.base_recovery(problem.reason if recovering else None, next_at)
         status = self.status(phase, [
-            ("Ready", "False", problem.reason, problem.message),
+            self.condition("Ready", "False", problem.reason, problem.message),
             *self.scheduling_conditions(),
             self.started_condition(since, problem),
         ], rec, since=since)
@@ -489,9 +489,10 @@ class _Decider:
     def recover_or_fail(self, failure: Failure) -> Decision:
         spec = self.job.spec
         assert spec is not None
-        seen: Obj = {"reason": failure.kind, "message": failure.message, "pod": failure.pod,
-                     "time": timestamp(self.now)}
-        last: Obj = {k: v for k, v in seen.items() if v is not None}
+        last = LastFailure(reason=failure.kind, message=failure.message[:MESSAGE_MAX],
+                           time=timestamp(self.now))
+        if failure.pod is not None:
+            last.pod = failure.pod
         if not failure.retryable:
             return self.fail(failure.kind, f"{failure.message} (pod {failure.pod})", last)
         retried = set(spec.recovery.retry_on)
@@ -514,17 +515,16 @@ class _Decider:
         if "rolloutStep" in progress:
             # What the runtime had reported: lostSteps is measured from here once the next
             # attempt says where it resumed.
-            last["step"] = int(progress["rolloutStep"])
+            last.step = int(progress["rolloutStep"])
         self.restarts = restart
         rec = self.base_recovery("WaitingForBackoff",
-                                 timestamp(self.now + timedelta(seconds=delay)))
-        rec["lastFailure"] = last
+                                 timestamp(self.now + timedelta(seconds=delay)), last)
         message = (f"{failure.kind} (pod {failure.pod}): {failure.message}; restart "
                    f"{restart}/{spec.recovery.max_restarts} in {delay}s; the runtime resumes "
                    "from its latest verified checkpoint")
-        since = self.starting_since(rec["nextAttemptAt"])
+        since = self.starting_since(rec.next_attempt_at)
         status = self.status(Phase.recovering.value, [
-            ("Ready", "False", failure.kind, message),
+            self.condition("Ready", "False", failure.kind, message),
             *self.scheduling_conditions(),
             self.started_condition(since, None),
         ], rec, since=since)
@@ -620,8 +620,7 @@ class _Decider:
             out += "; the driver pod is not created yet"
         return out
 
-    def started_condition(self, since: str, problem: Problem | None) -> tuple[str, str, str,
-                                                                               str]:
+    def started_condition(self, since: str, problem: Problem | None) -> Condition:
         deadline = self.deadline(since)
         assert self.job.spec is not None
         timeout = self.job.spec.recovery.startup_timeout_seconds
@@ -631,8 +630,9 @@ class _Decider:
                 f"start-up began at {since}; no deadline (spec.recovery.startupTimeoutSeconds: "
                 "0)")
         if problem is not None:
-            return ("Started", "False", problem.reason, f"{problem.message}; {when}")
-        return ("Started", "False", "Starting", f"{self.waiting_for()}; {when}")
+            return self.condition("Started", "False", problem.reason,
+                                  f"{problem.message}; {when}")
+        return self.condition("Started", "False", "Starting", f"{self.waiting_for()}; {when}")
 
     def startup_failed(self, since: str, problem: Problem | None) -> Decision:
         """Past the start-up deadline: Failed with what blocked it."""
@@ -646,9 +646,10 @@ class _Decider:
                               driver.name if driver is not None else None)
         message = (f"the job did not start within {timeout}s of {since} "
                    f"(spec.recovery.startupTimeoutSeconds): {problem.message}")
-        last: Obj = {"reason": problem.reason, "message": message, "time": timestamp(self.now)}
+        last = LastFailure(reason=problem.reason, message=message[:MESSAGE_MAX],
+                           time=timestamp(self.now))
         if problem.pod:
-            last["pod"] = problem.pod
+            last.pod = problem.pod
         decision = self.fail(problem.reason, message, last)
         driver = self.obs.driver
         # A driver that never got going is no evidence: it goes, with what it holds.
@@ -707,22 +708,23 @@ class _Decider:
         live = [p for p in self.live() if p.unschedulable is None and p.node]
         return self.obs.cluster == "present" and len(live) >= sum(self.expected().values())
 
-    def scheduling_conditions(self) -> list[tuple[str, str, str, str]]:
+    def scheduling_conditions(self) -> list[Condition]:
         stuck = [p for p in self.obs.compute if p.unschedulable and not p.deleting]
         if stuck:
             spec = self.job.spec
             assert spec is not None
             message = unschedulable_message(stuck, claim_names(self.job.name, spec),
                                             checkpoint_claim_name(self.job.name, spec))
-            sched = ("Scheduled", "False", "Unschedulable", message)
+            sched = self.condition("Scheduled", "False", "Unschedulable", message)
         elif not self.all_scheduled():
             live = len([p for p in self.live() if p.node])
-            sched = ("Scheduled", "False", "WaitingForPods",
-                     f"{live} of {sum(self.expected().values())} compute pods are placed")
+            sched = self.condition(
+                "Scheduled", "False", "WaitingForPods",
+                f"{live} of {sum(self.expected().values())} compute pods are placed")
         else:
-            sched = ("Scheduled", "True", "AllPodsScheduled",
-                     "every compute pod is bound to a node")
-        return [sched, ("Suspended", "False", "NotSuspended", "")]
+            sched = self.condition("Scheduled", "True", "AllPodsScheduled",
+                                   "every compute pod is bound to a node")
+        return [sched, self.condition("Suspended", "False", "NotSuspended", "")]
 
     def active(self) -> Decision:
         driver = self.obs.driver
@@ -749,7 +751,7 @@ class _Decider:
         ready = self.compute_ready()
         create_driver: tuple[str, ...] | None = None
         requeue: float | None = None
-        next_at = self.recovery.get("nextAttemptAt") if recovering else None
+        next_at = self.recovery.next_attempt_at if recovering else None
         waiting_phase = Phase.recovering.value if recovering else (
             Phase.initializing.value if self.all_scheduled() else Phase.pending.value)
         if attempt is not None and attempt.phase == "Running" and ready:
@@ -775,14 +777,16 @@ class _Decider:
         if not recovering and phase != Phase.running.value:
             action = None
         rec = self.base_recovery(action, next_at)
-        ready_cond = ("Ready", "True", "Running", "the driver and every compute pod run")
-        started = ("Started", "True", "Started", "the driver and every compute pod run")
+        ready_cond = self.condition("Ready", "True", "Running",
+                                    "the driver and every compute pod run")
+        started = self.condition("Started", "True", "Started",
+                                 "the driver and every compute pod run")
         since: str | None = None
         change = self.spec_change(driver)
         if phase != Phase.running.value:
-            ready_cond = ("Ready", "False", action or phase, f"phase {phase}")
+            ready_cond = self.condition("Ready", "False", action or phase, f"phase {phase}")
             if change is not None:
-                ready_cond = ("Ready", "False", "ApplyingSpecChange", change)
+                ready_cond = self.condition("Ready", "False", "ApplyingSpecChange", change)
             since = self.starting_since(next_at if recovering else None)
             problem = self.startup_problem(since)
             deadline = self.deadline(since)
@@ -828,32 +832,32 @@ class _Decider:
             return None
         return f"applying generation {self.job.generation} of the spec: " + "; ".join(steps)
 
-    def phase_event(self, phase: str, rec: Obj) -> Event | None:
+    def phase_event(self, phase: str, rec: RecoveryStatus) -> Event | None:
         resume = self.resume_event(rec)
         if phase == self.phase:
             return resume
         reason, message = phase, f"phase {phase}"
         if phase == Phase.running.value and self.phase == Phase.recovering.value:
-            reason, message = "Resumed", f"running again after restart {rec['restarts']}"
+            reason, message = "Resumed", f"running again after restart {rec.restarts}"
         elif phase == Phase.pending.value:
             message = "waiting for compute pods to be scheduled"
         if resume is not None:
             message += f"; {resume.message}"
         return Event("Normal", reason, message)
 
-    def resume_event(self, rec: Obj) -> Event | None:
+    def resume_event(self, rec: RecoveryStatus) -> Event | None:
         """Once per attempt: what its runtime reported it loaded (a fact, not a forecast)."""
-        if "resumedFromStep" not in rec or "resumedFromStep" in self.recovery:
+        if rec.resumed_from_step is None or self.recovery.resumed_from_step is not None:
             return None
         resumed = self.cur.get("resumed") or {}
         if resumed.get("found"):
             message = (f"the runtime of attempt {resumed.get('attempt')} loaded the verified "
-                       f"checkpoint of step {rec['resumedFromStep']} ({resumed.get('path')})")
+                       f"checkpoint of step {rec.resumed_from_step} ({resumed.get('path')})")
         else:
             message = (f"the runtime of attempt {resumed.get('attempt')} found no verified "
                        "checkpoint and starts at step 0")
-        if "lostSteps" in rec:
-            message += f"; {rec['lostSteps']} step(s) since it are redone"
+        if rec.lost_steps is not None:
+            message += f"; {rec.lost_steps} step(s) since it are redone"
         return Event("Normal", "ResumedFromCheckpoint", message)
 
 
