@@ -340,7 +340,7 @@ def build_raycluster(job: JobRef, spec: RLJobSpec) -> Obj:
         worker = _worker_group(job, spec, group, replicas)
         shape = {k: v for k, v in worker.items()
                  if k not in ("replicas", "minReplicas", "maxReplicas")}
-        _stamp(worker["template"]["metadata"], _revision({"head": head_revision, **shape}))
+        _stamp(worker["template"]["metadata"], _revision({HEAD: head_revision, **shape}))
         groups.append(worker)
     cluster_spec: Obj = {"headGroupSpec": head_group, "workerGroupSpecs": groups}
     meta = _metadata(job, names.raycluster_name(job.name), HEAD)

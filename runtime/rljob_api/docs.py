@@ -18,6 +18,7 @@ from rljob_api.crd import PRINTER_COLUMNS, spec_schema, status_schema
 from rljob_api.mutability import EFFECT_WORDS, FIELD_EFFECTS, Effect
 from rljob_api.rules import RULES, TRANSITION_RULES
 from rljob_api.spec import RLJobSpec
+from rljob_api.status import OPERATOR_FIELDS, RUNTIME_FIELDS
 
 Schema = dict[str, Any]
 
@@ -50,6 +51,10 @@ def _cell(text: str) -> str:
 
 def _code(value: str) -> str:
     return f"`{value}`"
+
+
+def _code_list(values: tuple[str, ...]) -> str:
+    return ", ".join(_code(v) for v in values)
 
 
 def _literal(value: Any) -> str:
@@ -239,10 +244,8 @@ def render_reference() -> str:
         "",
         "## status",
         "",
-        "Written by the operator (`phase`, `conditions`, `observedGeneration`, `recovery`, "
-        "`startingSince`, `startedAt`, `finishedAt`) and by the job's runtime (`progress`, "
-        "`checkpoint`, `resumed`, `runtimeFailure`, `stopped`). Read it with "
-        "`kubectl get rljob NAME -o yaml`.",
+        f"Written by the operator ({_code_list(OPERATOR_FIELDS)}) and by the job's runtime "
+        f"({_code_list(RUNTIME_FIELDS)}). Read it with `kubectl get rljob NAME -o yaml`.",
         "",
         *_table(walk(status_schema(), "status", (), None), with_default=False),
         "",
