@@ -28,6 +28,7 @@ from rljob_api.layout import (
     engine_port,
     engines_per_pod,
     group_resource,
+    pod_slots,
     weight_sync_health_port,
 )
 from rljob_api.mutability import Effect, paths_with
@@ -299,7 +300,7 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         "replicas": replicas,
         "minReplicas": replicas,
         "maxReplicas": replicas,
-        "rayStartParams": {"resources": _ray_resources(group_resource(group), max(gpus, 1))},
+        "rayStartParams": {"resources": _ray_resources(group_resource(group), pod_slots(gpus))},
         "template": template,
     }
 

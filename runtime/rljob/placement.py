@@ -25,6 +25,7 @@ from rljob_api.layout import (
     engine_count,
     engine_local_index,
     group_resource,
+    slots_per_pod,
 )
 from rljob_api.spec import Placement, RLJobSpec
 
@@ -62,7 +63,7 @@ class Layout:
 
 def trainer_world(spec: RLJobSpec) -> int:
     """Trainer ranks: one per GPU, or one per replica when replicas train on CPU."""
-    return spec.trainer.replicas * max(spec.trainer.gpus_per_replica, 1)
+    return spec.trainer.replicas * slots_per_pod(spec)
 
 
 def plan(spec: RLJobSpec) -> Layout:

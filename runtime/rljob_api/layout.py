@@ -65,9 +65,15 @@ def engine_count(spec: RLJobSpec) -> int:
     return spec.rollout.gpus // spec.rollout.gpus_per_engine
 
 
+def pod_slots(gpus: int) -> int:
+    """Placement slots a pod of `gpus` GPUs offers: one per GPU, or one when it runs on CPU,
+    so the same spec places the same way with and without GPUs."""
+    return max(gpus, 1)
+
+
 def slots_per_pod(spec: RLJobSpec) -> int:
-    """Placement slots one colocated pod offers: its GPUs, or one slot when it has none."""
-    return max(spec.trainer.gpus_per_replica, 1)
+    """Placement slots one trainer or colocated pod offers."""
+    return pod_slots(spec.trainer.gpus_per_replica)
 
 
 def engines_per_pod(spec: RLJobSpec) -> int:
