@@ -327,6 +327,7 @@ def main() -> int:
         victims = [f"job-{i:03d}" for i in range(min(args.failures, n))]
         old_driver = {j: seen.drivers[j][-1][0] for j in victims}
         killed: dict[str, str] = {}
+        kill_at = time.monotonic()
         for job in victims:
             found: Any = core.list_namespaced_pod(
                 RLJOB_NS, label_selector=f"{names.LABEL_JOB}={job},"
@@ -346,6 +347,17 @@ def main() -> int:
                  describe=lambda: operator.tail(20) if operator else "")
         failure_lat = [float(new_driver(j) or 0) - seen.gone[(RLJOB_NS, killed[j])]
                        for j in victims]
+
+        def ready_again(job: str) -> float:
+            """When the job could have a new driver: its old driver pod gone (same name) and
+            KubeRay's replacement of the killed pod Running."""
+            with seen.lock:
+                replaced = min(at for (ns, _c), pods in seen.running.items() if ns == RLJOB_NS
+                               and seen.cluster_job.get((ns, _c)) == job
+                               for pod, at in pods.items() if at > kill_at)
+                return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
+
+        operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]
         stop.set()
 
         ramp_events = audit_requests(cp.audit_log, ramp_start, ramp_end)
@@ -409,6 +421,7 @@ def main() -> int:
               f"of a core); RSS {idle_ray.rss_mib:.0f} MiB, peak "
               f"{idle_ray.peak_rss_mib:.0f} MiB (it serves both halves)")
         print(stats_line("failure: pod seen gone → new driver", failure_lat))
+        print(stats_line("  of it the operator's: ready again → new driver", operator_lat))
         if failure_lat and percentile(failure_lat, 95) >= 5.0:
             breaches.append(f"failure → new driver p95 {percentile(failure_lat, 95):.1f} s")
         api_client.close()

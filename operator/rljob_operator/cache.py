@@ -14,10 +14,15 @@ operator's own write came back) does not roll it back. Resource versions are com
 integers where both are integers (etcd's revisions, which every API server in use gives),
 else the later arrival wins.
 
+A watch that restarts after 410 Gone lists again, and a deletion in the gap has no event:
+the store notices the relist (an object it has heard of before delivered as listed again)
+and every job is then read fresh once, which drops what vanished in the gap.
+
 Nodes are not watched (their status changes every few seconds on every node and the
 operator needs one bit of each): `NodeCache` lists them at most once per `ttl` for all jobs
 together, sooner (at most once per `min_age`) when a reconcile sees a pod that is bound but
-not ready, which is how a lost node first shows on its pods.
+not ready, which is how a lost node first shows on its pods. A pod bound to a node the list
+lacks makes it list again at once (a node that joined after the list is not a lost one).
 """
 
 from __future__ import annotations
@@ -38,8 +43,22 @@ MAX_TOMBSTONES = 20000
 
 
 def _rv(obj: Obj) -> int | None:
-    raw = (obj.get("metadata") or {}).get("resourceVersion")
+    return rv_int((obj.get("metadata") or {}).get("resourceVersion"))
+
+
+def rv_int(raw: object) -> int | None:
+    """A resource version as an etcd revision; None where the server gives something else
+    (then ordering falls back to arrival)."""
     return int(raw) if isinstance(raw, str) and raw.isdigit() else None
+
+
+def slim(obj: Obj) -> Obj:
+    """The object without its managedFields, which nothing here reads and which are often
+    the larger half of a pod's metadata (kept for every pod of hundreds of jobs)."""
+    meta = obj.get("metadata")
+    if not isinstance(meta, dict) or "managedFields" not in meta:
+        return obj
+    return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
 
 
 def newer_or_same(new: Obj, old: Obj | None) -> bool:
@@ -55,7 +74,8 @@ class Store:
     Thread-safe: watch events arrive on the event loop, reconciles read from worker threads.
     Readers get the stored dicts themselves and must not change them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock  # the reconciler's, which compares its reads with relisted_at
         self._lock = threading.Lock()
         self._jobs: dict[Key, Obj] = {}
         self._clusters: dict[Key, dict[str, Obj]] = {}
@@ -64,6 +84,9 @@ class Store:
         # that arrives after the watch told of the deletion (a pod deleted at once, say)
         # must not bring the object back. Bounded: the oldest go first.
         self._tombstones: dict[tuple[str, str, str], int] = {}
+        # UIDs a watch has told of (and not of their deletion): one listed again is a relist.
+        self._heard: set[str] = set()
+        self.relisted_at: float | None = None  # monotonic time the last relist was noticed
 
     def _buried(self, kind: str, obj: Obj) -> bool:
         meta = obj["metadata"]
@@ -92,8 +115,24 @@ class Store:
         job = (meta.get("labels") or {}).get(names.LABEL_JOB)
         return (meta.get("namespace") or "", job) if job else None
 
+    def watched(self, kind: str, event_type: str | None, obj: Obj) -> None:
+        """One watch event. kopf delivers listed objects with no event type: at start-up
+        that is every object's first event; later it means the watch listed again (after
+        410 Gone) and may have missed deletions, which `relisted_at` tells the reconciler."""
+        uid = (obj.get("metadata") or {}).get("uid")
+        if event_type == "DELETED":
+            self.remove(kind, obj)
+            self._heard.discard(uid)
+            return
+        if event_type is None and uid in self._heard:
+            self.relisted_at = self._clock()
+        if uid:
+            self._heard.add(uid)
+        self.put(kind, obj)
+
     def put(self, kind: str, obj: Obj) -> None:
         """An object as a watch event or a write's response shows it."""
+        obj = slim(obj)
         meta = obj["metadata"]
         with self._lock:
             if self._buried(kind, obj):
@@ -131,19 +170,61 @@ class Store:
                 if not per_job:
                     children.pop(job, None)
 
-    def replace_children(self, kind: str, job: Key, objs: Iterable[Obj]) -> None:
-        """A fresh list of one job's children of `kind` (the safety resync): whatever the
-        store held for that job and is not in the list is gone."""
+    def vanished(self, kind: str, namespace: str, name: str) -> None:
+        """An object deleted by a call whose answer did not show it: what the store holds
+        of it is buried at the version held (a later event, newer, may still tell more)."""
         with self._lock:
-            fresh = {o["metadata"]["name"]: o for o in objs}
+            children = self._children(kind)
+            for key, per_job in children.items():
+                held = per_job.get(name) if key[0] == namespace else None
+                if held is not None:
+                    self._bury(kind, held)
+                    del per_job[name]
+                    if not per_job:
+                        del children[key]
+                    self._heard.discard((held.get("metadata") or {}).get("uid"))
+                    return
+
+    def replace_children(self, kind: str, job: Key, objs: Iterable[Obj],
+                         list_rv: str | None) -> None:
+        """A fresh list of one job's children of `kind` (the safety resync), taken at
+        resource version `list_rv`: what the store held and the list lacks is gone, unless
+        the store's copy is newer than the list (made after it); a listed object whose
+        deletion the watch told of meanwhile stays gone; a newer stored copy stays."""
+        at = rv_int(list_rv)
+        with self._lock:
+            held = self._children(kind).get(job, {})
+            fresh: dict[str, Obj] = {}
+            for obj in map(slim, objs):
+                name = obj["metadata"]["name"]
+                if self._buried(kind, obj):
+                    continue
+                mine = held.get(name)
+                fresh[name] = mine if mine is not None and not newer_or_same(obj, mine) \
+                    else obj
+            for name, mine in held.items():
+                rv = _rv(mine)
+                if name not in fresh and at is not None and rv is not None and rv > at:
+                    fresh[name] = mine
+            gone = {(o.get("metadata") or {}).get("uid") for n, o in held.items()
+                    if n not in fresh}
+            self._heard -= gone
             if fresh:
                 self._children(kind)[job] = fresh
             else:
                 self._children(kind).pop(job, None)
 
-    def forget_job(self, job: Key) -> None:
+    def drop_job(self, job: Key) -> None:
+        """The job is gone from the API server (found by a fresh read): it and its children
+        leave the store (their deletions may have fallen in a watch gap)."""
         with self._lock:
-            self._jobs.pop(job, None)
+            for table in (self._jobs, self._clusters, self._pods):
+                gone = table.pop(job, None)
+                if isinstance(gone, dict) and table is not self._jobs:
+                    self._heard -= {(o.get("metadata") or {}).get("uid")
+                                    for o in gone.values()}
+                elif gone is not None:
+                    self._heard.discard((gone.get("metadata") or {}).get("uid"))
 
     def rljob(self, namespace: str, name: str) -> Obj | None:
         with self._lock:
@@ -177,23 +258,44 @@ def pod_unready(pod: Obj) -> bool:
 
 class NodeCache:
     """The node list, shared by every job's reconcile and refreshed at most once per `ttl`
-    (or `min_age` when asked to hurry)."""
+    (or `min_age` when asked to hurry), and at once when a job's pod is bound to a node the
+    list lacks: a missing node counts as gone only once a list taken after the miss was
+    first seen still lacks it (that list reads etcd, not the API server's watch cache)."""
 
-    def __init__(self, lister: Callable[[], list[Obj]], ttl: float, min_age: float,
+    def __init__(self, lister: Callable[[bool], list[Obj]], ttl: float, min_age: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._lister = lister
+        self._lister = lister  # called with consistent=True for a read from etcd
         self.ttl = ttl
         self.min_age = min_age
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[str, Obj] = {}
         self._at: float | None = None
+        self._lists = 0  # lists taken so far
+        # A name asked for and missing: the number of the list it was missing from, and when.
+        self._missing: dict[str, tuple[int, float]] = {}
+
+    def _list(self, consistent: bool) -> None:
+        self._at = self._clock()
+        self._lists += 1
+        self._nodes = {n["metadata"]["name"]: n for n in self._lister(consistent)}
+        # Names still missing are remembered (a gone node costs one more list, not one per
+        # reconcile), for a while: a name asked for again after that costs one list more.
+        self._missing = {k: v for k, v in self._missing.items()
+                         if k not in self._nodes and self._at - v[1] < 10 * self.ttl}
 
     def get(self, used: Iterable[str], hurry: bool = False) -> list[Obj]:
         """The nodes named `used` that exist (a job needs only those of its pods)."""
+        wanted = set(used)
         with self._lock:
             age = None if self._at is None else self._clock() - self._at
             if age is None or age >= self.ttl or (hurry and age >= self.min_age):
-                self._nodes = {n["metadata"]["name"]: n for n in self._lister()}
-                self._at = self._clock()
-            return [self._nodes[name] for name in set(used) if name in self._nodes]
+                self._list(consistent=False)
+            missing = wanted - self._nodes.keys()
+            if missing:
+                for name in missing:
+                    self._missing.setdefault(name, (self._lists, self._clock()))
+                # Missing from the latest list only: read again (once per such miss).
+                if any(self._missing[name][0] == self._lists for name in missing):
+                    self._list(consistent=True)
+            return [self._nodes[name] for name in wanted if name in self._nodes]

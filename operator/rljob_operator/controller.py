@@ -10,13 +10,24 @@ the loop, and no handler retries forever against the same stale state.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Callable
 
 log = logging.getLogger("rljob_operator")
 Key = tuple[str, str]
-ReconcileFn = Callable[[str, str], "float | None"]
+
+
+class Gone(enum.Enum):
+    """A reconcile's answer when the API server no longer has the job: its deletion event
+    may have been lost in a watch gap, and the job must leave the queue all the same."""
+
+    GONE = "gone"
+
+
+GONE = Gone.GONE
+ReconcileFn = Callable[[str, str], "float | Gone | None"]
 
 
 class Controller:
@@ -82,7 +93,11 @@ class Controller:
             try:
                 after = await asyncio.to_thread(self.reconcile, *key)
                 self._errors.pop(key, None)
-                delay = self.interval if after is None else max(0.0, min(after, self.interval))
+                if after is GONE and key not in self._dirty:
+                    self.forget(key)  # unless an event came meanwhile (made again?)
+                    continue
+                delay = (self.interval if after is None or after is GONE
+                         else max(0.0, min(after, self.interval)))
             except Exception as err:
                 failures = self._errors[key] = self._errors.get(key, 0) + 1
                 delay = min(2.0 ** failures, self.max_error_backoff)

@@ -106,10 +106,7 @@ def heartbeat(memo: kopf.Memo, **_: Any) -> float:
 
 
 def _cache(memo: kopf.Memo, kind: str, event: kopf.RawEvent) -> None:
-    if event["type"] == "DELETED":
-        memo.store.remove(kind, event["object"])
-    else:
-        memo.store.put(kind, event["object"])
+    memo.store.watched(kind, event["type"], event["object"])
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -30,6 +30,7 @@ from rljob_operator.observe import InTheWay, owned_by, owner_words
 Obj = dict[str, Any]
 TIMEOUT = (5.0, 30.0)  # connect, read
 MAX_KNOWN_OWNED = 20000  # ownership checks remembered (about 8 children per job)
+CONNECTIONS = 32
 
 
 def load_configuration(kubeconfig: str | None) -> client.Configuration:
@@ -39,11 +40,19 @@ def load_configuration(kubeconfig: str | None) -> client.Configuration:
         config.load_incluster_config(client_configuration=cfg)
     else:
         config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    # Reconcile workers and each one's concurrent support creates share one client: a pool
+    # smaller than that would open and drop a connection per request.
+    cfg.connection_pool_maxsize = CONNECTIONS
     return cfg
 
 
 def _json(resp: Any) -> Obj:
-    return dict(json.loads(resp.data))
+    """The body of a response read with `_preload_content=False` (parsed once, not into
+    the client's models); the connection goes back to the pool."""
+    try:
+        return dict(json.loads(resp.data))
+    finally:
+        resp.release_conn()
 
 
 class ObjectInTheWay(Exception):
@@ -70,6 +79,9 @@ class Kube:
         self.written: Callable[[str, Obj], None] = lambda kind, obj: None
         # Told of each object a delete removed at once (kind, its last state).
         self.removed: Callable[[str, Obj], None] = lambda kind, obj: None
+        # Told of an object a delete removed when the response does not show it (kind,
+        # namespace, name).
+        self.vanished: Callable[[str, str, str], None] = lambda kind, ns, name: None
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -83,21 +95,23 @@ class Kube:
                 return None
             raise
 
-    def get_raycluster(self, namespace: str, name: str) -> Obj | None:
-        try:
-            return _json(self.custom.get_namespaced_custom_object(
-                names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name,
-                _preload_content=False, _request_timeout=TIMEOUT))
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            raise
+    def list_rayclusters(self, namespace: str, job: str) -> tuple[list[Obj], str | None]:
+        """The job's RayClusters (by its label) and the list's resource version: the cache
+        keeps what was made after the list, which a GET could not tell."""
+        resp = _json(self.custom.list_namespaced_custom_object(
+            names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL,
+            label_selector=f"{names.LABEL_JOB}={job}",
+            _preload_content=False, _request_timeout=TIMEOUT))
+        return list(resp.get("items") or []), (resp.get("metadata") or {}).get(
+            "resourceVersion")
 
-    def list_pods(self, namespace: str, job: str) -> list[Obj]:
-        resp = self.core.list_namespaced_pod(
+    def list_pods(self, namespace: str, job: str) -> tuple[list[Obj], str | None]:
+        """The job's pods and the list's resource version."""
+        resp = _json(self.core.list_namespaced_pod(
             namespace, label_selector=f"{names.LABEL_JOB}={job}",
-            _preload_content=False, _request_timeout=TIMEOUT)
-        return list(_json(resp).get("items") or [])
+            _preload_content=False, _request_timeout=TIMEOUT))
+        return list(resp.get("items") or []), (resp.get("metadata") or {}).get(
+            "resourceVersion")
 
     def list_all(self, kind: str, namespace: str | None) -> list[Obj]:
         """Every RLJob, or every RayCluster or pod carrying the job label, in one namespace or
@@ -131,10 +145,12 @@ class Kube:
             raise
         return tuple((_json(resp).get("spec") or {}).get("accessModes") or ())
 
-    def list_nodes(self) -> list[Obj]:
-        # resourceVersion "0" is served from the API server's watch cache: cheap.
-        resp = self.core.list_node(resource_version="0", _preload_content=False,
-                                   _request_timeout=TIMEOUT)
+    def list_nodes(self, consistent: bool = False) -> list[Obj]:
+        """Every node. resourceVersion "0" is served from the API server's watch cache
+        (cheap, maybe a moment behind); `consistent` reads etcd, for when a node's absence
+        decides something."""
+        kw: dict[str, Any] = {} if consistent else {"resource_version": "0"}
+        resp = self.core.list_node(_preload_content=False, _request_timeout=TIMEOUT, **kw)
         return list(_json(resp).get("items") or [])
 
     # -- writes ----------------------------------------------------------------------------
@@ -178,26 +194,26 @@ class Kube:
         kind = obj["kind"]
         body: Any = obj  # the client accepts plain dicts as well as its models
         kw: dict[str, Any] = {"_request_timeout": TIMEOUT, "_preload_content": False}
+        creators: dict[str, Callable[..., Any]] = {
+            "Pod": self.core.create_namespaced_pod,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Secret": self.core.create_namespaced_secret,
+            "PersistentVolumeClaim": self.core.create_namespaced_persistent_volume_claim,
+            "ServiceAccount": self.core.create_namespaced_service_account,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
+        }
         try:
-            if kind == "Pod":
-                self.written(kind, _json(self.core.create_namespaced_pod(ns, body, **kw)))
-            elif kind == "ConfigMap":
-                self.core.create_namespaced_config_map(ns, body, **kw)
-            elif kind == "Secret":
-                self.core.create_namespaced_secret(ns, body, **kw)
-            elif kind == "PersistentVolumeClaim":
-                self.core.create_namespaced_persistent_volume_claim(ns, body, **kw)
-            elif kind == "ServiceAccount":
-                self.core.create_namespaced_service_account(ns, body, **kw)
-            elif kind == "Role":
-                self.rbac.create_namespaced_role(ns, body, **kw)
-            elif kind == "RoleBinding":
-                self.rbac.create_namespaced_role_binding(ns, body, **kw)
-            elif kind == "RayCluster":
-                self.written(kind, _json(self.custom.create_namespaced_custom_object(
-                    names.RAY_GROUP, names.RAY_VERSION, ns, names.RAY_PLURAL, body, **kw)))
+            if kind == "RayCluster":
+                resp = self.custom.create_namespaced_custom_object(
+                    names.RAY_GROUP, names.RAY_VERSION, ns, names.RAY_PLURAL, body, **kw)
+            elif kind in creators:
+                resp = creators[kind](ns, body, **kw)
             else:
                 raise ValueError(f"the operator does not create {kind} objects")
+            made = _json(resp)
+            if kind in ("Pod", "RayCluster"):
+                self.written(kind, made)
         except ApiException as err:
             if err.status != 409:
                 raise
@@ -230,19 +246,23 @@ class Kube:
         """Delete a pod: at once (`force`), with `grace_s` seconds to stop, or with the grace
         its spec sets."""
         try:
-            self._deleted("Pod", self.core.delete_namespaced_pod(
+            self._deleted("Pod", namespace, name, self.core.delete_namespaced_pod(
                 name, namespace, grace_period_seconds=0 if force else grace_s,
                 _preload_content=False, _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status != 404:
                 raise
 
-    def _deleted(self, kind: str, resp: Any) -> None:
+    def _deleted(self, kind: str, namespace: str, name: str, resp: Any) -> None:
         """What a delete's response says of the object: terminating (still there, with a
         deletion time) or gone; the watch cache learns it before the watch event comes, so
-        the next reconcile does not act on the object as if it were still live."""
+        the next reconcile does not act on the object as if it were still live (its own
+        watch stream may lag the others: a RayCluster still cached after its deletion would
+        let a driver start on the pods it is about to lose). A bare Status says only that it
+        is gone."""
         obj = _json(resp)
         if obj.get("kind") == "Status" or "metadata" not in obj:
+            self.vanished(kind, namespace, name)
             return
         if obj["metadata"].get("deletionTimestamp"):
             self.written(kind, obj)
@@ -268,13 +288,15 @@ class Kube:
 
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
-            self._deleted("RayCluster", self.custom.delete_namespaced_custom_object(
+            resp = self.custom.delete_namespaced_custom_object(
                 names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name,
                 propagation_policy="Background", _preload_content=False,
-                _request_timeout=TIMEOUT))
+                _request_timeout=TIMEOUT)
         except ApiException as err:
             if err.status != 404:
                 raise
+            return
+        self._deleted("RayCluster", namespace, name, resp)
 
     def apply_status(self, namespace: str, name: str, status: Obj) -> None:
         """Server-side apply of the operator's status fields under its own field manager;

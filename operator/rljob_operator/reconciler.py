@@ -13,14 +13,17 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from functools import partial
 
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase, parse_timestamp
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
+from rljob_operator.controller import GONE, Gone
 from rljob_operator.decide import (
     Actions,
     Event,
@@ -92,10 +95,46 @@ WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase
 # at once when the job starts waiting; creates of what exists are no-op writes otherwise.
 SUPPORT_RECHECK_SECONDS = 10.0
 SAFETY_RESYNC_SECONDS = 600.0
+OVERDUE_SECONDS = 10.0
 
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class Support:
+    """What the pods need before they start: RBAC, the Ray token, the checkpoint claim and
+    the spec, made (if missing) at most once per reconcile, all of them before the
+    RayCluster, so that a job whose child's name is taken starts no pods (and holds no
+    GPUs) at all. The creates go out together: a new job's RayCluster waits for one round
+    trip, not six. Each is created once (an existing one is kept as it is: the token and
+    the checkpoints must survive restarts); only the spec is refreshed."""
+
+    def __init__(self, kube: Kube, ref: JobRef, body: Obj, spec: RLJobSpec,
+                 pool: ThreadPoolExecutor) -> None:
+        self.kube, self.ref, self.body, self.spec, self.pool = kube, ref, body, spec, pool
+        self._done = False
+
+    def ensure(self) -> bool:
+        """Returns whether the Ray token was made by this call (the first time, or after
+        someone deleted its Secret)."""
+        if self._done:
+            return False
+        self._done = True
+        ref = self.ref
+        # A fresh token only matters the first time: the create of an existing Secret is a
+        # no-op, so the job keeps the token its Ray processes already use.
+        token = builders.build_ray_token_secret(ref, secrets.token_hex(32))
+        claim = builders.build_checkpoint_claim(ref, self.spec)
+        spec = builders.build_configmap(ref, self.body.get("spec") or {})
+        calls: list[Callable[[], object]] = [
+            *(partial(self.kube.create, obj, ref.uid) for obj in builders.build_rbac(ref)),
+            *([partial(self.kube.create, claim, ref.uid)] if claim is not None else []),
+            partial(self.kube.sync_configmap, spec, ref.uid)]
+        made = self.pool.submit(self.kube.create, token, ref.uid)
+        for done in [self.pool.submit(call) for call in calls]:
+            done.result()  # raises what the call raised (ObjectInTheWay, API errors)
+        return bool(made.result())
 
 
 class Reconciler:
@@ -121,49 +160,90 @@ class Reconciler:
         self._fresh_at: dict[tuple[str, str], float] = {}
         # When a job's support objects were last made sure of: (uid and generation, when).
         self._support_at: dict[tuple[str, str], tuple[str, float]] = {}
+        # Per job, its checkpoint claim's name and access modes once found.
+        self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        # For the support objects' creates, which go out together.
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
         self._lock = threading.Lock()
         if store is not None:
             kube.written = store.put
             kube.removed = store.remove
+            kube.vanished = store.vanished
 
-    def _due_fresh(self, namespace: str, name: str) -> bool:
-        """Whether this reconcile reads the API server (the safety resync)."""
+    def _due_fresh(self, namespace: str, name: str, overdue: bool = False) -> bool:
+        """Whether this reconcile reads the API server: the safety resync, the first
+        reconcile after a watch listed again and may have missed deletions, or (at most
+        every OVERDUE_SECONDS) a cached child whose deletion is overdue."""
         if self.store is None:
             return True
         key = (namespace, name)
         now = self.monotonic()
+        relisted = self.store.relisted_at
         with self._lock:
             last = self._fresh_at.get(key)
             if last is None:
                 # The first sight of a job: the cache was filled by a list at start-up and
                 # holds it; its first resync comes at an offset spread over one period.
                 offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
-                self._fresh_at[key] = now - offset * self.resync
-                return False
-            if now - last < self.resync:
+                last = self._fresh_at[key] = now - offset * self.resync
+            if now - last < self.resync and (relisted is None or relisted <= last) \
+                    and not (overdue and now - last >= OVERDUE_SECONDS):
                 return False
             self._fresh_at[key] = now
             return True
 
+    def _overdue(self, objs: list[Obj | None]) -> bool:
+        """A child past its deletion time by OVERDUE_SECONDS: gone by now, or about to be, so
+        a cached copy that still shows it may have missed its deletion event; the job would
+        wait on it (StoppingDriver) until the safety resync."""
+        late = self.clock() - timedelta(seconds=OVERDUE_SECONDS)
+        for obj in objs:
+            when = parse_timestamp(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+            if when is not None and when < late:
+                return True
+        return False
+
     def _read(self, namespace: str, name: str) -> tuple[Obj | None, Obj | None, list[Obj]]:
         """The job, its RayCluster and its pods: from the cache, or fresh (then the cache is
-        brought up to what was read)."""
+        brought up to what was read; a job the API server no longer has leaves it)."""
         store = self.store
-        if store is not None and not self._due_fresh(namespace, name):
+        if store is not None:
             body = store.rljob(namespace, name)
-            if body is not None:
-                return body, store.raycluster(namespace, name), store.pods(namespace, name)
+            cluster, pods = store.raycluster(namespace, name), store.pods(namespace, name)
+            if body is not None and not self._due_fresh(
+                    namespace, name, overdue=self._overdue([cluster, *pods])):
+                return body, cluster, pods
             # Not in the cache (yet): a job that is new or gone; the API server tells which.
         body = self.kube.get_rljob(namespace, name)
         if body is None:
+            if store is not None:
+                store.drop_job((namespace, name))
             return None, None, []
-        cluster = self.kube.get_raycluster(namespace, name)
-        pods = self.kube.list_pods(namespace, name)
-        if store is not None:
-            store.put(RLJOB, body)
-            store.replace_children(RAYCLUSTER, (namespace, name), [cluster] if cluster else [])
-            store.replace_children(POD, (namespace, name), pods)
-        return body, cluster, pods
+        clusters, clusters_rv = self.kube.list_rayclusters(namespace, name)
+        pods, pods_rv = self.kube.list_pods(namespace, name)
+        if store is None:
+            mine = names.raycluster_name(name)
+            return body, next((c for c in clusters if c["metadata"]["name"] == mine), None), pods
+        store.put(RLJOB, body)
+        store.replace_children(RAYCLUSTER, (namespace, name), clusters, clusters_rv)
+        store.replace_children(POD, (namespace, name), pods, pods_rv)
+        return (store.rljob(namespace, name), store.raycluster(namespace, name),
+                store.pods(namespace, name))
+
+    def _claim_modes(self, namespace: str, job: str, claim: str) -> tuple[str, ...] | None:
+        """The access modes of the job's checkpoint claim. A claim's modes cannot change, so
+        ones found are remembered (until the job is forgotten or names another claim); a
+        missing claim is looked for again at every reconcile (the job waits for it)."""
+        key = (namespace, job)
+        with self._lock:
+            known = self._claims.get(key)
+        if known is not None and known[0] == claim:
+            return known[1]
+        modes = self.kube.claim_access_modes(namespace, claim)
+        if modes is not None:
+            with self._lock:
+                self._claims[key] = (claim, modes)
+        return modes
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: drop what is remembered of it (with hundreds of jobs made and
@@ -174,10 +254,12 @@ class Reconciler:
         with self._lock:
             self._fresh_at.pop((namespace, name), None)
             self._support_at.pop((namespace, name), None)
+            self._claims.pop((namespace, name), None)
 
-    def reconcile(self, namespace: str, name: str) -> float | None:
+    def reconcile(self, namespace: str, name: str) -> float | Gone | None:
         """Bring one job one step closer to its desired state; returns seconds until it
-        wants to be looked at again (None: the regular interval), or raises."""
+        wants to be looked at again (None: the regular interval), GONE when the job no longer
+        exists, or raises."""
         with self.metrics.reconcile_seconds.time():
             try:
                 after = self._reconcile(namespace, name)
@@ -187,9 +269,13 @@ class Reconciler:
         self.metrics.reconciles.labels(result="ok").inc()
         return after
 
-    def _reconcile(self, namespace: str, name: str) -> float | None:
+    def _reconcile(self, namespace: str, name: str) -> float | Gone | None:
         body, cluster, pods = self._read(namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
+        if body is None:
+            # Gone (its deletion may have fallen in a watch gap): no more reconciles.
+            self.forget(namespace, name)
+            return GONE
+        if body["metadata"].get("deletionTimestamp"):
             # Children go with the RLJob through owner references; nothing to do.
             self.forget(namespace, name)
             return None
@@ -206,8 +292,8 @@ class Reconciler:
         observed = observe(name, cluster, pods, nodes,
                            self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
         if job.spec is not None and job.spec.checkpoint.pvc:
-            observed = replace(observed, checkpoint_modes=self.kube.claim_access_modes(
-                namespace, job.spec.checkpoint.pvc))
+            observed = replace(observed, checkpoint_modes=self._claim_modes(
+                namespace, name, job.spec.checkpoint.pvc))
         now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
@@ -227,12 +313,13 @@ class Reconciler:
             # While pods wait, what they mount is made again if it went missing (e.g. the
             # claim of a deleted job of the same name was still terminating at creation).
             due = self._support_due(ref, body["metadata"].get("generation"), waiting)
-            if due and job.spec is not None and self._ensure_support(ref, body, job.spec) \
+            support = Support(self.kube, ref, body, job.spec, self._pool) \
+                if job.spec is not None else None
+            if due and support is not None and support.ensure() \
                     and observed.cluster == "present":
                 self._token_replaced(ref, body)
                 return 0.0
-            # Made sure of just now: the creates below need not repeat the same writes.
-            self._act(ref, body, job, decision.actions, restarts, supported=due)
+            self._act(ref, body, job, decision.actions, restarts, support)
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
             log.warning("%s/%s: %s is in the way", namespace, name, err)
@@ -267,24 +354,6 @@ class Reconciler:
         if created is not None and not old.get("startedAt") and new.get("startedAt"):
             self.metrics.time_to_running.observe((now - created).total_seconds())
 
-    def _ensure_support(self, ref: JobRef, body: Obj, spec: RLJobSpec) -> bool:
-        """What the pods need before they start: RBAC, the Ray token, the shared checkpoint
-        claim and the spec. Each is created once (an existing one is kept as it is: the
-        token and the checkpoints must survive restarts); only the spec is refreshed.
-        Returns whether the Ray token was made now (the first time, or after someone deleted
-        its Secret)."""
-        for obj in builders.build_rbac(ref):
-            self.kube.create(obj, ref.uid)
-        # A fresh token only matters the first time: the create of an existing Secret is a
-        # no-op, so the job keeps the token its Ray processes already use.
-        made = self.kube.create(builders.build_ray_token_secret(ref, secrets.token_hex(32)),
-                                ref.uid)
-        claim = builders.build_checkpoint_claim(ref, spec)
-        if claim is not None:
-            self.kube.create(claim, ref.uid)
-        self.kube.sync_configmap(builders.build_configmap(ref, body.get("spec") or {}), ref.uid)
-        return made
-
     def _token_replaced(self, ref: JobRef, body: Obj) -> None:
         """The token Secret was deleted and made anew while the RayCluster runs with the old
         token (its pods read it at start): a driver or pod started now would carry the new one
@@ -299,7 +368,7 @@ class Reconciler:
         self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
-             restarts: int, supported: bool = False) -> None:
+             restarts: int, support: Support | None) -> None:
         ns = ref.namespace
         for pod in actions.delete_pods:
             self.kube.delete_pod(ns, pod, force=True)
@@ -310,7 +379,7 @@ class Reconciler:
             self.kube.delete_pod(ns, names.driver_name(ref.name), grace_s=grace)
         if actions.delete_cluster:
             self.kube.delete_raycluster(ns, names.raycluster_name(ref.name))
-        if job.spec is None:
+        if job.spec is None or support is None:
             return
         if actions.patch_cluster:
             # Patched before its outdated pods go, so KubeRay remakes them from the new spec
@@ -319,11 +388,10 @@ class Reconciler:
         for pod in actions.replace_pods:
             self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
-            if not supported:
-                self._ensure_support(ref, body, job.spec)
+            support.ensure()
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
-            if not supported and self._ensure_support(ref, body, job.spec):
+            if support.ensure():
                 self._token_replaced(ref, body)
                 return
             self.kube.create(builders.build_driver(ref, job.spec, restarts,

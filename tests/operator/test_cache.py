@@ -4,6 +4,7 @@ shared node list is refreshed by age (sooner when a reconcile hurries it)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -48,9 +49,9 @@ def test_children_are_grouped_by_the_job_label_and_replaced_by_a_fresh_list() ->
     store.remove(POD, pod("a", "6"))
     assert [p["metadata"]["resourceVersion"] for p in store.pods("ns", "j")
             if p["metadata"]["name"] == "a"] == ["20"]
-    store.replace_children(POD, ("ns", "j"), [pod("b", "30")])
+    store.replace_children(POD, ("ns", "j"), [pod("b", "30")], "30")
     assert [p["metadata"]["name"] for p in store.pods("ns", "j")] == ["b"]
-    store.replace_children(POD, ("ns", "j"), [])
+    store.replace_children(POD, ("ns", "j"), [], "31")
     assert store.pods("ns", "j") == [] and store.sizes() == (0, 0, 1)
     cluster = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
                             "labels": {names.LABEL_JOB: "j"}}}
@@ -62,12 +63,12 @@ def test_node_list_is_shared_and_refreshed_by_age() -> None:
     calls: list[float] = []
     now = [0.0]
 
-    def lister() -> list[Obj]:
+    def lister(consistent: bool) -> list[Obj]:
         calls.append(now[0])
-        return [{"metadata": {"name": f"n{len(calls)}"}}]
+        return [{"metadata": {"name": "n1"}}]
 
     nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
-    assert [n["metadata"]["name"] for n in nodes.get(["n1", "gone"])] == ["n1"]
+    assert [n["metadata"]["name"] for n in nodes.get(["n1"])] == ["n1"]
     now[0] = 1.0
     nodes.get(["n1"], hurry=True)
     now[0] = 10.0
@@ -77,6 +78,32 @@ def test_node_list_is_shared_and_refreshed_by_age() -> None:
     now[0] = 45.0
     nodes.get(["n1"])
     assert calls == [0.0, 10.0, 45.0]
+
+
+def test_a_node_that_joined_after_the_list_is_not_taken_for_a_lost_one() -> None:
+    """A pod bound to a node the (young) list lacks: the node list is read again at once,
+    from etcd, before the node counts as gone; a node that really is gone costs one such
+    read, not one per reconcile."""
+    now = [0.0]
+    cluster = {"n1"}
+    calls: list[tuple[float, bool]] = []
+
+    def lister(consistent: bool) -> list[Obj]:
+        calls.append((now[0], consistent))
+        return [{"metadata": {"name": n}} for n in sorted(cluster)]
+
+    nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
+    nodes.get(["n1"])
+    now[0] = 5.0
+    cluster.add("n2")  # joins; a pod is bound to it
+    assert sorted(n["metadata"]["name"] for n in nodes.get(["n1", "n2"])) == ["n1", "n2"]
+    assert calls == [(0.0, False), (5.0, True)]
+    cluster.discard("n2")  # really gone; the cached list still has it until the ttl
+    now[0] = 40.0
+    assert nodes.get(["n2"]) == []  # aged list (no n2), then one read from etcd: gone
+    now[0] = 41.0
+    assert nodes.get(["n2"]) == [] and nodes.get(["n2"], hurry=True) == []
+    assert calls == [(0.0, False), (5.0, True), (40.0, False), (40.0, True)]
 
 
 def test_a_bound_running_pod_without_ready_true_is_unready() -> None:
@@ -112,3 +139,168 @@ def test_pods_of_a_raycluster_that_is_gone_are_not_the_jobs_compute_pods() -> No
         {"kind": "RLJob", "name": "j", "uid": "job-uid", "controller": True}]}}
     assert [p.name for p in observe("j", cluster, [head], [], uid="job-uid").compute] == \
         ["j-head-x"]
+
+
+def test_a_stale_fresh_list_neither_brings_back_a_deleted_pod_nor_drops_a_newer_one() -> None:
+    """The safety resync's list was taken at version 10. Meanwhile the watch told of a pod's
+    deletion (at 11) and of a pod made after the list (at 12): the list still shows the
+    first and lacks the second, and neither may win."""
+    store = Store()
+    store.put(POD, pod("deleted", "8"))
+    store.put(POD, pod("kept", "9"))
+    store.remove(POD, pod("deleted", "11"))
+    store.put(POD, pod("made-after", "12"))
+    store.put(POD, pod("gone-before", "7"))  # deleted before the list: the list lacks it
+    store.replace_children(POD, ("ns", "j"), [pod("deleted", "8"), pod("kept", "9")], "10")
+    assert sorted(p["metadata"]["name"] for p in store.pods("ns", "j")) == \
+        ["kept", "made-after"]
+    # A listed object older than what the watch stored already: the newer copy stays.
+    store.put(POD, pod("kept", "13"))
+    store.replace_children(POD, ("ns", "j"), [pod("kept", "9"), pod("made-after", "12")],
+                           "10")
+    assert {p["metadata"]["name"]: p["metadata"]["resourceVersion"]
+            for p in store.pods("ns", "j")} == {"kept": "13", "made-after": "12"}
+
+
+def _uid(obj: Obj, uid: str) -> Obj:
+    obj["metadata"]["uid"] = uid
+    return obj
+
+
+def test_a_relist_is_noticed_and_the_start_up_listing_is_not() -> None:
+    """kopf delivers listed objects with no event type: every object's first event at
+    start-up, and, after 410 Gone, objects the store has heard of already (a relist)."""
+    store = Store()
+    store.watched(POD, None, _uid(pod("a", "5"), "u-a"))
+    store.watched(POD, "ADDED", _uid(pod("b", "6"), "u-b"))
+    assert store.relisted_at is None
+    store.watched(POD, "DELETED", _uid(pod("b", "7"), "u-b"))
+    store.watched(POD, None, _uid(pod("c", "8"), "u-c"))  # new since: a first event
+    assert store.relisted_at is None
+    store.watched(POD, None, _uid(pod("a", "9"), "u-a"))
+    assert store.relisted_at is not None
+    assert sorted(p["metadata"]["name"] for p in store.pods("ns", "j")) == ["a", "c"]
+
+
+def test_managed_fields_are_not_kept() -> None:
+    store = Store()
+    p = pod("a", "5")
+    p["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}]
+    store.put(POD, p)
+    (held,) = store.pods("ns", "j")
+    assert "managedFields" not in held["metadata"] and "managedFields" in p["metadata"]
+
+
+class _FakeApi:
+    """What `Reconciler._read` asks of the API server, answered from plain values."""
+
+    def __init__(self, job: Obj | None, pods: list[Obj], list_rv: str) -> None:
+        self.job, self.pod_list, self.list_rv = job, pods, list_rv
+        self.reads: list[str] = []
+        self.written: object = None
+        self.removed: object = None
+
+    def get_rljob(self, namespace: str, name: str) -> Obj | None:
+        self.reads.append("get rljob")
+        return self.job
+
+    def list_rayclusters(self, namespace: str, job: str) -> tuple[list[Obj], str]:
+        self.reads.append("list rayclusters")
+        return [], self.list_rv
+
+    def list_pods(self, namespace: str, job: str) -> tuple[list[Obj], str]:
+        self.reads.append("list pods")
+        return self.pod_list, self.list_rv
+
+    def list_nodes(self, consistent: bool = False) -> list[Obj]:
+        return []
+
+
+def _reconciler(api: _FakeApi, store: Store, now: list[float]) -> Any:
+    from rljob_operator.metrics import Metrics
+    from rljob_operator.reconciler import FailureHints, Reconciler
+
+    return Reconciler(api, Metrics(), FailureHints(), store=store,  # type: ignore[arg-type]
+                      resync=600.0, monotonic=lambda: now[0],
+                      clock=lambda: datetime(2026, 1, 1, 0, 1, tzinfo=UTC)
+                      + timedelta(seconds=now[0]))
+
+
+def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap_goes() -> None:
+    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
+    now = [100.0]
+    store = Store(clock=lambda: now[0])
+    store.watched(RLJOB, None, job)
+    store.watched(POD, None, _uid(pod("driver", "5"), "u-d"))
+    api = _FakeApi(job, [], "20")  # the driver pod was deleted while the watch was away
+    rec = _reconciler(api, store, now)
+    assert rec._read("ns", "j")[2] != [] and api.reads == []  # from the cache
+    now[0] = 101.0
+    store.watched(RLJOB, None, job)  # the watch lists again after 410 Gone
+    assert [p for p in rec._read("ns", "j")[2]] == []
+    assert api.reads == ["get rljob", "list rayclusters", "list pods"]
+    assert store.pods("ns", "j") == []
+    now[0] = 102.0
+    rec._read("ns", "j")
+    assert len(api.reads) == 3  # once per relist, then the cache again
+
+
+def test_a_job_the_api_server_no_longer_has_leaves_the_cache_and_the_queue() -> None:
+    """Its deletion fell in a watch gap: the safety resync finds it gone, drops it and its
+    children from the store, and the reconcile says GONE (the controller forgets it)."""
+    from rljob_operator.controller import GONE
+
+    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
+    store = Store()
+    store.put(RLJOB, job)
+    store.put(POD, pod("driver", "5"))
+    api = _FakeApi(None, [], "20")
+    now = [0.0]
+    rec = _reconciler(api, store, now)
+    rec._read("ns", "j")  # the first sight schedules its resync within one period
+    now[0] = 700.0
+    assert rec.reconcile("ns", "j") is GONE
+    assert store.rljob("ns", "j") is None and store.pods("ns", "j") == []
+    assert store.sizes() == (0, 0, 0)
+
+
+def test_an_object_a_delete_removed_without_showing_it_leaves_the_cache() -> None:
+    """A delete answered with a bare Status: the object is dropped at once (its own watch
+    may lag the pods' watch), and a late event of its older version does not bring it back;
+    a newer one (it had finalizers and is terminating) does."""
+    store = Store()
+    cluster = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
+                            "labels": {names.LABEL_JOB: "j"}}}
+    store.put(RAYCLUSTER, cluster)
+    store.vanished(RAYCLUSTER, "ns", "j")
+    assert store.raycluster("ns", "j") is None and store.sizes() == (0, 0, 0)
+    store.put(RAYCLUSTER, cluster)
+    assert store.raycluster("ns", "j") is None
+    terminating = {"metadata": {**cluster["metadata"], "resourceVersion": "5",
+                                "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    store.put(RAYCLUSTER, terminating)
+    assert store.raycluster("ns", "j") == terminating
+
+
+def test_a_child_cached_past_its_deletion_time_makes_the_job_read_fresh() -> None:
+    """A terminating driver pod still cached 10 s after its deletion time: its DELETED event
+    may have been missed, and the job would wait on it until the safety resync; it is read
+    from the API server instead (at most every 10 s while that lasts)."""
+    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
+    now = [0.0]
+    store = Store(clock=lambda: now[0])
+    store.put(RLJOB, job)
+    driver = pod("driver", "5")
+    driver["metadata"]["deletionTimestamp"] = "2026-01-01T00:01:00Z"  # at now = 0
+    store.put(POD, driver)
+    api = _FakeApi(job, [], "20")
+    rec = _reconciler(api, store, now)
+    now[0] = 5.0
+    rec._read("ns", "j")
+    assert api.reads == []  # within its grace: the cache is believed
+    now[0] = 11.0
+    assert rec._read("ns", "j")[2] == [] and len(api.reads) == 3
+    store.put(POD, driver)  # (were it still there)
+    now[0] = 15.0
+    rec._read("ns", "j")
+    assert len(api.reads) == 3  # not again within 10 s

@@ -113,3 +113,26 @@ def test_operator_imports_no_runtime_stack() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_job_whose_reconcile_finds_it_gone_leaves_the_queue() -> None:
+    from rljob_operator.controller import GONE, Gone
+
+    calls: list[str] = []
+
+    def reconcile(ns: str, name: str) -> float | Gone | None:
+        calls.append(name)
+        return GONE if name == "gone" else None
+
+    async def scenario() -> Controller:
+        ctl = Controller(reconcile, interval=0.05, workers=2)
+        task = asyncio.create_task(ctl.run())
+        ctl.track(("ns", "gone"))
+        ctl.track(("ns", "live"))
+        await _until(lambda: calls.count("live") >= 5)
+        task.cancel()
+        return ctl
+
+    ctl = asyncio.run(scenario())
+    assert calls.count("gone") == 1
+    assert ("ns", "gone") not in ctl.known and ("ns", "live") in ctl.known

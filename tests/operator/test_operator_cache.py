@@ -27,8 +27,11 @@ INTERVAL = 0.5  # many cached reconciles in a short window
 def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
         cluster: ControlPlane, namespace: str, gpu_pool: Pool, tmp_path: Path) -> None:
     gpu_pool(1, 8)
+    # The safety resync is put far off: its per-job offset could otherwise bring it into
+    # the idle window, where it would read (rightly) what this test says is never read.
     operator = Operator(cluster, namespace, tmp_path / "operator.log", interval=INTERVAL,
-                        kubeconfig=cluster.audited_kubeconfig)
+                        kubeconfig=cluster.audited_kubeconfig,
+                        extra_args=("--resync", "1000000"))
     operator.start()
     try:
         cluster.apply(job_manifest("cached", namespace), "-n", namespace)
