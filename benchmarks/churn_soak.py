@@ -14,7 +14,9 @@ every `--kill-every` seconds deletes (grace 0) a random pod of a random live job
   (each went through the kills: Recovering → Running), else it is stuck;
 - the survivors are deleted; leaked children: every object labelled `rljob.io/job` (pods,
   RayClusters, ConfigMaps, Secrets, ServiceAccounts, Roles, RoleBindings, claims) must be
-  gone within `--settle` seconds, and the operator's per-phase job gauge back to 0;
+  gone within `--settle` seconds, the operator's per-phase job gauge back to 0, and
+  `rljob_operator_remembered` (cached objects, failure hints, per-job state, tracked jobs)
+  at 0;
 - memory: the operator's RSS at the end of the churn against its RSS after
   `--warmup` seconds of it (the same load: jobs are alive in both), within ±10 %.
 
@@ -192,6 +194,12 @@ def main() -> int:
         left = leaked()
         jobs_left = len(phases())
         gauge = operator.metric("rljob_jobs")
+        # Cached objects, failure hints, per-job state and tracked jobs: all gone with the
+        # jobs (polled: the last deletions' watch events may still be on their way).
+        with contextlib.suppress(Timeout):
+            wait_for(lambda: operator.metric("rljob_operator_remembered") == 0, timeout=30,
+                     interval=1.0, what="the operator to hold nothing of the deleted jobs")
+        remembered = operator.metric("rljob_operator_remembered")
         after = proc_stats(pid)
 
         drift = (end_rss - (warm_rss or end_rss)) / (warm_rss or end_rss) * 100
@@ -201,14 +209,17 @@ def main() -> int:
               f"{len(stuck)}  {stuck or ''}")
         print(f"  leaked children after all deletes      {sum(left.values())}  {left or ''}")
         print(f"  RLJobs left / operator's job gauge     {jobs_left} / {gauge:.0f}")
+        print(f"  held by the operator after all deletes {remembered:.0f} (cached objects, "
+              "failure hints, per-job state, tracked jobs)")
         print(f"  operator RSS warm-up / end of churn     {warm_rss or 0:.0f} / {end_rss:.0f} MiB"
               f" ({drift:+.1f} %); after all deletes {after.rss_mib:.0f} MiB, peak "
               f"{after.peak_rss_mib:.0f} MiB")
         print(f"  operator CPU s total                    {after.cpu_seconds:.0f}")
         if stuck:
             breaches.append(f"{len(stuck)} stuck phases")
-        if left or jobs_left or gauge:
-            breaches.append(f"leaked: {left}, {jobs_left} RLJobs, gauge {gauge:.0f}")
+        if left or jobs_left or gauge or remembered:
+            breaches.append(f"leaked: {left}, {jobs_left} RLJobs, gauge {gauge:.0f}, "
+                            f"{remembered:.0f} held by the operator")
         if abs(drift) > 10:
             breaches.append(f"RSS drift {drift:+.1f} %")
         api_client.close()

@@ -352,9 +352,9 @@ def main() -> int:
             """When the job could have a new driver: its old driver pod gone (same name) and
             KubeRay's replacement of the killed pod Running."""
             with seen.lock:
-                replaced = min(at for (ns, _c), pods in seen.running.items() if ns == RLJOB_NS
-                               and seen.cluster_job.get((ns, _c)) == job
-                               for pod, at in pods.items() if at > kill_at)
+                replaced = min((at for (ns, _c), pods in seen.running.items()
+                                if ns == RLJOB_NS and seen.cluster_job.get((ns, _c)) == job
+                                for pod, at in pods.items() if at > kill_at), default=kill_at)
                 return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
 
         operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]

@@ -87,9 +87,14 @@ class Store:
         # UIDs a watch has told of (and not of their deletion): one listed again is a relist.
         self._heard: set[str] = set()
         self.relisted_at: float | None = None  # monotonic time the last relist was noticed
+        # UIDs a delete removed without showing the object: until their deletion event, an
+        # event of them that does not show them terminating is a late one, never a revival.
+        self._vanished: dict[str, None] = {}
 
     def _buried(self, kind: str, obj: Obj) -> bool:
         meta = obj["metadata"]
+        if meta.get("uid") in self._vanished and not meta.get("deletionTimestamp"):
+            return True
         grave = self._tombstones.get((kind, meta.get("namespace") or "", meta["name"]))
         rv = _rv(obj)
         return grave is not None and rv is not None and grave >= rv
@@ -154,6 +159,7 @@ class Store:
         under the same name) is already stored."""
         meta = obj["metadata"]
         with self._lock:
+            self._vanished.pop(meta.get("uid"), None)
             self._bury(kind, obj)
             if kind == RLJOB:
                 key = (meta.get("namespace") or "", meta["name"])
@@ -179,6 +185,11 @@ class Store:
                 held = per_job.get(name) if key[0] == namespace else None
                 if held is not None:
                     self._bury(kind, held)
+                    uid = (held.get("metadata") or {}).get("uid")
+                    if uid:
+                        self._vanished[uid] = None
+                        while len(self._vanished) > MAX_TOMBSTONES:
+                            self._vanished.pop(next(iter(self._vanished)))
                     del per_job[name]
                     if not per_job:
                         del children[key]
@@ -209,6 +220,10 @@ class Store:
             gone = {(o.get("metadata") or {}).get("uid") for n, o in held.items()
                     if n not in fresh}
             self._heard -= gone
+            if at is not None:
+                # A late event of what the list no longer has must not bring it back.
+                for n in held.keys() - fresh.keys():
+                    self._tombstones[(kind, job[0], n)] = at
             if fresh:
                 self._children(kind)[job] = fresh
             else:
@@ -256,11 +271,19 @@ def pod_unready(pod: Obj) -> bool:
     return ready is None or ready.get("status") != "True"
 
 
+def node_ready(node: Obj) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    ready = next((c for c in conditions if c.get("type") == "Ready"), None)
+    return ready is not None and ready.get("status") == "True"
+
+
 class NodeCache:
     """The node list, shared by every job's reconcile and refreshed at most once per `ttl`
-    (or `min_age` when asked to hurry), and at once when a job's pod is bound to a node the
-    list lacks: a missing node counts as gone only once a list taken after the miss was
-    first seen still lacks it (that list reads etcd, not the API server's watch cache)."""
+    (or `min_age` when asked to hurry). A node a job uses that the list lacks or shows not
+    Ready is listed again at once (from etcd, not the API server's watch cache) before it
+    is believed: a node that joined, or turned Ready, after a list up to `ttl` old is not a
+    lost one, and pods on it must not be force-deleted. Each such suspicion costs one list,
+    not one per reconcile."""
 
     def __init__(self, lister: Callable[[bool], list[Obj]], ttl: float, min_age: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -272,17 +295,22 @@ class NodeCache:
         self._nodes: dict[str, Obj] = {}
         self._at: float | None = None
         self._lists = 0  # lists taken so far
-        # A name asked for and missing: the number of the list it was missing from, and when.
-        self._missing: dict[str, tuple[int, float]] = {}
+        # A name asked for and missing or not Ready: the number of the list that first
+        # showed it so, and when.
+        self._suspect: dict[str, tuple[int, float]] = {}
+
+    def _suspicious(self, name: str) -> bool:
+        node = self._nodes.get(name)
+        return node is None or not node_ready(node)
 
     def _list(self, consistent: bool) -> None:
         self._at = self._clock()
         self._lists += 1
         self._nodes = {n["metadata"]["name"]: n for n in self._lister(consistent)}
-        # Names still missing are remembered (a gone node costs one more list, not one per
-        # reconcile), for a while: a name asked for again after that costs one list more.
-        self._missing = {k: v for k, v in self._missing.items()
-                         if k not in self._nodes and self._at - v[1] < 10 * self.ttl}
+        # Suspicions a list confirms are remembered (a gone node costs one more list, not
+        # one per reconcile), for a while: a name asked for after that costs one list more.
+        self._suspect = {k: v for k, v in self._suspect.items()
+                         if self._suspicious(k) and self._at - v[1] < 10 * self.ttl}
 
     def get(self, used: Iterable[str], hurry: bool = False) -> list[Obj]:
         """The nodes named `used` that exist (a job needs only those of its pods)."""
@@ -291,11 +319,10 @@ class NodeCache:
             age = None if self._at is None else self._clock() - self._at
             if age is None or age >= self.ttl or (hurry and age >= self.min_age):
                 self._list(consistent=False)
-            missing = wanted - self._nodes.keys()
-            if missing:
-                for name in missing:
-                    self._missing.setdefault(name, (self._lists, self._clock()))
-                # Missing from the latest list only: read again (once per such miss).
-                if any(self._missing[name][0] == self._lists for name in missing):
-                    self._list(consistent=True)
+            suspect = {name for name in wanted if self._suspicious(name)}
+            for name in suspect:
+                self._suspect.setdefault(name, (self._lists, self._clock()))
+            # Suspected on the latest list only: read again (once per suspicion).
+            if any(self._suspect[name][0] == self._lists for name in suspect):
+                self._list(consistent=True)
             return [self._nodes[name] for name in wanted if name in self._nodes]

@@ -81,6 +81,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
                       min_age=min(2.0, cfg.interval))
     reconciler = Reconciler(kube, metrics, hints, store=store, nodes=nodes, resync=cfg.resync)
     controller = Controller(reconciler.reconcile, cfg.interval, cfg.workers)
+
+    def remembered() -> dict[str, int]:
+        jobs, clusters, pods = store.sizes()
+        return {"rljobs": jobs, "rayclusters": clusters, "pods": pods,
+                "failure_hints": len(hints), "job_state": reconciler.remembered(),
+                "tracked_jobs": len(controller.known)}
+
+    metrics.remembered(remembered)
     memo.store = store
     memo.reconciler = reconciler
     memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr) \
@@ -117,6 +125,9 @@ async def rljob_event(type: str, name: str, namespace: str | None, memo: kopf.Me
     if type == "DELETED":
         memo.controller.forget(key)
         memo.reconciler.forget(*key)
+        # Its children go by garbage collection; what is cached of them goes now (a pod
+        # whose deletion event fell in a watch gap would otherwise stay for good).
+        memo.store.drop_job(key)
     else:
         memo.controller.track(key)
 
@@ -127,8 +138,10 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
     _cache(memo, POD, event)
     namespace = namespace or ""
     job = labels[names.LABEL_JOB]
-    hint = pod_failure(dict(body))
+    hint = pod_failure(dict(body)) if (namespace, job) in memo.controller.known else None
     if hint is not None:
+        # Only for a job still known: pods of a deleted job fail as they are collected,
+        # and what is recorded of them would never be forgotten.
         # When it was seen: a failure during a start-up (a crash loop) is told from an
         # older one by this time.
         seen = timestamp()

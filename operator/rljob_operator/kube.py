@@ -55,6 +55,12 @@ def _json(resp: Any) -> Obj:
         resp.release_conn()
 
 
+def terminating_namespace(err: ApiException) -> bool:
+    """A create refused because its namespace is being deleted (the NamespaceLifecycle
+    admission plugin's 403 with cause NamespaceTerminating)."""
+    return err.status == 403 and "NamespaceTerminating" in str(err.body or "")
+
+
 class ObjectInTheWay(Exception):
     """A create met an object of the same name that belongs to someone else."""
 
@@ -215,6 +221,10 @@ class Kube:
             if kind in ("Pod", "RayCluster"):
                 self.written(kind, made)
         except ApiException as err:
+            if terminating_namespace(err):
+                # The job goes with its namespace: nothing is made, and no error is logged
+                # for every reconcile until the namespace controller deletes the RLJob.
+                return False
             if err.status != 409:
                 raise
             self._adopt(kind, ns, obj["metadata"]["name"], owner_uid)

@@ -4,9 +4,12 @@ in one test process without clashing on the global registry)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from rljob_api.status import Phase
 
@@ -44,7 +47,25 @@ class Metrics:
                 self.jobs.labels(phase=p.value).set(
                     sum(1 for v in self._phases.values() if v == p.value))
 
+    def remembered(self, sizes: Callable[[], dict[str, int]]) -> None:
+        """`rljob_operator_remembered{what}`: what the operator holds per job (cached
+        objects, failure hints, per-job state, tracked jobs), counted at each scrape, so a
+        soak can check that nothing outlives the jobs."""
+        self.registry.register(_Remembered(sizes))
+
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Start the /metrics HTTP server; returns it so it can be shut down."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return server
+
+
+class _Remembered(Collector):
+    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("rljob_operator_remembered",
+                                   "What the operator holds, by kind.", labels=["what"])
+        for what, count in self.sizes().items():
+            family.add_metric([what], count)
+        yield family

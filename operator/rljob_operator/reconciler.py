@@ -59,6 +59,10 @@ class FailureHints:
             while len(per_job) > MAX_HINTS_PER_JOB:
                 per_job.pop(next(iter(per_job)))
 
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._hints)
+
     def of(self, namespace: str, job: str) -> dict[str, FailureHint]:
         with self._lock:
             return dict(self._hints.get((namespace, job), {}))
@@ -88,6 +92,10 @@ class Conflicts:
         with self._lock:
             self._found.pop((namespace, job), None)
 
+    def jobs(self) -> set[tuple[str, str]]:
+        with self._lock:
+            return set(self._found)
+
 
 # Phases in which pods are waiting to start; what they mount is made again if it is missing.
 WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
@@ -96,6 +104,7 @@ WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase
 SUPPORT_RECHECK_SECONDS = 10.0
 SAFETY_RESYNC_SECONDS = 600.0
 OVERDUE_SECONDS = 10.0
+STUCK_SECONDS = 120.0
 
 
 def _utcnow() -> datetime:
@@ -182,10 +191,13 @@ class Reconciler:
         with self._lock:
             last = self._fresh_at.get(key)
             if last is None:
-                # The first sight of a job: the cache was filled by a list at start-up and
-                # holds it; its first resync comes at an offset spread over one period.
+                # The first sight of a job (a new job, or every job after the operator
+                # starts): read fresh, for the start-up list and kopf's first listing are
+                # two reads and a deletion between them has no event; the next resync
+                # comes at an offset spread over one period.
                 offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
-                last = self._fresh_at[key] = now - offset * self.resync
+                self._fresh_at[key] = now - offset * self.resync
+                return True
             if now - last < self.resync and (relisted is None or relisted <= last) \
                     and not (overdue and now - last >= OVERDUE_SECONDS):
                 return False
@@ -196,10 +208,14 @@ class Reconciler:
         """A child past its deletion time by OVERDUE_SECONDS: gone by now, or about to be, so
         a cached copy that still shows it may have missed its deletion event; the job would
         wait on it (StoppingDriver) until the safety resync."""
-        late = self.clock() - timedelta(seconds=OVERDUE_SECONDS)
+        now = self.clock()
+        late, stuck = now - timedelta(seconds=OVERDUE_SECONDS), now - timedelta(
+            seconds=STUCK_SECONDS)
         for obj in objs:
             when = parse_timestamp(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
-            if when is not None and when < late:
+            # One held up for long (a finalizer, a node that went away) is no missed event:
+            # it is left to the safety resync instead of a read every OVERDUE_SECONDS.
+            if when is not None and stuck < when < late:
                 return True
         return False
 
@@ -245,6 +261,13 @@ class Reconciler:
                 self._claims[key] = (claim, modes)
         return modes
 
+    def remembered(self) -> int:
+        """Jobs this reconciler holds state for (resync times, support checks, claims,
+        conflicts): none once every job is gone."""
+        with self._lock:
+            keys = set(self._fresh_at) | set(self._support_at) | set(self._claims)
+        return len(keys | self.conflicts.jobs())
+
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: drop what is remembered of it (with hundreds of jobs made and
         deleted, anything kept per job would grow without end)."""
@@ -266,6 +289,12 @@ class Reconciler:
             except Exception:
                 self.metrics.reconciles.labels(result="error").inc()
                 raise
+            finally:
+                if self.store is not None and self.store.rljob(namespace, name) is None:
+                    # Deleted while this reconcile ran (or it raised, or returned early):
+                    # what it remembered after the deletion's own clean-up is dropped now
+                    # (else a gauge entry and per-job state per such job stay).
+                    self.forget(namespace, name)
         self.metrics.reconciles.labels(result="ok").inc()
         return after
 
@@ -326,10 +355,6 @@ class Reconciler:
             self.conflicts.record(namespace, name, err.found)
             return 0.0
         self.metrics.set_phase((namespace, name), decision.status.get("phase"))
-        if self.store is not None and self.store.rljob(namespace, name) is None:
-            # Deleted while this reconcile ran: what it remembered after the deletion's
-            # own clean-up is dropped now (else one gauge entry per such job stays).
-            self.forget(namespace, name)
         return decision.requeue_after
 
     def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:

@@ -23,6 +23,11 @@ def pod(name: str, rv: str, job: str = "j", phase: str = "Running") -> Obj:
             "spec": {"nodeName": "n1"}, "status": {"phase": phase}}
 
 
+def node(name: str, ready: bool = True) -> Obj:
+    return {"metadata": {"name": name}, "status": {"conditions": [
+        {"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
 def test_an_older_event_does_not_roll_back_what_a_write_returned() -> None:
     store = Store()
     job = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "10"},
@@ -65,7 +70,7 @@ def test_node_list_is_shared_and_refreshed_by_age() -> None:
 
     def lister(consistent: bool) -> list[Obj]:
         calls.append(now[0])
-        return [{"metadata": {"name": "n1"}}]
+        return [node("n1")]
 
     nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
     assert [n["metadata"]["name"] for n in nodes.get(["n1"])] == ["n1"]
@@ -90,7 +95,7 @@ def test_a_node_that_joined_after_the_list_is_not_taken_for_a_lost_one() -> None
 
     def lister(consistent: bool) -> list[Obj]:
         calls.append((now[0], consistent))
-        return [{"metadata": {"name": n}} for n in sorted(cluster)]
+        return [node(n) for n in sorted(cluster)]
 
     nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
     nodes.get(["n1"])
@@ -104,6 +109,33 @@ def test_a_node_that_joined_after_the_list_is_not_taken_for_a_lost_one() -> None
     now[0] = 41.0
     assert nodes.get(["n2"]) == [] and nodes.get(["n2"], hurry=True) == []
     assert calls == [(0.0, False), (5.0, True), (40.0, False), (40.0, True)]
+
+
+def test_a_node_that_turned_ready_after_the_list_is_not_taken_for_a_lost_one() -> None:
+    """Listed NotReady (just registered), Ready by the time a pod binds to it: the node is
+    listed again before anything counts it lost; one that stays NotReady is believed after
+    that one list (and costs no more)."""
+    now = [0.0]
+    ready = {"n1": False}
+    calls: list[bool] = []
+
+    def lister(consistent: bool) -> list[Obj]:
+        calls.append(consistent)
+        return [node(n, r) for n, r in ready.items()]
+
+    nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
+    nodes.get([])  # some other job's reconcile lists while n1 is NotReady
+    ready["n1"] = True
+    now[0] = 20.0
+    (n1,) = nodes.get(["n1"])
+    assert n1["status"]["conditions"][0]["status"] == "True" and calls == [False, True]
+    ready["n1"] = False  # it really fails
+    now[0] = 55.0
+    (n1,) = nodes.get(["n1"])
+    assert n1["status"]["conditions"][0]["status"] == "False"
+    now[0] = 56.0
+    nodes.get(["n1"])
+    assert calls == [False, True, False, True]
 
 
 def test_a_bound_running_pod_without_ready_true_is_unready() -> None:
@@ -231,18 +263,22 @@ def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap
     now = [100.0]
     store = Store(clock=lambda: now[0])
     store.watched(RLJOB, None, job)
-    store.watched(POD, None, _uid(pod("driver", "5"), "u-d"))
-    api = _FakeApi(job, [], "20")  # the driver pod was deleted while the watch was away
+    driver = _uid(pod("driver", "5"), "u-d")
+    store.watched(POD, None, driver)
+    api = _FakeApi(job, [driver], "6")
     rec = _reconciler(api, store, now)
-    assert rec._read("ns", "j")[2] != [] and api.reads == []  # from the cache
+    rec._read("ns", "j")  # the first sight of a job reads fresh
+    assert len(api.reads) == 3
+    now[0] = 100.5
+    assert rec._read("ns", "j")[2] != [] and len(api.reads) == 3  # then the cache
+    api.pod_list, api.list_rv = [], "20"  # the driver pod was deleted while away
     now[0] = 101.0
     store.watched(RLJOB, None, job)  # the watch lists again after 410 Gone
     assert [p for p in rec._read("ns", "j")[2]] == []
-    assert api.reads == ["get rljob", "list rayclusters", "list pods"]
-    assert store.pods("ns", "j") == []
+    assert len(api.reads) == 6 and store.pods("ns", "j") == []
     now[0] = 102.0
     rec._read("ns", "j")
-    assert len(api.reads) == 3  # once per relist, then the cache again
+    assert len(api.reads) == 6  # once per relist, then the cache again
 
 
 def test_a_job_the_api_server_no_longer_has_leaves_the_cache_and_the_queue() -> None:
@@ -293,14 +329,153 @@ def test_a_child_cached_past_its_deletion_time_makes_the_job_read_fresh() -> Non
     driver = pod("driver", "5")
     driver["metadata"]["deletionTimestamp"] = "2026-01-01T00:01:00Z"  # at now = 0
     store.put(POD, driver)
-    api = _FakeApi(job, [], "20")
+    api = _FakeApi(job, [driver], "6")
     rec = _reconciler(api, store, now)
+    rec._read("ns", "j")  # the first sight reads fresh
     now[0] = 5.0
     rec._read("ns", "j")
-    assert api.reads == []  # within its grace: the cache is believed
+    assert len(api.reads) == 3  # within its grace: the cache is believed
+    api.pod_list, api.list_rv = [], "20"  # gone, and its deletion event missed
     now[0] = 11.0
-    assert rec._read("ns", "j")[2] == [] and len(api.reads) == 3
-    store.put(POD, driver)  # (were it still there)
+    assert rec._read("ns", "j")[2] == [] and len(api.reads) == 6
+    store.put(POD, {**driver, "metadata": {**driver["metadata"], "resourceVersion": "21"}})
     now[0] = 15.0
     rec._read("ns", "j")
-    assert len(api.reads) == 3  # not again within 10 s
+    assert len(api.reads) == 6  # not again within 10 s
+    now[0] = 200.0
+    rec._read("ns", "j")
+    assert len(api.reads) == 6  # held up for long: left to the safety resync
+
+
+def test_a_late_event_does_not_revive_an_object_a_delete_removed_without_showing_it() -> None:
+    """A RayCluster delete answered with a bare Status: a KubeRay status update still in
+    its watch stream (newer than what the store held) must not bring it back as live; one
+    showing it terminating may; its deletion event ends the watch on its UID."""
+    from kubernetes import client
+
+    from rljob_operator.kube import Kube
+
+    store = Store()
+    cluster = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
+                                 "labels": {names.LABEL_JOB: "j"}}}, "u-rc")
+    store.put(RAYCLUSTER, cluster)
+    kube = Kube(client.ApiClient(client.Configuration()))
+    kube.vanished = store.vanished
+
+    class Answer:
+        data = b'{"kind": "Status", "apiVersion": "v1", "status": "Success"}'
+        released = False
+
+        def release_conn(self) -> None:
+            self.released = True
+
+    answer = Answer()
+    kube._deleted(RAYCLUSTER, "ns", "j", answer)
+    assert answer.released and store.raycluster("ns", "j") is None
+    late = {**cluster, "metadata": {**cluster["metadata"], "resourceVersion": "4"}}
+    store.put(RAYCLUSTER, late)
+    assert store.raycluster("ns", "j") is None
+    ending = {**cluster, "metadata": {**cluster["metadata"], "resourceVersion": "5",
+                                      "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    store.put(RAYCLUSTER, ending)
+    assert store.raycluster("ns", "j") == ending
+    store.watched(RAYCLUSTER, "DELETED", ending)
+    assert store.raycluster("ns", "j") is None
+
+
+class _FakeCreates:
+    """Creates answered from plain values: which exist already, which are in the way."""
+
+    def __init__(self, existing: set[str], in_the_way: str | None = None) -> None:
+        self.existing, self.in_the_way = existing, in_the_way
+        self.made: list[str] = []
+        self.lock = __import__("threading").Lock()
+
+    def create(self, obj: Obj, uid: str) -> bool:
+        from rljob_operator.kube import ObjectInTheWay
+        from rljob_operator.observe import InTheWay
+
+        kind = obj["kind"]
+        if kind == self.in_the_way:
+            raise ObjectInTheWay(InTheWay(kind, obj["metadata"]["name"], "it has no owner"))
+        with self.lock:
+            self.made.append(kind)
+        return kind not in self.existing
+
+    def sync_configmap(self, obj: Obj, uid: str) -> None:
+        self.create(obj, uid)
+
+
+def _support(kube: _FakeCreates, pool: Any) -> Any:
+    from rljob_api.spec import RLJobSpec
+    from rljob_operator.builders import JobRef
+    from rljob_operator.reconciler import Support
+    from tests.operator.harness import job_manifest
+
+    body = job_manifest("j", "ns")
+    spec = RLJobSpec.model_validate(body["spec"])
+    return Support(kube, JobRef("j", "ns", "uid-1234567890"), body,  # type: ignore[arg-type]
+                   spec, pool)
+
+
+def test_support_objects_are_made_together_once_and_an_object_in_the_way_stops_them() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rljob_operator.kube import ObjectInTheWay
+
+    with ThreadPoolExecutor(4) as pool:
+        kube = _FakeCreates(existing=set())
+        support = _support(kube, pool)
+        assert support.ensure() is True  # the token was made now
+        assert support.ensure() is False
+        assert sorted(kube.made) == ["ConfigMap", "PersistentVolumeClaim", "Role",
+                                     "RoleBinding", "Secret", "ServiceAccount"]
+        kept = _FakeCreates(existing={"Secret"})
+        assert _support(kept, pool).ensure() is False  # the job keeps its token
+        blocked = _FakeCreates(existing=set(), in_the_way="ConfigMap")
+        with pytest.raises(ObjectInTheWay):
+            _support(blocked, pool).ensure()
+
+
+def test_a_create_in_a_namespace_being_deleted_is_told_from_other_refusals() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    from rljob_operator.kube import terminating_namespace
+
+    def refusal(status: int, body: str) -> ApiException:
+        err = ApiException(status=status, reason="Forbidden")
+        err.body = body
+        return err
+
+    dying = ('{"kind":"Status","status":"Failure","message":"configmaps \\"j-spec\\" is '
+             'forbidden: unable to create new content in namespace t because it is being '
+             'terminated","reason":"Forbidden","details":{"name":"j-spec","kind":"configmaps",'
+             '"causes":[{"reason":"NamespaceTerminating","message":"namespace t is being '
+             'terminated","field":"metadata.namespace"}]},"code":403}')
+    assert terminating_namespace(refusal(403, dying))
+    rbac = ('{"kind":"Status","status":"Failure","message":"rayclusters.ray.io is forbidden: '
+            'User \\"x\\" cannot create resource","reason":"Forbidden","code":403}')
+    assert not terminating_namespace(refusal(403, rbac))
+    assert not terminating_namespace(refusal(409, dying))
+
+
+def test_a_checkpoint_claims_modes_are_read_until_found_then_remembered() -> None:
+    class Claims(_FakeApi):
+        modes: tuple[str, ...] | None = None
+
+        def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+            self.reads.append(f"get claim {name}")
+            return self.modes
+
+    api = Claims(None, [], "1")
+    rec = _reconciler(api, Store(), [0.0])
+    assert rec._claim_modes("ns", "j", "ckpt") is None
+    assert rec._claim_modes("ns", "j", "ckpt") is None  # missing: asked again
+    api.modes = ("ReadWriteMany",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
+    assert len(api.reads) == 3
+    rec._claim_modes("ns", "j", "other")  # the spec names another claim
+    rec.forget("ns", "j")
+    rec._claim_modes("ns", "j", "other")
+    assert len(api.reads) == 5

@@ -1,7 +1,8 @@
 """The operator reads its watch cache: while a job runs and nothing changes, it asks the API
 server nothing (counted from the audit log, where the operator runs as the one audited
-user), and a change it can only learn from a watch (a pod deleted behind its back) still
-brings the right reconcile: Recovering, a new driver, Running again."""
+user), a change it can only learn from a watch (a pod deleted behind its back) still
+brings the right reconcile: Recovering, a new driver, Running again, and once the job is
+deleted the operator holds nothing of it."""
 
 from __future__ import annotations
 
@@ -79,5 +80,13 @@ def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
         # What it did write: the status, the driver's delete and create.
         assert kinds["patch rljobs/status"] >= 1 and kinds["create pods"] >= 1, kinds
         assert {k.split()[0] for k in kinds} <= WRITES | {"list"}, kinds
+
+        # Deleted: its children go by garbage collection, and nothing of it stays in the
+        # operator (cache, failure hints, per-job state, work queue).
+        assert operator.metric("rljob_operator_remembered") > 0
+        cluster.kubectl("delete", "rljob", "cached", "-n", namespace, "--wait=false")
+        wait_for(lambda: operator.metric("rljob_operator_remembered") == 0, timeout=90,
+                 what="the operator to hold nothing of the deleted job",
+                 describe=lambda: operator.tail(20))
     finally:
         operator.stop()
