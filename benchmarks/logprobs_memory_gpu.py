@@ -4,11 +4,13 @@ Shape of one slime-style micro-batch (11,600 tokens, Qwen vocabulary 151,936, hi
 bf16 hidden states and weight). Every method runs in this one process on the same inputs,
 forward-only and forward+backward (gradients of hidden states and weight for a random
 per-token upstream gradient; the entropy variants also get one for the entropy). Times are
-CUDA-event medians of `--repeat` after two warm-ups; peaks are the caching allocator's peak
-above the inputs, including the 1.25 GiB of gradients every method returns. Errors are
-against a float64 reference computed from the same bf16 inputs: max |log-prob - ref|, and the
-relative norm error of each gradient (`floor` prints what rounding the exact gradient to bf16
-alone costs, the least any bf16 gradient can show).
+CUDA-event medians of `--repeat` rounds after two warm-up rounds, every method timed once per
+round in a rotating order (timed back to back, the fused row right after the tiled one ran
+about 4 ms slower than the same call timed elsewhere in the run); peaks are the caching
+allocator's peak above the inputs, including the 1.25 GiB of gradients every method returns.
+Errors are against a float64 reference computed from the same bf16 inputs: max |log-prob -
+ref|, and the relative norm error of each gradient (`floor` prints what rounding the exact
+gradient to bf16 alone costs, the least any bf16 gradient can show).
 
 Methods:
   naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
@@ -19,7 +21,7 @@ Methods:
   cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
   cce-default     cut-cross-entropy 25.1.1, reduction="none", default gradient filtering
 
-Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR]
+Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep]
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def measure(
     name: str, fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor,
-    g_ent: torch.Tensor, ref: dict[str, torch.Tensor], repeat: int,
-) -> dict[str, Any]:
+    g_ent: torch.Tensor, ref: dict[str, torch.Tensor],
+) -> tuple[dict[str, Any], dict[str, Callable[[], object]]]:
     hl = h.detach().requires_grad_(True)
     wl = w.detach().requires_grad_(True)
 
@@ -169,6 +171,7 @@ def measure(
 
     torch.cuda.synchronize()
     row: dict[str, Any] = {"method": name}
+    steps: dict[str, Callable[[], object]] = {}
     for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         hl.grad, wl.grad = None, None
         torch.cuda.empty_cache()
@@ -178,7 +181,7 @@ def measure(
         torch.cuda.synchronize()
         row[f"{label}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         del result
-        row[f"{label}_ms"] = time_ms(step, repeat)
+        steps[label] = step
     lp, ent = fwd_bwd()
     assert hl.grad is not None and wl.grad is not None
     row["max_err"] = float((lp.detach().double() - ref["lp"]).abs().max())
@@ -188,7 +191,31 @@ def measure(
     which = "all" if ent is not None else "lp"
     row["gh_rel"] = rel(hl.grad, ref[f"gh_{which}"])
     row["gw_rel"] = rel(wl.grad, ref[f"gw_{which}"])
-    return row
+    return row, steps
+
+
+def time_interleaved(
+    timed: list[tuple[dict[str, Any], dict[str, Callable[[], object]]]], repeat: int
+) -> None:
+    """Each row's `fwd_ms` / `fwd_bwd_ms`: the median over `repeat` rounds, each round
+    timing every method's step once in turn (rotated by one per round), after two such
+    warm-up rounds."""
+    calls = [(row, label, step) for row, steps in timed for label, step in steps.items()]
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(2 + repeat):
+        # Each round starts one call later, so no call always follows the same other one.
+        for i in [(r + j) % len(calls) for j in range(len(calls))]:
+            step = calls[i][2]
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            if r >= 2:
+                times[i].append(float(a.elapsed_time(b)))
+    for (row, label, _), ts in zip(calls, times, strict=True):
+        row[f"{label}_ms"] = statistics.median(ts)
 
 
 def profile(fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> None:
@@ -199,11 +226,118 @@ def profile(fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.
     wl = w.detach().requires_grad_(True)
     torch.autograd.backward(fn(hl, wl, t)[0], g)
     torch.cuda.synchronize()
+    hl.grad, wl.grad = None, None  # the profiled backward writes fresh gradients
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.autograd.backward(fn(hl, wl, t)[0], g)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
                                     max_name_column_width=70))
+
+
+def sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, repeat: int) -> None:
+    """Forward time over `_STATS_SPLIT`, forward+backward time and peak over `_GRAD_Z_PARTS`;
+    the module's defaults are restored afterwards."""
+    import rljob.logprobs_fused as lf
+
+    defaults = (lf._STATS_SPLIT, lf._GRAD_Z_PARTS, lf._STATS_BLOCK_M, lf._STATS_WARPS)
+    hl = h.detach().requires_grad_(True)
+    wl = w.detach().requires_grad_(True)
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fused_logprobs(h, w, t)
+
+    def fwd_bwd() -> None:
+        hl.grad, wl.grad = None, None
+        torch.autograd.backward(fused_logprobs(hl, wl, t)[0], g)
+
+    import time
+
+    for label, step in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"sweep {label}: host issues in {1e3 * (t1 - t0):.1f} ms, "
+              f"done after {1e3 * (t2 - t0):.1f} ms", flush=True)
+    z = w[:1152]
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("mm fp32-out 11600x1152", lambda: torch.mm(h, z.t(), out_dtype=torch.float32)),
+        ("mm bf16 11600x1152", lambda: torch.mm(h, z.t())),
+    ]
+    for name, call in calls:
+        call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"sweep {name}: host {1e3 * (t1 - t0) / 50:.3f} ms/call, "
+              f"device {1e3 * (t2 - t0) / 50:.3f} ms/call", flush=True)
+    for split in (512, 1024):
+        lf._STATS_SPLIT = split
+        print(f"sweep fwd split={split}: {time_ms(fwd, repeat):.2f} ms", flush=True)
+    lf._STATS_SPLIT = defaults[0]
+    for block_m in (4, 16):
+        lf._STATS_BLOCK_M = block_m
+        print(f"sweep fwd block_m={block_m}: {time_ms(fwd, repeat):.2f} ms", flush=True)
+    lf._STATS_BLOCK_M = defaults[2]
+    for warps in (2, 8):
+        lf._STATS_WARPS = warps
+        print(f"sweep fwd num_warps={warps}: {time_ms(fwd, repeat):.2f} ms", flush=True)
+    lf._STATS_WARPS = defaults[3]
+    for parts in (1, 3):
+        lf._GRAD_Z_PARTS = parts
+        hl.grad, wl.grad = None, None
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        print(f"sweep fwd+bwd parts={parts}: {time_ms(fwd_bwd, repeat):.2f} ms, "
+              f"peak {peak:.3f} GiB", flush=True)
+    lf._STATS_SPLIT, lf._GRAD_Z_PARTS, lf._STATS_BLOCK_M, lf._STATS_WARPS = defaults
+    hl.grad, wl.grad = None, None
+    torch.cuda.empty_cache()
+
+
+def gemm_shapes(h: torch.Tensor, w: torch.Tensor, repeat: int) -> None:
+    """Sustained time of each matmul family of the fused path over the whole vocabulary, by
+    chunk width (cuBLAS picks its tiles per shape, so the width decides the waves)."""
+    n, v = h.shape[0], w.shape[0]
+    f32 = torch.float32
+
+    def over(cols: int, body: Callable[[int, int], object]) -> Callable[[], None]:
+        def run() -> None:
+            for v0 in range(0, v, cols):
+                body(v0, min(cols, v - v0))
+        return run
+
+    t_full = time_ms(lambda: torch.mm(h, w.t(), out_dtype=f32), repeat)
+    print(f"gemm full fp32-out: {t_full:.2f} ms", flush=True)
+    for cols in (1024, 1152, 1280, 1408, 1920, 2048, 2304, 2816, 3072):
+        t = time_ms(over(cols, lambda v0, c: torch.mm(h, w[v0 : v0 + c].t(), out_dtype=f32)),
+                    repeat)
+        print(f"gemm logits fp32-out cols={cols}: {t:.2f} ms", flush=True)
+    acc = torch.zeros(n, h.shape[1], dtype=f32, device=h.device)
+    gw = torch.empty_like(w)
+    for cols in (1920, 2304, 2816, 3072, 3456, 3840):
+        gc = torch.randn(n, cols, device=h.device).to(h.dtype)
+
+        def grad_h(v0: int, c: int, gc: torch.Tensor = gc) -> object:
+            return torch.addmm(acc, gc[:, :c], w[v0 : v0 + c], out_dtype=f32, out=acc)
+
+        def grad_w(v0: int, c: int, gc: torch.Tensor = gc) -> object:
+            return torch.mm(gc[:, :c].t(), h, out=gw[v0 : v0 + c])
+
+        t, t2 = time_ms(over(cols, grad_h), repeat), time_ms(over(cols, grad_w), repeat)
+        print(f"gemm grad-h addmm K={cols}: {t:.2f} ms; grad-W M={cols}: {t2:.2f} ms", flush=True)
 
 
 def version(dist_name: str) -> str | None:
@@ -220,6 +354,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4_096)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="first time the fused path over its statistics split and backward logit pieces",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -235,6 +373,10 @@ def main() -> None:
     floor = {k: rel(ref[k].to(torch.bfloat16), ref[k]) for k in ("gh_lp", "gw_lp")}
     torch.cuda.empty_cache()
 
+    if args.sweep:
+        gemm_shapes(h, w, args.repeat)
+        sweep(h, w, t, g, args.repeat)
+
     methods: list[tuple[str, Fn]] = [
         ("naive-bf16", naive_bf16),
         ("tiled", tiled),
@@ -247,9 +389,11 @@ def main() -> None:
     if versions["cut-cross-entropy"]:
         methods += [("cce-exact", cce_exact), ("cce-default", cce_default)]
     rows = []
+    timed = []
     for name, fn in methods:
         try:
-            rows.append(measure(name, fn, h, w, t, g, g_ent, ref, args.repeat))
+            timed.append(measure(name, fn, h, w, t, g, g_ent, ref))
+            rows.append(timed[-1][0])
         except Exception as err:
             if name == "naive-bf16":
                 raise
@@ -258,8 +402,11 @@ def main() -> None:
             continue
         finally:
             torch.cuda.empty_cache()
-        print(json.dumps(rows[-1]), flush=True)
     del ref
+    time_interleaved(timed, args.repeat)
+    del timed
+    for row in rows:
+        print(json.dumps(row), flush=True)
 
     meta = {
         "torch": torch.__version__,

@@ -166,6 +166,24 @@ def test_bf16_inputs_match_float64(
         assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
 
 
+@pytest.mark.parametrize(("split", "parts"), [(128, 1), (256, 4), (100, 2)])
+def test_statistics_pieces_and_gradient_pieces(
+    split: int, parts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statistics split across programs (pieces not a multiple of the column tile, ragged last
+    pieces) and backward chunks filled from several fp32 logit pieces give the same results."""
+    import rljob.logprobs_fused as lf
+
+    monkeypatch.setattr(lf, "_STATS_SPLIT", split)
+    monkeypatch.setattr(lf, "_GRAD_Z_PARTS", parts)
+    ours, ref = _run(300, 2053, 64, dtype=torch.float32, temperature=0.9, with_entropy=True,
+                     chunk_bytes=300 * 10 * 257)
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=2e-5, rtol=0)
+    torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=2e-5, rtol=0)
+    assert _rel(ours["gh"], ref["gh"]) < 1e-5
+    assert _rel(ours["gw"], ref["gw"]) < 1e-5
+
+
 @too_large_for_interpreter
 def test_tokens_times_vocab_over_2_pow_31() -> None:
     """16,500 tokens x 131,075 columns = 2.16e9 logits: no index may wrap at 32 bits."""
