@@ -148,7 +148,10 @@ class Store:
                     self._jobs[key] = obj
                 return
             job = self.job_of(obj)
-            if job is None:
+            if job is None or job not in self._jobs:
+                # Not of a job held (gone, or not seen yet): a deleted job's children would
+                # stay for good if their deletion events were missed, and a new job's are
+                # read with it on its first reconcile.
                 return
             per_job = self._children(kind).setdefault(job, {})
             if newer_or_same(obj, per_job.get(meta["name"])):
@@ -204,6 +207,8 @@ class Store:
         deletion the watch told of meanwhile stays gone; a newer stored copy stays."""
         at = rv_int(list_rv)
         with self._lock:
+            if job not in self._jobs:
+                return
             held = self._children(kind).get(job, {})
             fresh: dict[str, Obj] = {}
             for obj in map(slim, objs):
@@ -280,10 +285,11 @@ def node_ready(node: Obj) -> bool:
 class NodeCache:
     """The node list, shared by every job's reconcile and refreshed at most once per `ttl`
     (or `min_age` when asked to hurry). A node a job uses that the list lacks or shows not
-    Ready is listed again at once (from etcd, not the API server's watch cache) before it
-    is believed: a node that joined, or turned Ready, after a list up to `ttl` old is not a
-    lost one, and pods on it must not be force-deleted. Each such suspicion costs one list,
-    not one per reconcile."""
+    Ready is believed only from a list read from etcd (not the API server's watch cache)
+    less than `min_age` old; else the list is read so first: a node that joined, turned
+    Ready or recovered after a list up to `ttl` old is not a lost one, and pods on it must
+    not be force-deleted. While such a node is in use, that costs one list per `min_age`
+    for all jobs together."""
 
     def __init__(self, lister: Callable[[bool], list[Obj]], ttl: float, min_age: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -294,23 +300,17 @@ class NodeCache:
         self._lock = threading.Lock()
         self._nodes: dict[str, Obj] = {}
         self._at: float | None = None
-        self._lists = 0  # lists taken so far
-        # A name asked for and missing or not Ready: the number of the list that first
-        # showed it so, and when.
-        self._suspect: dict[str, tuple[int, float]] = {}
+        self._consistent = False  # whether the list held was read from etcd
 
     def _suspicious(self, name: str) -> bool:
         node = self._nodes.get(name)
         return node is None or not node_ready(node)
 
     def _list(self, consistent: bool) -> None:
-        self._at = self._clock()
-        self._lists += 1
-        self._nodes = {n["metadata"]["name"]: n for n in self._lister(consistent)}
-        # Suspicions a list confirms are remembered (a gone node costs one more list, not
-        # one per reconcile), for a while: a name asked for after that costs one list more.
-        self._suspect = {k: v for k, v in self._suspect.items()
-                         if self._suspicious(k) and self._at - v[1] < 10 * self.ttl}
+        at = self._clock()
+        nodes = self._lister(consistent)  # a failed list leaves the one held as it was
+        self._nodes = {n["metadata"]["name"]: n for n in nodes}
+        self._at, self._consistent = at, consistent
 
     def get(self, used: Iterable[str], hurry: bool = False) -> list[Obj]:
         """The nodes named `used` that exist (a job needs only those of its pods)."""
@@ -319,10 +319,8 @@ class NodeCache:
             age = None if self._at is None else self._clock() - self._at
             if age is None or age >= self.ttl or (hurry and age >= self.min_age):
                 self._list(consistent=False)
-            suspect = {name for name in wanted if self._suspicious(name)}
-            for name in suspect:
-                self._suspect.setdefault(name, (self._lists, self._clock()))
-            # Suspected on the latest list only: read again (once per suspicion).
-            if any(self._suspect[name][0] == self._lists for name in suspect):
+                age = 0.0
+            if any(self._suspicious(name) for name in wanted) and not (
+                    self._consistent and age is not None and age < self.min_age):
                 self._list(consistent=True)
             return [self._nodes[name] for name in wanted if name in self._nodes]

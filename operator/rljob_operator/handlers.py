@@ -68,14 +68,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     metrics = Metrics()
     hints = FailureHints()
     kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)))
+    # Filled by kopf's watches. kopf's initial listing has no end marker, so a job's first
+    # reconcile reads the API server (it must not take a pod it has not been told of yet
+    # for a lost one); later ones read the store.
     store = Store()
-    # Filled by one list per kind before kopf's watches start (kopf's own initial listing
-    # has no end marker): the first reconcile of a job already sees all its children, so a
-    # restarted operator never takes a pod it has not been told of yet for a lost one.
-    for kind in (RLJOB, RAYCLUSTER, POD):
-        for ns in cfg.namespaces or (None,):
-            for obj in await asyncio.to_thread(kube.list_all, kind, ns):
-                store.put(kind, obj)
     # Nodes: listed for all jobs at once, every 3 resync intervals (30 s in production).
     nodes = NodeCache(kube.list_nodes, ttl=min(30.0, max(1.5, 3 * cfg.interval)),
                       min_age=min(2.0, cfg.interval))
@@ -138,10 +134,10 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
     _cache(memo, POD, event)
     namespace = namespace or ""
     job = labels[names.LABEL_JOB]
-    hint = pod_failure(dict(body)) if (namespace, job) in memo.controller.known else None
+    hint = pod_failure(dict(body)) if memo.store.rljob(namespace, job) is not None else None
     if hint is not None:
-        # Only for a job still known: pods of a deleted job fail as they are collected,
-        # and what is recorded of them would never be forgotten.
+        # Only for a job held: pods of a deleted job fail as they are collected, and what
+        # is recorded of them would never be forgotten.
         # When it was seen: a failure during a start-up (a crash loop) is told from an
         # older one by this time.
         seen = timestamp()

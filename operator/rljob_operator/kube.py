@@ -61,6 +61,11 @@ def terminating_namespace(err: ApiException) -> bool:
     return err.status == 403 and "NamespaceTerminating" in str(err.body or "")
 
 
+class NamespaceTerminating(Exception):
+    """A create met a namespace being deleted: the job goes with it, and the reconcile
+    stops without an error."""
+
+
 class ObjectInTheWay(Exception):
     """A create met an object of the same name that belongs to someone else."""
 
@@ -118,27 +123,6 @@ class Kube:
             _preload_content=False, _request_timeout=TIMEOUT))
         return list(resp.get("items") or []), (resp.get("metadata") or {}).get(
             "resourceVersion")
-
-    def list_all(self, kind: str, namespace: str | None) -> list[Obj]:
-        """Every RLJob, or every RayCluster or pod carrying the job label, in one namespace or
-        (None) all: what the watch cache starts from."""
-        kw: dict[str, Any] = {"_preload_content": False, "_request_timeout": TIMEOUT}
-        selector = names.LABEL_JOB
-        resp: Any
-        if kind == "Pod":
-            resp = (self.core.list_namespaced_pod(namespace, label_selector=selector, **kw)
-                    if namespace else
-                    self.core.list_pod_for_all_namespaces(label_selector=selector, **kw))
-        else:
-            group, version, plural = ((GROUP, VERSION, PLURAL) if kind == KIND else
-                                      (names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL))
-            if kind != KIND:
-                kw["label_selector"] = selector
-            resp = (self.custom.list_namespaced_custom_object(group, version, namespace,
-                                                              plural, **kw)
-                    if namespace else
-                    self.custom.list_cluster_custom_object(group, version, plural, **kw))
-        return list(_json(resp).get("items") or [])
 
     def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
         """The access modes a PersistentVolumeClaim asks for; None when it does not exist."""
@@ -222,9 +206,7 @@ class Kube:
                 self.written(kind, made)
         except ApiException as err:
             if terminating_namespace(err):
-                # The job goes with its namespace: nothing is made, and no error is logged
-                # for every reconcile until the namespace controller deletes the RLJob.
-                return False
+                raise NamespaceTerminating(ns) from err
             if err.status != 409:
                 raise
             self._adopt(kind, ns, obj["metadata"]["name"], owner_uid)
@@ -335,4 +317,10 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        self.core.create_namespaced_event(meta["namespace"], body, _request_timeout=TIMEOUT)
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body,
+                                              _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if terminating_namespace(err):
+                raise NamespaceTerminating(meta["namespace"]) from err
+            raise

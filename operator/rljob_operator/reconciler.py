@@ -32,7 +32,7 @@ from rljob_operator.decide import (
     needs_write,
     parse_job,
 )
-from rljob_operator.kube import Kube, ObjectInTheWay
+from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import FailureHint, InTheWay, observe
 
@@ -180,29 +180,33 @@ class Reconciler:
             kube.vanished = store.vanished
 
     def _due_fresh(self, namespace: str, name: str, overdue: bool = False) -> bool:
-        """Whether this reconcile reads the API server: the safety resync, the first
-        reconcile after a watch listed again and may have missed deletions, or (at most
-        every OVERDUE_SECONDS) a cached child whose deletion is overdue."""
+        """Whether this reconcile reads the API server: the first sight of a job (a new one,
+        or every job after the operator starts: kopf's initial listing has no end marker),
+        the safety resync, the first reconcile after a watch listed again and may have
+        missed deletions, or (at most every OVERDUE_SECONDS) a cached child whose deletion
+        is overdue. A read that fails leaves the reason standing."""
         if self.store is None:
             return True
-        key = (namespace, name)
         now = self.monotonic()
         relisted = self.store.relisted_at
         with self._lock:
-            last = self._fresh_at.get(key)
-            if last is None:
-                # The first sight of a job (a new job, or every job after the operator
-                # starts): read fresh, for the start-up list and kopf's first listing are
-                # two reads and a deletion between them has no event; the next resync
-                # comes at an offset spread over one period.
-                offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
-                self._fresh_at[key] = now - offset * self.resync
-                return True
-            if now - last < self.resync and (relisted is None or relisted <= last) \
-                    and not (overdue and now - last >= OVERDUE_SECONDS):
-                return False
-            self._fresh_at[key] = now
+            last = self._fresh_at.get((namespace, name))
+        if last is None or now - last >= self.resync:
             return True
+        if relisted is not None and relisted > last:
+            return True
+        return overdue and now - last >= OVERDUE_SECONDS
+
+    def _read_fresh(self, namespace: str, name: str, started: float) -> None:
+        """A fresh read succeeded: the next is due a resync period later (the first one at
+        a per-job offset, so that hundreds of jobs do not resync together)."""
+        key = (namespace, name)
+        with self._lock:
+            if key in self._fresh_at:
+                self._fresh_at[key] = started
+            else:
+                offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
+                self._fresh_at[key] = started - offset * self.resync
 
     def _overdue(self, objs: list[Obj | None]) -> bool:
         """A child past its deletion time by OVERDUE_SECONDS: gone by now, or about to be, so
@@ -230,6 +234,7 @@ class Reconciler:
                     namespace, name, overdue=self._overdue([cluster, *pods])):
                 return body, cluster, pods
             # Not in the cache (yet): a job that is new or gone; the API server tells which.
+        started = self.monotonic()
         body = self.kube.get_rljob(namespace, name)
         if body is None:
             if store is not None:
@@ -243,6 +248,7 @@ class Reconciler:
         store.put(RLJOB, body)
         store.replace_children(RAYCLUSTER, (namespace, name), clusters, clusters_rv)
         store.replace_children(POD, (namespace, name), pods, pods_rv)
+        self._read_fresh(namespace, name, started)
         return (store.rljob(namespace, name), store.raycluster(namespace, name),
                 store.pods(namespace, name))
 
@@ -268,14 +274,17 @@ class Reconciler:
             keys = set(self._fresh_at) | set(self._support_at) | set(self._claims)
         return len(keys | self.conflicts.jobs())
 
-    def forget(self, namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str, reads: bool = True) -> None:
         """The job was deleted: drop what is remembered of it (with hundreds of jobs made and
-        deleted, anything kept per job would grow without end)."""
+        deleted, anything kept per job would grow without end). `reads=False` keeps when it
+        was last read fresh, for a job still there, being deleted (else each reconcile of it
+        would read it fresh, as a first sight)."""
         self.metrics.set_phase((namespace, name), None)
         self.hints.forget(namespace, name)
         self.conflicts.forget(namespace, name)
         with self._lock:
-            self._fresh_at.pop((namespace, name), None)
+            if reads:
+                self._fresh_at.pop((namespace, name), None)
             self._support_at.pop((namespace, name), None)
             self._claims.pop((namespace, name), None)
 
@@ -286,6 +295,9 @@ class Reconciler:
         with self.metrics.reconcile_seconds.time():
             try:
                 after = self._reconcile(namespace, name)
+            except NamespaceTerminating:
+                # The job goes with its namespace: nothing to make, nothing to report.
+                after = None
             except Exception:
                 self.metrics.reconciles.labels(result="error").inc()
                 raise
@@ -306,7 +318,7 @@ class Reconciler:
             return GONE
         if body["metadata"].get("deletionTimestamp"):
             # Children go with the RLJob through owner references; nothing to do.
-            self.forget(namespace, name)
+            self.forget(namespace, name, reads=False)
             return None
         job = parse_job(body)
         ref = JobRef.of(body)

@@ -23,6 +23,13 @@ def pod(name: str, rv: str, job: str = "j", phase: str = "Running") -> Obj:
             "spec": {"nodeName": "n1"}, "status": {"phase": phase}}
 
 
+def with_jobs(store: Store, *jobs: str) -> Store:
+    """A store holding the RLJobs `jobs` (children are kept only for a job held)."""
+    for name in jobs or ("j", "other"):
+        store.put(RLJOB, {"metadata": {"name": name, "namespace": "ns", "resourceVersion": "1"}})
+    return store
+
+
 def node(name: str, ready: bool = True) -> Obj:
     return {"metadata": {"name": name}, "status": {"conditions": [
         {"type": "Ready", "status": "True" if ready else "False"}]}}
@@ -43,7 +50,7 @@ def test_an_older_event_does_not_roll_back_what_a_write_returned() -> None:
 
 
 def test_children_are_grouped_by_the_job_label_and_replaced_by_a_fresh_list() -> None:
-    store = Store()
+    store = with_jobs(Store())
     store.put(POD, pod("a", "5"))
     store.put(POD, pod("b", "6"))
     store.put(POD, pod("c", "7", job="other"))
@@ -57,7 +64,7 @@ def test_children_are_grouped_by_the_job_label_and_replaced_by_a_fresh_list() ->
     store.replace_children(POD, ("ns", "j"), [pod("b", "30")], "30")
     assert [p["metadata"]["name"] for p in store.pods("ns", "j")] == ["b"]
     store.replace_children(POD, ("ns", "j"), [], "31")
-    assert store.pods("ns", "j") == [] and store.sizes() == (0, 0, 1)
+    assert store.pods("ns", "j") == [] and store.sizes() == (2, 0, 1)
     cluster = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
                             "labels": {names.LABEL_JOB: "j"}}}
     store.put(RAYCLUSTER, cluster)
@@ -148,7 +155,7 @@ def test_a_bound_running_pod_without_ready_true_is_unready() -> None:
 
 def test_a_write_response_after_the_deletion_event_does_not_bring_the_object_back() -> None:
     """A pod deleted at once: the watch's DELETED can come before the delete call returns."""
-    store = Store()
+    store = with_jobs(Store())
     store.put(POD, pod("d", "5"))
     store.remove(POD, pod("d", "7"))
     store.put(POD, pod("d", "6"))  # the delete's response, late
@@ -177,7 +184,7 @@ def test_a_stale_fresh_list_neither_brings_back_a_deleted_pod_nor_drops_a_newer_
     """The safety resync's list was taken at version 10. Meanwhile the watch told of a pod's
     deletion (at 11) and of a pod made after the list (at 12): the list still shows the
     first and lacks the second, and neither may win."""
-    store = Store()
+    store = with_jobs(Store())
     store.put(POD, pod("deleted", "8"))
     store.put(POD, pod("kept", "9"))
     store.remove(POD, pod("deleted", "11"))
@@ -202,7 +209,7 @@ def _uid(obj: Obj, uid: str) -> Obj:
 def test_a_relist_is_noticed_and_the_start_up_listing_is_not() -> None:
     """kopf delivers listed objects with no event type: every object's first event at
     start-up, and, after 410 Gone, objects the store has heard of already (a relist)."""
-    store = Store()
+    store = with_jobs(Store())
     store.watched(POD, None, _uid(pod("a", "5"), "u-a"))
     store.watched(POD, "ADDED", _uid(pod("b", "6"), "u-b"))
     assert store.relisted_at is None
@@ -215,7 +222,7 @@ def test_a_relist_is_noticed_and_the_start_up_listing_is_not() -> None:
 
 
 def test_managed_fields_are_not_kept() -> None:
-    store = Store()
+    store = with_jobs(Store())
     p = pod("a", "5")
     p["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}]
     store.put(POD, p)
@@ -304,12 +311,12 @@ def test_an_object_a_delete_removed_without_showing_it_leaves_the_cache() -> Non
     """A delete answered with a bare Status: the object is dropped at once (its own watch
     may lag the pods' watch), and a late event of its older version does not bring it back;
     a newer one (it had finalizers and is terminating) does."""
-    store = Store()
+    store = with_jobs(Store())
     cluster = {"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
                             "labels": {names.LABEL_JOB: "j"}}}
     store.put(RAYCLUSTER, cluster)
     store.vanished(RAYCLUSTER, "ns", "j")
-    assert store.raycluster("ns", "j") is None and store.sizes() == (0, 0, 0)
+    assert store.raycluster("ns", "j") is None and store.sizes() == (2, 0, 0)
     store.put(RAYCLUSTER, cluster)
     assert store.raycluster("ns", "j") is None
     terminating = {"metadata": {**cluster["metadata"], "resourceVersion": "5",
@@ -355,7 +362,7 @@ def test_a_late_event_does_not_revive_an_object_a_delete_removed_without_showing
 
     from rljob_operator.kube import Kube
 
-    store = Store()
+    store = with_jobs(Store())
     cluster = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
                                  "labels": {names.LABEL_JOB: "j"}}}, "u-rc")
     store.put(RAYCLUSTER, cluster)
@@ -479,3 +486,78 @@ def test_a_checkpoint_claims_modes_are_read_until_found_then_remembered() -> Non
     rec.forget("ns", "j")
     rec._claim_modes("ns", "j", "other")
     assert len(api.reads) == 5
+
+
+def test_children_of_a_job_not_held_are_not_kept() -> None:
+    """A deleted job's children are dropped with it, and their later events (garbage
+    collection marking them terminating) do not bring them back: were their deletion events
+    missed, they would stay for good."""
+    store = with_jobs(Store(), "j")
+    store.put(POD, pod("a", "5"))
+    store.drop_job(("ns", "j"))
+    store.put(POD, pod("a", "6"))
+    store.replace_children(POD, ("ns", "j"), [pod("a", "6")], "7")
+    assert store.sizes() == (0, 0, 0)
+    store.put(POD, pod("b", "5", job="never-seen"))
+    assert store.sizes() == (0, 0, 0)
+
+
+def test_a_node_confirmed_not_ready_that_recovers_is_listed_again() -> None:
+    """A NotReady confirmed from etcd is believed only while that list is younger than
+    min_age: a node that recovers seconds later is not counted lost for the rest of the
+    ttl; and a list that fails leaves nothing believed on its account."""
+    now = [0.0]
+    ready = {"x": False}
+    fail = [False]
+
+    def lister(consistent: bool) -> list[Obj]:
+        if fail[0]:
+            raise TimeoutError("the API server is busy")
+        return [node(n, r) for n, r in ready.items()]
+
+    nodes = NodeCache(lister, ttl=30.0, min_age=2.0, clock=lambda: now[0])
+    assert nodes.get(["x"])[0]["status"]["conditions"][0]["status"] == "False"
+    ready["x"] = True
+    now[0] = 5.0
+    assert nodes.get(["x"])[0]["status"]["conditions"][0]["status"] == "True"
+    ready["x"] = False
+    now[0] = 40.0
+    fail[0] = True
+    with pytest.raises(TimeoutError):
+        nodes.get(["x"])  # the aged list fails: the reconcile fails, nothing is believed
+    fail[0] = False
+    now[0] = 41.0
+    assert nodes.get(["x"])[0]["status"]["conditions"][0]["status"] == "False"
+
+
+def test_a_failed_fresh_read_is_tried_again_and_a_job_being_deleted_reads_the_cache() -> None:
+    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
+    now = [0.0]
+    store = Store(clock=lambda: now[0])
+    store.watched(RLJOB, None, job)
+
+    class Flaky(_FakeApi):
+        down = True
+
+        def get_rljob(self, namespace: str, name: str) -> Obj | None:
+            self.reads.append("get rljob")
+            if self.down:
+                raise ConnectionError("the API server restarts")
+            return self.job
+
+    api = Flaky(job, [], "6")
+    rec = _reconciler(api, store, now)
+    with pytest.raises(ConnectionError):
+        rec._read("ns", "j")
+    api.down = False
+    now[0] = 1.0
+    rec._read("ns", "j")  # the first sight's read is still due
+    assert api.reads == ["get rljob", "get rljob", "list rayclusters", "list pods"]
+    # Being deleted (a finalizer holds it): reconciled from the cache, not read each time.
+    deleting = {**job, "metadata": {**job["metadata"], "resourceVersion": "5",
+                                    "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    store.put(RLJOB, deleting)
+    for t in (2.0, 3.0, 4.0):
+        now[0] = t
+        rec.reconcile("ns", "j")
+    assert len(api.reads) == 4
