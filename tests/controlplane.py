@@ -535,8 +535,12 @@ class ControlPlane:
 
 
 def fake_node(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A Node object kwok will keep Ready, advertising `gpus` nvidia.com/gpu."""
-    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", GPU: str(gpus)}
+    """A Node object kwok will keep Ready, advertising `gpus` nvidia.com/gpu, and CPU,
+    memory and pod room in proportion past 8 GPUs (64 cores, 512 GiB, 110 pods per 8), so
+    a large simulated node holds as many pods as its GPUs take."""
+    scale = max(gpus, 8) // 8
+    capacity = {"cpu": str(64 * scale), "memory": f"{512 * scale}Gi",
+                "pods": str(110 * scale), GPU: str(gpus)}
     return {
         "apiVersion": "v1",
         "kind": "Node",
