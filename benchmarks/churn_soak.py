@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim_scale import CRD, proc_stats
+from benchmarks.sim_scale import proc_stats, start_sim_plane
 from rljob_operator import names
 from tests.controlplane import ControlPlane, k8s_bin_dir
 from tests.operator.harness import job_manifest
@@ -79,13 +79,7 @@ def main() -> int:
     operator: Operator | None = None
     breaches: list[str] = []
     try:
-        cp.start_core()
-        cp.install_crds(CRD)
-        cp.start_controller_manager()
-        cp.start_volume_provisioner()
-        cp.start_scheduler()
-        cp.start_kwok(nodes=nodes, gpus_per_node=8, prefix="churn")
-        cp.start_kuberay()
+        start_sim_plane(cp, nodes, 8, "churn")
         cp.kubectl("label", "nodes", "--all", f"{POOL_LABEL}={POOL}")
         cp.kubectl("create", "namespace", NAMESPACE)
         log = Path(tempfile.mkdtemp(prefix="churn-")) / "operator.log"

@@ -53,12 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.sim_scale import (
-    CRD,
     OPERATOR_AGENTS,
     ProcStats,
     job_manifest,
     percentile,
     proc_stats,
+    start_sim_plane,
 )
 from rljob_api.layout import DRIVER, TRAINER
 from rljob_operator import builders, names
@@ -232,16 +232,9 @@ def main() -> int:
     stop = threading.Event()
     breaches: list[str] = []
     try:
-        t = time.monotonic()
-        cp.start_core()
-        cp.install_crds(CRD)
-        cp.start_controller_manager()
-        cp.start_volume_provisioner()
-        cp.start_scheduler()
-        cp.start_kwok(nodes=nodes, gpus_per_node=args.gpus_per_node, prefix="sim")
-        cp.start_kuberay()
+        took = start_sim_plane(cp, nodes, args.gpus_per_node, "sim")
         print(f"control plane with {nodes} kwok nodes × {args.gpus_per_node} GPUs up in "
-              f"{time.monotonic() - t:.0f} s", flush=True)
+              f"{took:.0f} s", flush=True)
         for ns in (RLJOB_NS, RAYJOB_NS):
             cp.kubectl("create", "namespace", ns)
         log = Path(tempfile.mkdtemp(prefix="bench-")) / "operator.log"

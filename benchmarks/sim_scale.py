@@ -126,6 +126,20 @@ def phases(api: Any) -> dict[str, str]:
             for j in body["items"]}
 
 
+def start_sim_plane(cp: ControlPlane, nodes: int, gpus_per_node: int, prefix: str) -> float:
+    """The benchmarks' control plane: API server and etcd with the CRD, controller-manager,
+    volume provisioner, scheduler, `nodes` kwok GPU nodes and KubeRay; returns seconds taken."""
+    t = time.monotonic()
+    cp.start_core()
+    cp.install_crds(CRD)
+    cp.start_controller_manager()
+    cp.start_volume_provisioner()
+    cp.start_scheduler()
+    cp.start_kwok(nodes=nodes, gpus_per_node=gpus_per_node, prefix=prefix)
+    cp.start_kuberay()
+    return time.monotonic() - t
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=200, help="kwok GPU nodes")
@@ -151,16 +165,9 @@ def main() -> None:
     cp = AuditedControlPlane(k8s_bin_dir())
     operator: Operator | None = None
     try:
-        t = time.monotonic()
-        cp.start_core()
-        cp.install_crds(CRD)
-        cp.start_controller_manager()
-        cp.start_volume_provisioner()
-        cp.start_scheduler()
-        cp.start_kwok(nodes=args.nodes, gpus_per_node=args.gpus_per_node, prefix="sim")
-        cp.start_kuberay()
+        took = start_sim_plane(cp, args.nodes, args.gpus_per_node, "sim")
         print(f"control plane with {args.nodes} kwok nodes × {args.gpus_per_node} GPUs up in "
-              f"{time.monotonic() - t:.0f} s", flush=True)
+              f"{took:.0f} s", flush=True)
         cp.kubectl("create", "namespace", NAMESPACE)
         log = Path(tempfile.mkdtemp(prefix="sim-scale-")) / "operator.log"
         operator = Operator(cp, NAMESPACE, log, interval=args.interval)
