@@ -101,7 +101,8 @@ class Conflicts:
 WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
 # While pods wait, what they mount is made again (if missing) at most this often per job, and
 # at once when the job starts waiting; creates of what exists are no-op writes otherwise.
-SUPPORT_RECHECK_SECONDS = 10.0
+SUPPORT_RECHECK_SECONDS = 10.0  # the first recheck; each later one waits twice as long,
+SUPPORT_RECHECK_MAX_SECONDS = 300.0  # up to this
 SAFETY_RESYNC_SECONDS = 600.0
 OVERDUE_SECONDS = 10.0
 STUCK_SECONDS = 120.0
@@ -167,8 +168,9 @@ class Reconciler:
         self.resync = resync
         self.monotonic = monotonic
         self._fresh_at: dict[tuple[str, str], float] = {}
-        # When a job's support objects were last made sure of: (uid and generation, when).
-        self._support_at: dict[tuple[str, str], tuple[str, float]] = {}
+        # When a job's support objects were last made sure of: (uid and generation, when, the
+        # wait before the next check).
+        self._support_at: dict[tuple[str, str], tuple[str, float, float]] = {}
         # Per job, its checkpoint claim's name and access modes once found.
         self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         # For the support objects' creates, which go out together.
@@ -371,8 +373,10 @@ class Reconciler:
 
     def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:
         """Whether the objects the pods mount are checked now: at once when the job starts
-        waiting or its spec changes, then every SUPPORT_RECHECK_SECONDS while it waits (not
-        on every watch event of its pods, each of which would cost six no-op writes)."""
+        waiting or its spec changes, then after SUPPORT_RECHECK_SECONDS, twice as long each
+        time, up to SUPPORT_RECHECK_MAX_SECONDS, while it waits (not on every watch event of
+        its pods, each of which would cost six no-op writes: hundreds of jobs waiting on a
+        busy cluster would otherwise send hundreds of no-op creates a second)."""
         key = (ref.namespace, ref.name)
         now = self.monotonic()
         with self._lock:
@@ -380,10 +384,12 @@ class Reconciler:
                 self._support_at.pop(key, None)
                 return False
             version = f"{ref.uid}/{generation}"
-            seen, last = self._support_at.get(key, ("", 0.0))
-            if seen == version and now - last < SUPPORT_RECHECK_SECONDS:
+            seen, last, wait = self._support_at.get(key, ("", 0.0, 0.0))
+            if seen == version and now - last < wait:
                 return False
-            self._support_at[key] = (version, now)
+            wait = min(2 * wait, SUPPORT_RECHECK_MAX_SECONDS) if seen == version \
+                else SUPPORT_RECHECK_SECONDS
+            self._support_at[key] = (version, now, wait)
             return True
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:

@@ -561,3 +561,23 @@ def test_a_failed_fresh_read_is_tried_again_and_a_job_being_deleted_reads_the_ca
         now[0] = t
         rec.reconcile("ns", "j")
     assert len(api.reads) == 4
+
+
+def test_support_objects_are_rechecked_ever_less_often_while_a_job_waits() -> None:
+    from rljob_operator.builders import JobRef
+
+    now = [0.0]
+    rec = _reconciler(_FakeApi(None, [], "1"), Store(), now)
+    ref = JobRef("j", "ns", "u-1")
+    checked = []
+    for t in range(0, 700):
+        now[0] = float(t)
+        if rec._support_due(ref, 1, waiting=True):
+            checked.append(t)
+    assert checked == [0, 10, 30, 70, 150, 310, 610]
+    now[0] = 700.0
+    assert rec._support_due(ref, 2, waiting=True)  # a spec edit: at once, and 10 s later
+    now[0] = 710.0
+    assert rec._support_due(ref, 2, waiting=True)
+    assert not rec._support_due(ref, 2, waiting=False)  # running: nothing to check
+    assert rec._support_due(ref, 2, waiting=True)  # waiting again (a restart): at once
