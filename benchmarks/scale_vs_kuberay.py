@@ -91,8 +91,11 @@ class BenchControlPlane(ControlPlane):
 
 def bench_manifest(name: str) -> dict[str, Any]:
     doc = job_manifest(name)
+    # No restart backoff in the failure figures, and no start-up deadline: at hundreds of
+    # jobs on a small machine a start can take longer than the default 600 s, and a job
+    # failed for it would never have its pods Running.
     doc["spec"]["recovery"] = {"maxRestarts": 100, "backoffSeconds": 0,
-                               "maxBackoffSeconds": 0}
+                               "maxBackoffSeconds": 0, "startupTimeoutSeconds": 7200}
     return doc
 
 
