@@ -4,9 +4,10 @@ Why: a reconcile that reads every RLJob, RayCluster and pod list from the API se
 four requests per job per resync, whether anything changed or not, and that is most of what
 hundreds of idle jobs cost the control plane. kopf already holds a watch on each of those
 kinds (to kick reconciles); the same events now keep a copy of every object, and a reconcile
-reads the copy. The API server is asked only when something is written, when a job is not
-in the copy yet, and on a slow per-job safety resync that replaces the copy with a fresh read
-(so an event lost in a watch gap costs at most one resync period, never correctness).
+reads the copy. The reconciler asks the API server when something is written, on a job's
+first reconcile, after a relist, for a child overdue for deletion, and on a slow per-job
+safety resync that replaces the copy with a fresh read (so an event lost in a watch gap
+costs at most one resync period, never correctness).
 
 The store holds the newest version of each object it has seen: an event or a write's
 response older than what it holds (a lagging watch delivering an update after the
@@ -21,8 +22,8 @@ and every job is then read fresh once, which drops what vanished in the gap.
 Nodes are not watched (their status changes every few seconds on every node and the
 operator needs one bit of each): `NodeCache` lists them at most once per `ttl` for all jobs
 together, sooner (at most once per `min_age`) when a reconcile sees a pod that is bound but
-not ready, which is how a lost node first shows on its pods. A pod bound to a node the list
-lacks makes it list again at once (a node that joined after the list is not a lost one).
+not ready, which is how a lost node first shows on its pods. A node a job uses that the
+list lacks or shows not Ready is believed only from a fresh list read from etcd.
 """
 
 from __future__ import annotations
@@ -44,6 +45,17 @@ MAX_TOMBSTONES = 20000
 
 def _rv(obj: Obj) -> int | None:
     return rv_int((obj.get("metadata") or {}).get("resourceVersion"))
+
+
+def _uid(obj: Obj) -> str | None:
+    return (obj.get("metadata") or {}).get("uid")
+
+
+def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
+    """Remember `key` in a table of at most MAX_TOMBSTONES entries: the oldest go first."""
+    table[key] = value
+    while len(table) > MAX_TOMBSTONES:
+        table.pop(next(iter(table)))
 
 
 def rv_int(raw: object) -> int | None:
@@ -103,12 +115,10 @@ class Store:
         """Only the version is kept (the whole object of every deleted pod would be
         megabytes per hundred jobs)."""
         rv = _rv(obj)
-        if rv is None:
-            return
-        meta = obj["metadata"]
-        self._tombstones[(kind, meta.get("namespace") or "", meta["name"])] = rv
-        while len(self._tombstones) > MAX_TOMBSTONES:
-            self._tombstones.pop(next(iter(self._tombstones)))
+        if rv is not None:
+            meta = obj["metadata"]
+            _bounded_put(self._tombstones, (kind, meta.get("namespace") or "", meta["name"]),
+                         rv)
 
     def _children(self, kind: str) -> dict[Key, dict[str, Obj]]:
         return self._clusters if kind == RAYCLUSTER else self._pods
@@ -124,7 +134,7 @@ class Store:
         """One watch event. kopf delivers listed objects with no event type: at start-up
         that is every object's first event; later it means the watch listed again (after
         410 Gone) and may have missed deletions, which `relisted_at` tells the reconciler."""
-        uid = (obj.get("metadata") or {}).get("uid")
+        uid = _uid(obj)
         if event_type == "DELETED":
             self.remove(kind, obj)
             self._heard.discard(uid)
@@ -188,15 +198,13 @@ class Store:
                 held = per_job.get(name) if key[0] == namespace else None
                 if held is not None:
                     self._bury(kind, held)
-                    uid = (held.get("metadata") or {}).get("uid")
+                    uid = _uid(held)
                     if uid:
-                        self._vanished[uid] = None
-                        while len(self._vanished) > MAX_TOMBSTONES:
-                            self._vanished.pop(next(iter(self._vanished)))
+                        _bounded_put(self._vanished, uid, None)
+                        self._heard.discard(uid)
                     del per_job[name]
                     if not per_job:
                         del children[key]
-                    self._heard.discard((held.get("metadata") or {}).get("uid"))
                     return
 
     def replace_children(self, kind: str, job: Key, objs: Iterable[Obj],
@@ -222,13 +230,11 @@ class Store:
                 rv = _rv(mine)
                 if name not in fresh and at is not None and rv is not None and rv > at:
                     fresh[name] = mine
-            gone = {(o.get("metadata") or {}).get("uid") for n, o in held.items()
-                    if n not in fresh}
-            self._heard -= gone
-            if at is not None:
-                # A late event of what the list no longer has must not bring it back.
-                for n in held.keys() - fresh.keys():
-                    self._tombstones[(kind, job[0], n)] = at
+            for name in held.keys() - fresh.keys():
+                self._heard.discard(_uid(held[name]))
+                if at is not None:
+                    # A late event of what the list no longer has must not bring it back.
+                    _bounded_put(self._tombstones, (kind, job[0], name), at)
             if fresh:
                 self._children(kind)[job] = fresh
             else:
@@ -238,13 +244,9 @@ class Store:
         """The job is gone from the API server (found by a fresh read): it and its children
         leave the store (their deletions may have fallen in a watch gap)."""
         with self._lock:
-            for table in (self._jobs, self._clusters, self._pods):
-                gone = table.pop(job, None)
-                if isinstance(gone, dict) and table is not self._jobs:
-                    self._heard -= {(o.get("metadata") or {}).get("uid")
-                                    for o in gone.values()}
-                elif gone is not None:
-                    self._heard.discard((gone.get("metadata") or {}).get("uid"))
+            gone = [self._jobs.pop(job, None), *self._clusters.pop(job, {}).values(),
+                    *self._pods.pop(job, {}).values()]
+            self._heard -= {_uid(obj) for obj in gone if obj is not None}
 
     def rljob(self, namespace: str, name: str) -> Obj | None:
         with self._lock:

@@ -4,6 +4,7 @@ shared node list is refreshed by age (sooner when a reconcile hurries it)."""
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -396,7 +397,7 @@ class _FakeCreates:
     def __init__(self, existing: set[str], in_the_way: str | None = None) -> None:
         self.existing, self.in_the_way = existing, in_the_way
         self.made: list[str] = []
-        self.lock = __import__("threading").Lock()
+        self.lock = threading.Lock()
 
     def create(self, obj: Obj, uid: str) -> bool:
         from rljob_operator.kube import ObjectInTheWay
