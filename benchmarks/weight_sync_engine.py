@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from rljob.weightsync.tensor_payload import TensorReceiver, copy_into, update_problems
+from rljob.engine.tensor_payload import TensorReceiver, copy_into, update_problems
 
 
 def main() -> None:

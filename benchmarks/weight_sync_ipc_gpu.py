@@ -3,11 +3,11 @@ against the device-to-device copy rate of the same bytes measured in the same ru
 
 This process plays the sidecar after a version arrived: its buckets are views of one
 staging allocation on the GPU (as `Sidecar._buffers` makes them), and it installs them
-through the engine's `/update_weights_from_tensor` as `EngineHTTP.update_from_named_tensors`
+through the engine's `/update_weights_from_tensor` as `EngineClient.update_from_named_tensors`
 does for `rljob-weight-sync` (one flattened bucket: one CUDA IPC handle; a kept
 connection). The engine (benchmarks/weight_sync_engine.py, another process on the same
 GPU) decodes (the handle stays open from the last version), checks names/shapes/dtypes and
-finiteness (`protocol.nonfinite_names`: one float32 sum of the flat buffer on the GPU, one
+finiteness (`nonfinite.nonfinite_names`: one float32 sum of the flat buffer on the GPU, one
 synchronisation), copies into its parameters and synchronizes before answering; it reports
 how long each of those phases took. Timed: from the staged version to the engine's answer.
 
@@ -33,18 +33,18 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 
 import torch  # noqa: E402
 
-from rljob.weightsync.engine_http import EngineHTTP  # noqa: E402
-from rljob.weightsync.protocol import (  # noqa: E402
-    nonfinite_names,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-)
-from rljob.weightsync.tensor_payload import (  # noqa: E402
+from rljob.engine.client import EngineClient  # noqa: E402
+from rljob.engine.tensor_payload import (  # noqa: E402
     FLATTENED,
     copy_into,
     encode_flattened,
     flat_span,
+)
+from rljob.nonfinite import nonfinite_names  # noqa: E402
+from rljob.weightsync.protocol import (  # noqa: E402
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
 )
 
 DEVICE = "cuda:0"
@@ -146,7 +146,7 @@ def main() -> None:
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("engine did not start")
             time.sleep(0.1)
-        client = EngineHTTP(f"http://127.0.0.1:{port_file.read_text()}", timeout_s=60)
+        client = EngineClient(f"http://127.0.0.1:{port_file.read_text()}", timeout_s=60)
         times: list[tuple[float, str]] = []
         for rep in range(args.reps + 1):
             sync()

@@ -110,7 +110,7 @@ class RolloutWorker(Locatable):
                     f"step {step}: only {len(done)}/{want} groups finished after {MAX_REFILLS} "
                     "attempts; the generate function keeps aborting samples")
         finally:
-            await asyncio.gather(*(e.close() for e in engines))
+            await asyncio.gather(*(e.aclose() for e in engines))
         samples = [s for g in done for s in g]
         seconds = time.monotonic() - started
         tokens = sum(s.response_length for s in samples)
@@ -140,7 +140,7 @@ class RolloutWorker(Locatable):
             rewards = await asyncio.gather(*(one(i, p)
                                              for i, p in enumerate(self.eval_task.prompts)))
         finally:
-            await asyncio.gather(*(e.close() for e in engines))
+            await asyncio.gather(*(e.aclose() for e in engines))
         return sum(rewards) / len(rewards)
 
     def state(self) -> dict[str, Any]:

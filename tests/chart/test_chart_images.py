@@ -14,7 +14,8 @@ from tests.chart.helm import CHART, REPO
 pytestmark = pytest.mark.unit
 
 IMAGES = REPO / "images"
-DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))
+DOCKERFILES = sorted(IMAGES.glob("**/Dockerfile"))
+RUNTIME = IMAGES / "Dockerfile"
 OCI_LABELS = ("title", "description", "version", "revision", "created", "licenses", "source")
 
 
@@ -28,8 +29,13 @@ def _arg_defaults(text: str) -> dict[str, str]:
     return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE))
 
 
-def test_the_three_images_exist() -> None:
-    assert {p.parent.name for p in DOCKERFILES} == {"operator", "trainer", "rollout"}
+def test_the_three_images_come_from_two_dockerfiles() -> None:
+    """The operator's own, and one for the trainer and rollout images, the role an argument;
+    images/trainer/ and images/rollout/ say how each is built."""
+    assert DOCKERFILES == [RUNTIME, IMAGES / "operator" / "Dockerfile"]
+    for role in ("trainer", "rollout"):
+        assert f"--build-arg ROLE={role}" in (IMAGES / role / "README.md").read_text()
+    assert "FROM base-${ROLE}-${VARIANT}" in RUNTIME.read_text()
 
 
 def test_chart_and_images_carry_the_project_version() -> None:
@@ -48,7 +54,7 @@ def test_chart_and_images_carry_the_project_version() -> None:
     assert tiny["rollout"]["image"].endswith(f"/rollout:{version}-cpu")
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(IMAGES)))
 def test_dockerfile_is_pinned_non_root_labelled_and_installs_the_wheel(dockerfile: Path) -> None:
     text = dockerfile.read_text()
     args = _arg_defaults(text)
@@ -68,7 +74,7 @@ def test_dockerfile_is_pinned_non_root_labelled_and_installs_the_wheel(dockerfil
     # Dependencies from pyproject.toml in their own layer, then the wheel of this checkout.
     assert "pip wheel" in text and "-r /tmp/requirements.txt" in text
     assert '--no-deps "/tmp/wheels/rljob-${RLJOB_VERSION}-py3-none-any.whl"' in text
-    ignore = dockerfile.parent / "Dockerfile.dockerignore"
+    ignore = dockerfile.with_name("Dockerfile.dockerignore")
     assert "!runtime/" in ignore.read_text()
     documented = (IMAGES / "README.md").read_text()
     for arg in re.findall(r"^ARG (\w+)", text, flags=re.MULTILINE):
@@ -77,10 +83,10 @@ def test_dockerfile_is_pinned_non_root_labelled_and_installs_the_wheel(dockerfil
 
 @pytest.mark.parametrize("name", ["trainer", "rollout"])
 def test_gpu_images_have_a_cpu_variant(name: str) -> None:
-    text = (IMAGES / name / "Dockerfile").read_text()
+    text = RUNTIME.read_text()
     assert _arg_defaults(text)["VARIANT"] == "cuda"
-    assert "FROM ${CUDA_BASE} AS base-cuda" in text and "FROM ${CPU_BASE} AS base-cpu" in text
-    assert "FROM base-${VARIANT}" in text
+    assert f"FROM ${{{name.upper()}_CUDA_BASE}} AS base-{name}-cuda" in text
+    assert "FROM ${CPU_BASE} AS base-cpu" in text and f"FROM base-cpu AS base-{name}-cpu" in text
 
 
 def test_trainer_image_megatron_core_is_inside_the_extra() -> None:
@@ -92,6 +98,6 @@ def test_trainer_image_megatron_core_is_inside_the_extra() -> None:
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["megatron"]
     (req,) = [Requirement(r) for r in extra if r.startswith("megatron-core")]
-    pinned = _arg_defaults((IMAGES / "trainer" / "Dockerfile").read_text())[
+    pinned = _arg_defaults(RUNTIME.read_text())[
         "MEGATRON_CORE_VERSION"]
     assert req.specifier.contains(pinned), f"{pinned} is outside {req.specifier}"

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,13 +13,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rljob.engine.client import EngineClient, EngineError
-from rljob.engine.client import EngineError as HTTPEngineError
+from rljob.engine.client import EngineClient, EngineError, InstallResult
 from rljob.engine.hf_server import HFEngine, ServerThread
+from rljob.engine.tensor_payload import encode_named_tensors, flat_span
 from rljob.tiny_model import write_tiny
-from rljob.weightsync.engine_http import EngineHTTP
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
-from rljob.weightsync.tensor_payload import encode_named_tensors, flat_span
 from rljob_api.spec import TinyModel
 
 pytestmark = pytest.mark.runtime
@@ -35,8 +36,8 @@ def server(tmp_path: Path) -> Iterator[ServerThread]:
 def test_generate_shape_seeding_and_stop(server: ServerThread) -> None:
     async def go() -> None:
         async with EngineClient(server.url) as c:
-            await c.wait_healthy(30)
-            info = await c.model_info()
+            c.wait_healthy(30)
+            info = c.model_info()
             assert info["is_generation"] is True and info["weight_version"] == "0"
             params = {"max_new_tokens": 6, "sampling_seed": 11, "temperature": 1.0}
             a = await c.generate([4, 5, 6], params)
@@ -58,26 +59,30 @@ def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: P
     state = server.engine.model.state_dict()
     halved = [(k, v.detach().clone() * 0.5) for k, v in state.items()]
 
+    def installed(result: InstallResult) -> None:
+        if not result.success:
+            raise EngineError(server.url, "install", f"refused: {result.message}")
+
     async def go() -> None:
         async with EngineClient(server.url) as c:
-            await c.update_weights_from_tensor([encode_named_tensors(halved)], "1")
-            assert await c.weight_version() == "1"
+            installed(c.update_from_tensor([encode_named_tensors(halved)], "1", 60))
+            assert c.weight_version() == "1"
             name = halved[0][0]
             bad = [(halved[1][0], halved[1][1] + 1),
                    (name, torch.full_like(halved[0][1], float("nan")))]
             with pytest.raises(EngineError, match="non-finite"):
-                await c.update_weights_from_tensor([encode_named_tensors(bad)], "2")
+                installed(c.update_from_tensor([encode_named_tensors(bad)], "2", 60))
             with pytest.raises(EngineError, match="shape"):
                 wrong = [(name, torch.zeros(2))]
-                await c.update_weights_from_tensor([encode_named_tensors(wrong)], "2")
-            assert await c.weight_version() == "1"
+                installed(c.update_from_tensor([encode_named_tensors(wrong)], "2", 60))
+            assert c.weight_version() == "1"
             # nothing of the rejected update was installed, not even its valid tensor
             assert torch.equal(server.engine.model.state_dict()[halved[1][0]], halved[1][1])
             disk = tmp_path / "v3"
             disk.mkdir()
             save_file({k: v * 2 for k, v in halved}, str(disk / "model.safetensors"))
-            await c.update_weights_from_disk(str(disk), "3")
-            assert await c.weight_version() == "3"
+            installed(c.update_from_disk(str(disk), "3", 60))
+            assert c.weight_version() == "3"
             out = await c.generate([4], {"max_new_tokens": 1})
             assert out["meta_info"]["weight_version"] == "3"
 
@@ -88,11 +93,11 @@ def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: P
 def test_pause_holds_generation_until_continue(server: ServerThread) -> None:
     async def go() -> None:
         async with EngineClient(server.url) as c:
-            await c.pause()
+            c.pause_generation()
             pending = asyncio.ensure_future(c.generate([4], {"max_new_tokens": 1}))
             done, _ = await asyncio.wait({pending}, timeout=0.5)
             assert not done  # held while paused
-            await c.resume()
+            c.continue_generation()
             assert (await pending)["meta_info"]["completion_tokens"] == 1
 
     asyncio.run(go())
@@ -102,39 +107,35 @@ def test_weights_by_name_reads_parameters_back_exactly(server: ServerThread) -> 
     state = server.engine.model.state_dict()
     name = next(iter(state))
 
-    async def go() -> tuple[object, object, str]:
-        async with EngineClient(server.url) as c:
-            session = c.session
-            async with session.post(server.url + "/get_weights_by_name",
-                                    json={"name": name, "truncate_size": 10**6}) as r:
-                full = await r.json()
-            async with session.post(server.url + "/get_weights_by_name",
-                                    json={"name": name, "truncate_size": 2}) as r:
-                head = await r.json()
-            async with session.post(server.url + "/get_weights_by_name",
-                                    json={"name": "no.such.weight"}) as r:
-                missing = f"{r.status} {await r.text()}"
-        return full, head, missing
-
-    full, head, missing = asyncio.run(go())
+    full = _post(server.url, "/get_weights_by_name", {"name": name, "truncate_size": 10**6})[1]
+    head = _post(server.url, "/get_weights_by_name", {"name": name, "truncate_size": 2})[1]
+    status, body = _post(server.url, "/get_weights_by_name", {"name": "no.such.weight"})
+    missing = f"{status} {body}"
     assert torch.equal(torch.tensor(full, dtype=state[name].dtype), state[name])
     assert torch.equal(torch.tensor(head, dtype=state[name].dtype), state[name][:2])
     assert missing.startswith("400") and "no.such.weight" in missing
 
 
-def _read_back(url: str, name: str) -> torch.Tensor:
-    async def go() -> object:
-        async with EngineClient(url) as c, c.session.post(
-                url + "/get_weights_by_name", json={"name": name, "truncate_size": 10**6}) as r:
-            return await r.json()
+def _post(url: str, path: str, body: object) -> tuple[int, object]:
+    """A plain HTTP POST, past the client's own checks, to see what the engine says."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
 
-    return torch.tensor(asyncio.run(go()))
+
+def _read_back(url: str, name: str) -> torch.Tensor:
+    return torch.tensor(_post(url, "/get_weights_by_name",
+                              {"name": name, "truncate_size": 10**6})[1])
 
 
 def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None:
     """`serialized_named_tensors[r]` is what TP rank r loads (SGLang's tp_worker indexes the
     list by rank); each rank keeps its own row block, so two entries of different values
-    show up half and half, a list for fewer ranks is refused, and EngineHTTP (the sidecar's
+    show up half and half, a list for fewer ranks is refused, and EngineClient (the sidecar's
     client) sends every rank its own entry (tests/runtime/test_tp_engine_slots.py shows why,
     across processes)."""
     model = write_tiny(tmp_path / "m", TinyModel(), "0123456789+=", 1, "float32")
@@ -145,23 +146,26 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         half = state[name].shape[0] // 2 + state[name].shape[0] % 2  # tensor_split's first block
         low = [(k, v * 0.5) for k, v in state.items()]
         high = [(k, v * 2.0) for k, v in state.items()]
-        http = EngineHTTP(srv.url)
+        http = EngineClient(srv.url)
         assert http.tp_size() == 2
 
-        async def raw(entries: list[str], version: str) -> None:
-            async with EngineClient(srv.url) as c:
-                await c.update_weights_from_tensor(entries, version)
+        def raw(entries: list[str], version: str) -> None:
+            status, body = _post(srv.url, "/update_weights_from_tensor", {
+                "serialized_named_tensors": entries, "flush_cache": True,
+                "weight_version": version})
+            if status != 200 or not isinstance(body, dict) or body.get("success") is not True:
+                raise EngineError(srv.url, "/update_weights_from_tensor", f"refused: {body}")
 
-        asyncio.run(raw([encode_named_tensors(low), encode_named_tensors(high)], "1"))
+        raw([encode_named_tensors(low), encode_named_tensors(high)], "1")
         got = _read_back(srv.url, name)
         assert torch.equal(got[:half], state[name][:half] * 0.5)
         assert torch.equal(got[half:], state[name][half:] * 2.0)
         assert http.weight_version() == "1"
 
         with pytest.raises(EngineError, match="1 entries for 2 tensor-parallel ranks"):
-            asyncio.run(raw([encode_named_tensors(high)], "2"))
+            raw([encode_named_tensors(high)], "2")
         with pytest.raises(EngineError, match="rank 1 was sent other tensors than rank 0"):
-            asyncio.run(raw([encode_named_tensors(high), encode_named_tensors(high[1:])], "2"))
+            raw([encode_named_tensors(high), encode_named_tensors(high[1:])], "2")
         assert http.weight_version() == "1"
         assert torch.equal(_read_back(srv.url, name)[half:], state[name][half:] * 2.0)
 
@@ -170,7 +174,7 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         assert http.weight_version() == "3"
         assert torch.equal(_read_back(srv.url, name), state[name] * 0.5)
         for count in (1, 3):
-            with pytest.raises(HTTPEngineError, match=f"{count} serialized_named_tensors entries "
+            with pytest.raises(EngineError, match=f"{count} serialized_named_tensors entries "
                                "for an engine of 2 tensor-parallel ranks; send one per rank"):
                 http.update_from_tensor([encode_named_tensors(high)] * count, "4", 60)
         assert http.weight_version() == "3"
@@ -191,7 +195,7 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
              for nt in unpack_bucket(b, buf)]
     assert flat_span(views) is not None
-    http = EngineHTTP(server.url)
+    http = EngineClient(server.url)
     for version, scale in (("1", 0.5), ("2", 2.0)):
         for name, view in views:
             view.copy_(state[name] * scale)

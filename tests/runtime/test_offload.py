@@ -17,7 +17,6 @@ from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.offload import Offload, TakesTurns, device_bytes, module_tensors, optimizer_tensors
 from rljob.tiny_model import write_tiny
-from rljob.weightsync.engine_http import EngineHTTP
 from rljob_api.spec import TinyModel
 
 pytestmark = pytest.mark.runtime
@@ -96,7 +95,7 @@ def test_an_hf_engine_releases_its_memory_and_serves_the_same_after(tmp_path: Pa
                                  assign=True)
     srv = ServerThread(engine)
     params = {"max_new_tokens": 5, "sampling_seed": 3, "temperature": 1.0}
-    http = EngineHTTP(srv.url)
+    http = EngineClient(srv.url)
 
     async def generate() -> dict[str, object]:
         async with EngineClient(srv.url) as c:

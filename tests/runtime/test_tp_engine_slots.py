@@ -17,12 +17,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rljob import metrics_log
+from rljob.engine.client import EngineClient
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.sglang_launcher import EngineStartError
 from rljob.engine.slots import SlotHolder
 from rljob.exit_codes import OK as EXIT_OK
 from rljob.tiny_model import write_tiny
-from rljob.weightsync.engine_http import EngineHTTP
 from rljob_api.spec import TinyModel
 from tests.polling import wait_for
 from tests.processes import reap
@@ -54,7 +54,7 @@ def test_a_two_slot_engine_holds_both_and_serves_two_ranks(
         engine = ray.remote(EngineProcess).options(**at(0)).remote(
             "hf", str(model), "float32", "cpu", "0", 2, {}, "127.0.0.1", 0, [further])
         url = ray.get(engine.address.remote(), timeout=120)
-        http = EngineHTTP(url, timeout_s=30)
+        http = EngineClient(url, timeout_s=30)
         assert http.tp_size() == 2
         names = ["model.embed_tokens.weight", "lm_head.weight"]
         before = {n: _read_back(url, n) for n in names}

@@ -18,8 +18,8 @@ import torch
 
 from rljob.cluster import RunOptions, worker_env
 from rljob.driver import WEIGHT_SYNC_LOG, Job
+from rljob.engine.client import EngineClient
 from rljob.exit_codes import OK as EXIT_OK
-from rljob.weightsync.engine_http import EngineHTTP
 from tests.faults import CORRUPT_ENV, SETUP_HOOK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
@@ -43,7 +43,7 @@ def local_ray(env: dict[str, str]) -> Iterator[None]:
 
 def engine_weights(url: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every parameter read back over the engine's `/get_weights_by_name`."""
-    engine = EngineHTTP(url)
+    engine = EngineClient(url)
     out = {}
     for name, ref in like.items():
         status, body = engine._request(
@@ -67,7 +67,7 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
                 got = engine_weights(url, trainer)
                 differing = [n for n, t in trainer.items() if not torch.equal(got[n], t)]
                 assert not differing, f"engine {url} differs from the trainer in {differing}"
-                assert EngineHTTP(url).weight_version() == str(STEPS)
+                assert EngineClient(url).weight_version() == str(STEPS)
             health = job.weight_sync.health()
             assert [h["last_acked_version"] for h in health] == [STEPS]
         finally:

@@ -19,27 +19,7 @@ from rljob.engine.sglang_launcher import (
     build_command,
     wait_healthy,
 )
-from rljob.weightsync import disk
-from rljob.weightsync.group import BroadcastGroup
-from rljob.weightsync.protocol import (
-    ALIGN_BYTES,
-    SCREEN_ALONE,
-    Announcement,
-    Keys,
-    bucket_digest,
-    decode_ack,
-    layout_from_json,
-    layout_to_json,
-    nonfinite_names,
-    nonfinite_report,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-    version_digest,
-)
-from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
-from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, Sidecar, SidecarConfig, parse_args
-from rljob.weightsync.tensor_payload import (
+from rljob.engine.tensor_payload import (
     TensorReceiver,
     decode_named_tensors,
     encode_flattened,
@@ -47,6 +27,24 @@ from rljob.weightsync.tensor_payload import (
     flat_span,
     update_problems,
 )
+from rljob.nonfinite import SCREEN_ALONE, nonfinite_names, nonfinite_report
+from rljob.weightsync import disk
+from rljob.weightsync.group import BroadcastGroup
+from rljob.weightsync.protocol import (
+    ALIGN_BYTES,
+    Announcement,
+    Keys,
+    bucket_digest,
+    decode_ack,
+    layout_from_json,
+    layout_to_json,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+    version_digest,
+)
+from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
+from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, Sidecar, SidecarConfig, parse_args
 from rljob.weightsync.wiring import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 from rljob_api.spec import WeightSyncSpec
@@ -228,7 +226,7 @@ def test_shared_memory_handoff_reaches_another_process() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
     entry = encode_named_tensors([("w", t)])
     code = (
-        "import sys; from rljob.weightsync.tensor_payload import decode_named_tensors as d;"
+        "import sys; from rljob.engine.tensor_payload import decode_named_tensors as d;"
         "(n, x), = d(sys.stdin.read()); print(n, x.sum().item(), tuple(x.shape))"
     )
     out = subprocess.run(

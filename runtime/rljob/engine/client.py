@@ -1,19 +1,38 @@
-"""The one async client for rollout engines: the built-in `hf` server and SGLang alike.
+"""The one client for rollout engines: the built-in `hf` server and SGLang alike.
 
-Every call has an explicit deadline; an engine that answers with an HTTP error, a
-malformed body or `success: false` raises `EngineError` naming the engine and the call,
-so a dead or refusing engine is never mistaken for an acknowledgement.
+Every call has an explicit deadline; an engine that answers with an HTTP error, a malformed
+body or `success: false` raises `EngineError` (or returns a failed `InstallResult` for a
+weight install) naming the engine and the call, so a dead or refusing engine is never
+mistaken for an acknowledgement.
+
+Endpoints are those SGLang 0.5.3 serves (the pinned version): the weight version is read from
+`/get_model_info` (`/get_weight_version` is gone from later releases), the tensor-parallel
+size from `/get_server_info` (its server arguments), and `/update_weights_from_tensor` gets
+one `serialized_named_tensors` entry per TP rank, which SGLang indexes by rank.
 """
 
 from __future__ import annotations
 
-import asyncio
+import http.client
+import json
+import socket
+import threading
 import time
+import urllib.parse
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import torch
 
-CONTROL_TIMEOUT_S = 30.0
+from rljob.engine.tensor_payload import (
+    FLATTENED,
+    encode_flattened,
+    encode_named_tensors,
+    flat_span,
+)
+
+CONTROL_TIMEOUT_S = 10.0
 GENERATE_TIMEOUT_S = 600.0
 
 
@@ -26,120 +45,277 @@ class EngineError(RuntimeError):
         super().__init__(f"engine {url} {call}: {detail}")
 
 
+# A kept connection idle longer than this is replaced rather than reused: servers close idle
+# ones (uvicorn, which serves SGLang, after 5 s), and a request on a connection the server is
+# closing fails without saying whether it was served.
+REUSE_IDLE_S = 2.0
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    success: bool
+    message: str
+
+
 class EngineClient:
-    """Talks to one engine at `url`; use as an async context manager (owns a session)."""
+    """Talks to one engine at `url`: the built-in `hf` server and SGLang alike.
+
+    Control and weight calls block, over a kept connection (HTTP/1.1 keep-alive), one per
+    calling thread: the sidecar runs blocking collectives on its main thread and asks from
+    its health handler too, and a fresh connection per request costs a TCP handshake and, on
+    our servers, a thread, as much as the rest of a 1 GB handoff. `generate` is async, over
+    an aiohttp session opened on first use (`aclose` closes it): a rollout keeps hundreds of
+    generations in flight on one event loop.
+    """
 
     def __init__(
         self,
-        url: str,
+        base_url: str,
         *,
-        control_timeout_s: float = CONTROL_TIMEOUT_S,
+        timeout_s: float = CONTROL_TIMEOUT_S,
         generate_timeout_s: float = GENERATE_TIMEOUT_S,
-        update_timeout_s: float = 300.0,
     ) -> None:
-        self.url = url.rstrip("/")
-        self.control_timeout = aiohttp.ClientTimeout(total=control_timeout_s, connect=10)
-        self.generate_timeout = aiohttp.ClientTimeout(total=generate_timeout_s, connect=10)
-        self.update_timeout = aiohttp.ClientTimeout(total=update_timeout_s, connect=10)
+        self.base_url = base_url.rstrip("/")
+        parsed = urllib.parse.urlsplit(self.base_url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"engine URL must be http://HOST:PORT, got {base_url!r}")
+        self._host, self._port = parsed.hostname, parsed.port or 80
+        self._prefix = parsed.path
+        self.timeout_s = timeout_s
+        self._tp_size: int | None = None
+        self._local = threading.local()
+        self._generate_timeout = aiohttp.ClientTimeout(total=generate_timeout_s, connect=10)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> EngineClient:
-        self._session = aiohttp.ClientSession()
-        return self
+    def close(self) -> None:
+        """Close the calling thread's kept connection."""
+        self._close()
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the generation session (and the calling thread's kept connection)."""
+        self._close()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        return self._session
+    async def __aenter__(self) -> EngineClient:
+        return self
 
-    async def _call(
-        self, method: str, path: str, timeout: aiohttp.ClientTimeout, body: Any = None
-    ) -> Any:
-        try:
-            async with self.session.request(
-                method, self.url + path, json=body, timeout=timeout
-            ) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise EngineError(self.url, path, f"HTTP {resp.status}: {text[:500]}")
-                if not text:
-                    return {}
-                try:
-                    return await resp.json(content_type=None)
-                except ValueError:
-                    raise EngineError(self.url, path, f"not JSON: {text[:200]}") from None
-        except (TimeoutError, aiohttp.ClientError) as err:
-            raise EngineError(self.url, path, f"{type(err).__name__}: {err}") from None
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
-    async def healthy(self) -> bool:
+    def _connection(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        idle = time.monotonic() - getattr(self._local, "used", 0.0)
+        if conn is not None and idle < REUSE_IDLE_S:
+            conn.timeout = timeout_s
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            return conn, True
+        self._close()
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
+        conn.connect()
+        if conn.sock is not None:
+            # A request written in pieces must not wait for the server's delayed ACK.
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._local.conn = conn
+        return conn, False
+
+    def _close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+        self._local.conn = None
+
+    def _exchange(
+        self, method: str, path: str, data: bytes | None, timeout_s: float
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        for attempt in (0, 1):
+            conn, reused = self._connection(timeout_s)
+            try:
+                conn.request(method, self._prefix + path, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._close()
+                # A kept connection the server had closed: a GET is asked again on a new
+                # one; a POST is not (it may have been served), the caller sees the error.
+                if reused and method == "GET" and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                self._close()
+                raise
+            if resp.will_close:
+                self._close()
+            else:
+                self._local.used = time.monotonic()
+            return resp.status, raw
+        raise AssertionError("unreachable")
+
+    def _request(self, method: str, path: str, body: Any, timeout_s: float) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
         try:
-            async with self.session.get(self.url + "/health", timeout=self.control_timeout) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
+            status, raw = self._exchange(method, path, data, timeout_s)
+        except (OSError, http.client.HTTPException) as err:
+            raise EngineError(self.base_url, f"{method} {path}", str(err)) from err
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError as err:
+            if status >= 400:
+                # SGLang answers a refused update with 400 and a JSON body; keep any text.
+                return status, {"message": raw.decode(errors="replace")}
+            raise EngineError(self.base_url, f"{method} {path}", str(err)) from err
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            status, _ = self._request("GET", "/health", None, timeout_s)
+        except EngineError:
             return False
+        return status == 200
 
-    async def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float) -> None:
         """Poll /health until 200 or the deadline; raise EngineError at the deadline."""
         deadline = time.monotonic() + timeout_s
         delay = 0.05
-        while not await self.healthy():
+        while not self.healthy():
             if time.monotonic() > deadline:
-                raise EngineError(self.url, "/health", f"not healthy after {timeout_s:.0f}s")
-            await asyncio.sleep(delay)
+                raise EngineError(self.base_url, "GET /health",
+                                  f"not healthy after {timeout_s:.0f}s")
+            time.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = await self._call("GET", "/get_model_info", self.control_timeout)
-        return info
-
-    async def weight_version(self) -> str:
-        """From `/get_model_info`, which the pinned SGLang (0.5.3) serves with the version;
+    def model_info(self) -> dict[str, Any]:
+        """`/get_model_info`: the pinned SGLang (0.5.3) serves the weight version there;
         `/get_weight_version` is gone from later releases."""
-        return str((await self.model_info())["weight_version"])
+        status, body = self._request("GET", "/get_model_info", None, self.timeout_s)
+        if status != 200 or not isinstance(body, dict) or "weight_version" not in body:
+            raise EngineError(self.base_url, "GET /get_model_info",
+                              f"answered {status} without weight_version: {body}")
+        return body
+
+    def weight_version(self) -> str:
+        return str(self.model_info()["weight_version"])
+
+    def pause_generation(self) -> None:
+        """Hold new and running generations (`/pause_generation`) until `continue_generation`."""
+        self._control("/pause_generation")
+
+    def continue_generation(self) -> None:
+        self._control("/continue_generation")
+
+    def _control(self, path: str) -> None:
+        status, body = self._request("POST", path, {}, self.timeout_s)
+        if status != 200:
+            raise EngineError(self.base_url, f"POST {path}", f"answered {status}: {body}")
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> dict[str, Any]:
         """One prompt's completion in SGLang's shape, with per-token log-probs."""
+        call = "POST /generate"
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
-        out = await self._call("POST", "/generate", self.generate_timeout, body)
-        if isinstance(out, list):
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.post(self.base_url + "/generate", json=body,
+                                          timeout=self._generate_timeout) as resp:
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise EngineError(self.base_url, call, f"{type(err).__name__}: {err}") from None
+        if resp.status != 200:
+            raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}")
+        try:
+            out = json.loads(text)
+        except ValueError:
+            raise EngineError(self.base_url, call, f"not JSON: {text[:200]}") from None
+        if isinstance(out, list) and out:
             out = out[0]
         if not isinstance(out, dict) or "output_ids" not in out or "meta_info" not in out:
-            raise EngineError(self.url, "/generate", f"unexpected response {str(out)[:200]}")
+            raise EngineError(self.base_url, call, f"unexpected response {str(out)[:200]}")
         return out
 
-    async def pause(self) -> None:
-        await self._call("POST", "/pause_generation", self.control_timeout, {})
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel ranks, asked once: an engine keeps its size for life."""
+        if self._tp_size is None:
+            status, body = self._request("GET", "/get_server_info", None, self.timeout_s)
+            size = body.get("tp_size") if isinstance(body, dict) else None
+            if status != 200 or not isinstance(size, int) or size < 1:
+                raise EngineError(self.base_url, "GET /get_server_info",
+                                  f"answered {status} without a tp_size")
+            self._tp_size = size
+        return self._tp_size
 
-    async def resume(self) -> None:
-        await self._call("POST", "/continue_generation", self.control_timeout, {})
+    def _install(self, path: str, body: dict[str, Any], timeout_s: float) -> InstallResult:
+        status, answer = self._request("POST", path, body, timeout_s)
+        if not isinstance(answer, dict):
+            return InstallResult(False, f"{path} answered {status} without a JSON object")
+        success = bool(answer.get("success")) and status == 200
+        return InstallResult(success, str(answer.get("message", "")))
 
-    async def flush_cache(self) -> None:
-        await self._call("POST", "/flush_cache", self.control_timeout, {})
+    def update_from_tensor(
+        self, entries: list[str], version: str, timeout_s: float, load_format: str | None = None
+    ) -> InstallResult:
+        """Install `entries` as version `version`, entry r for tensor-parallel rank r.
 
-    async def _update(self, path: str, body: dict[str, Any]) -> None:
-        out = await self._call("POST", path, self.update_timeout, body)
-        if not isinstance(out, dict) or out.get("success") is not True:
-            message = out.get("message") if isinstance(out, dict) else out
-            raise EngineError(self.url, path, f"refused: {message}")
+        SGLang's rank r loads `serialized_named_tensors[r]`, so the list needs one entry per
+        rank; another count is refused here rather than becoming an index error in one of
+        SGLang's ranks.
+        """
+        ranks = self.tp_size()
+        if len(entries) != ranks:
+            raise EngineError(self.base_url, "POST /update_weights_from_tensor",
+                              f"{len(entries)} serialized_named_tensors entries for an engine "
+                              f"of {ranks} tensor-parallel ranks; send one per rank")
+        body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": True,
+                                "weight_version": version}
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._install("/update_weights_from_tensor", body, timeout_s)
 
-    async def update_weights_from_tensor(self, serialized: list[str], version: str) -> None:
-        await self._update("/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized, "flush_cache": True,
-            "weight_version": version,
-        })
+    def update_from_named_tensors(
+        self, named: list[tuple[str, torch.Tensor]], version: str, timeout_s: float
+    ) -> InstallResult:
+        """Install full HF-named tensors, which every rank loads (each keeps its own shard,
+        as SGLang's `load_weights` does), as one entry per rank, each a pickle of its own.
 
-    async def update_weights_from_disk(self, model_path: str, version: str) -> None:
-        await self._update("/update_weights_from_disk",
-                           {"model_path": model_path, "weight_version": version})
+        An engine of one rank is sent the version as one flattened bucket when the tensors
+        are views of one buffer in one dtype (the sidecar's staging): one handle to share
+        and open instead of one a tensor. Several ranks get the named list: SGLang 0.5.3's
+        flattened path leaves the tensor on the GPU it arrived on, where its named path
+        moves each one to the rank's device.
+
+        Torch counts one shared-memory (or CUDA IPC) reference per pickle and gives one back
+        per unpickling, so a single entry read by several ranks releases the memory under
+        the others: the sender's reused buffers are gone for the next version.
+        """
+        ranks = self.tp_size()
+        flat = flat_span(named) if ranks == 1 else None
+        if flat is not None:
+            return self.update_from_tensor([encode_flattened(named, flat)], version, timeout_s,
+                                           FLATTENED)
+        entries = [encode_named_tensors(named) for _ in range(ranks)]
+        return self.update_from_tensor(entries, version, timeout_s)
+
+    def release_memory(self, timeout_s: float) -> None:
+        """Free the engine's GPU memory (weights, KV cache, CUDA graphs) while a colocated
+        trainer trains: SGLang's `/release_memory_occupation`, every tag."""
+        self._occupation("/release_memory_occupation", timeout_s)
+
+    def resume_memory(self, timeout_s: float) -> None:
+        """Take the memory back (`/resume_memory_occupation`, every tag). SGLang keeps no
+        copy of released weights unless started with a CPU backup: a version must be
+        installed before it generates again."""
+        self._occupation("/resume_memory_occupation", timeout_s)
+
+    def _occupation(self, path: str, timeout_s: float) -> None:
+        status, body = self._request("POST", path, {}, timeout_s)
+        # SGLang 0.5.3 answers 200 with an empty body; a refusal is an error status.
+        if status != 200 or (isinstance(body, dict) and body.get("success") is False):
+            raise EngineError(self.base_url, f"POST {path}", f"answered {status}: {body}")
+
+    def update_from_disk(self, model_path: str, version: str, timeout_s: float) -> InstallResult:
+        body = {"model_path": model_path, "weight_version": version}
+        return self._install("/update_weights_from_disk", body, timeout_s)

@@ -25,16 +25,16 @@ from aiohttp import web
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rljob.offload import Offload, module_tensors
-from rljob.text_codec import TextCodec, load_codec
-from rljob.tiny_model import torch_dtype
-from rljob.weightsync.tensor_payload import (
+from rljob.engine.tensor_payload import (
     FLATTENED,
     NamedTensors,
     TensorReceiver,
     copy_into,
     update_problems,
 )
+from rljob.offload import Offload, module_tensors
+from rljob.text_codec import TextCodec, load_codec
+from rljob.tiny_model import torch_dtype
 from rljob_api.layout import ENGINE_PORT
 
 

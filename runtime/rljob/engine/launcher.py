@@ -17,10 +17,10 @@ import sys
 import ray
 
 from rljob import worker_metrics
+from rljob.engine.client import EngineClient
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
 from rljob.engine.slots import SlotDevices, engine_gpus, here
-from rljob.weightsync.engine_http import EngineHTTP
 from rljob.whereabouts import Locatable
 
 STARTUP_TIMEOUT_S = 900.0
@@ -85,7 +85,7 @@ class EngineProcess(Locatable):
         if self.server is not None:
             self.server.engine.release_memory()
         else:
-            EngineHTTP(self.local_url).release_memory(OCCUPATION_TIMEOUT_S)
+            EngineClient(self.local_url).release_memory(OCCUPATION_TIMEOUT_S)
 
     def resume_memory(self) -> bool:
         """Take the GPU back; True when the weights came back too (the `hf` engine keeps a
@@ -94,7 +94,7 @@ class EngineProcess(Locatable):
         if self.server is not None:
             self.server.engine.resume_memory()
             return True
-        EngineHTTP(self.local_url).resume_memory(OCCUPATION_TIMEOUT_S)
+        EngineClient(self.local_url).resume_memory(OCCUPATION_TIMEOUT_S)
         return False
 
     def stop(self) -> None:

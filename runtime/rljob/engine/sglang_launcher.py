@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rljob.weightsync.engine_http import EngineHTTP
+from rljob.engine.client import EngineClient
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 
 SGLANG_VERSION = "0.5.3"
@@ -103,7 +103,7 @@ def wait_healthy(
 
     Fails early, with the exit code, when the server process dies while loading.
     """
-    engine = EngineHTTP(base_url)
+    engine = EngineClient(base_url)
     start = time.monotonic()
     while True:
         if process is not None and process.poll() is not None:

@@ -31,6 +31,7 @@ from torch._C._distributed_c10d import HashStore
 from transformers import AutoModelForCausalLM
 
 from rljob import worker_metrics
+from rljob.engine.tensor_payload import NamedTensors
 from rljob.megatron_backend.model import build_model, load_hf_weights
 from rljob.megatron_backend.shape import ModelShape
 from rljob.megatron_backend.trainer import (
@@ -55,7 +56,6 @@ from rljob.trainer.batch import (
 )
 from rljob.trainer.interface import TrainerActor
 from rljob.trainer.weight_sync import TrainerSync
-from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
 
 CHECKPOINT_DIR = "megatron"

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, 
 from rljob import rng, worker_metrics
 from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
+from rljob.engine.tensor_payload import NamedTensors
 from rljob.logprobs_vocab_parallel import token_logprobs
 from rljob.offload import module_tensors, optimizer_tensors
 from rljob.sample import Sample
@@ -43,7 +44,6 @@ from rljob.trainer.batch import (
 )
 from rljob.trainer.interface import TrainerActor
 from rljob.trainer.weight_sync import TrainerSync
-from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import RLJobSpec
 
 VALUE_CLIP = 0.2

@@ -12,10 +12,10 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any
 
+from rljob.engine.tensor_payload import NamedTensors
 from rljob.offload import TakesTurns
 from rljob.trainer.weight_sync import TrainerSync
 from rljob.weightsync.publisher import SyncResult
-from rljob.weightsync.tensor_payload import NamedTensors
 from rljob.whereabouts import Locatable
 
 

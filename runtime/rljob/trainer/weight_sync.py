@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from rljob import worker_metrics
+from rljob.engine.tensor_payload import NamedTensors
 from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
-from rljob.weightsync.tensor_payload import NamedTensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rljob.engine.tensor_payload import encode_named_tensors
+from rljob.nonfinite import nonfinite_report
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.protocol import (
@@ -37,12 +39,10 @@ from rljob.weightsync.protocol import (
     encode,
     gpu_uuid,
     layout_to_json,
-    nonfinite_report,
     pack_bucket,
     plan_buckets,
     version_digest,
 )
-from rljob.weightsync.tensor_payload import encode_named_tensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 log = logging.getLogger(__name__)

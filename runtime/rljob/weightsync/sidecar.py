@@ -35,9 +35,13 @@ from prometheus_client import (
 )
 from torch._C._distributed_c10d import Store
 
-from rljob.engine.client import EngineError
+from rljob.engine.client import EngineClient, EngineError
+from rljob.engine.tensor_payload import (
+    decode_named_tensors,
+    use_file_system_sharing,
+)
+from rljob.nonfinite import nonfinite_names, nonfinite_report
 from rljob.weightsync import disk
-from rljob.weightsync.engine_http import EngineHTTP
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.protocol import (
     Ack,
@@ -50,14 +54,8 @@ from rljob.weightsync.protocol import (
     encode,
     gpu_uuid,
     layout_from_json,
-    nonfinite_names,
-    nonfinite_report,
     unpack_bucket,
     version_digest,
-)
-from rljob.weightsync.tensor_payload import (
-    decode_named_tensors,
-    use_file_system_sharing,
 )
 from rljob_api import layout
 from rljob_api.env import ENGINE_INDEX, ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYNC_TRAINER
@@ -119,7 +117,7 @@ class SidecarMetrics:
 class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
-        self.engine = EngineHTTP(config.engine_url, timeout_s=10.0)
+        self.engine = EngineClient(config.engine_url, timeout_s=10.0)
         self.metrics = SidecarMetrics()
         self.incarnation = uuid.uuid4().hex
         self.state = "starting"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
-from rljob.weightsync.protocol import SCREEN_ALONE, nonfinite_names
+from rljob.nonfinite import SCREEN_ALONE, nonfinite_names
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
