@@ -67,7 +67,7 @@ from rljob_operator.decide import parse_job
 from tests.controlplane import ControlPlane, k8s_bin_dir
 from tests.controlplane_audit import audit_requests, describe_request
 from tests.operator_process import Operator
-from tests.polling import wait_for
+from tests.polling import Timeout, wait_for
 
 RLJOB_NS = "bench-rljob"
 RAYJOB_NS = "bench-rayjob"
@@ -220,6 +220,8 @@ def main() -> int:
     p.add_argument("--idle-seconds", type=float, default=60.0)
     p.add_argument("--failures", type=int, default=20, help="RLJobs whose trainer is killed")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--failure-timeout", type=float, default=600.0,
+                   help="seconds for every failed job to get a new driver")
     p.add_argument("--max-ratio", type=float, default=1.1)
     args = p.parse_args()
     n: int = args.jobs
@@ -319,43 +321,6 @@ def main() -> int:
         idle_end = datetime.now(UTC)
         idle_op, idle_ray = proc_stats(op_pid), proc_stats(ray_pid)
 
-        # Failure → new driver: a trainer pod of each of the first `failures` jobs goes.
-        victims = [f"job-{i:03d}" for i in range(min(args.failures, n))]
-        old_driver = {j: seen.drivers[j][-1][0] for j in victims}
-        killed: dict[str, str] = {}
-        kill_at = time.monotonic()
-        for job in victims:
-            found: Any = core.list_namespaced_pod(
-                RLJOB_NS, label_selector=f"{names.LABEL_JOB}={job},"
-                f"{names.LABEL_COMPONENT}={TRAINER}")
-            trainer = str(found.items[0].metadata.name)
-            killed[job] = trainer
-            core.delete_namespaced_pod(trainer, RLJOB_NS, grace_period_seconds=0)
-
-        def new_driver(job: str) -> float | None:
-            with seen.lock:
-                later = [at for uid, at in seen.drivers.get(job, []) if uid != old_driver[job]]
-            return later[0] if later else None
-
-        wait_for(lambda: all(new_driver(j) is not None and (RLJOB_NS, killed[j]) in seen.gone
-                             for j in victims),
-                 timeout=120, interval=0.5, what="a new driver for every failed job",
-                 describe=lambda: operator.tail(20) if operator else "")
-        failure_lat = [float(new_driver(j) or 0) - seen.gone[(RLJOB_NS, killed[j])]
-                       for j in victims]
-
-        def ready_again(job: str) -> float:
-            """When the job could have a new driver: its old driver pod gone (same name) and
-            KubeRay's replacement of the killed pod Running."""
-            with seen.lock:
-                replaced = min((at for (ns, _c), pods in seen.running.items()
-                                if ns == RLJOB_NS and seen.cluster_job.get((ns, _c)) == job
-                                for pod, at in pods.items() if at > kill_at), default=kill_at)
-                return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
-
-        operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]
-        stop.set()
-
         ramp_events = audit_requests(cp.audit_log, ramp_start, ramp_end)
         idle_events = audit_requests(cp.audit_log, idle_start, idle_end)
         ramp_min = (ramp_end - ramp_start).total_seconds() / 60
@@ -416,6 +381,52 @@ def main() -> int:
               f"{cpu(ramp_ray, idle_ray):.1f} ({cpu(ramp_ray, idle_ray) / idle_s * 100:.1f} % "
               f"of a core); RSS {idle_ray.rss_mib:.0f} MiB, peak "
               f"{idle_ray.peak_rss_mib:.0f} MiB (it serves both halves)")
+
+        # Failure → new driver: a trainer pod of each of the first `failures` jobs goes.
+        victims = [f"job-{i:03d}" for i in range(min(args.failures, n))]
+        old_driver = {j: seen.drivers[j][-1][0] for j in victims}
+        killed: dict[str, str] = {}
+        kill_at = time.monotonic()
+        for job in victims:
+            found: Any = core.list_namespaced_pod(
+                RLJOB_NS, label_selector=f"{names.LABEL_JOB}={job},"
+                f"{names.LABEL_COMPONENT}={TRAINER}")
+            trainer = str(found.items[0].metadata.name)
+            killed[job] = trainer
+            core.delete_namespaced_pod(trainer, RLJOB_NS, grace_period_seconds=0)
+
+        def new_driver(job: str) -> float | None:
+            with seen.lock:
+                later = [at for uid, at in seen.drivers.get(job, []) if uid != old_driver[job]]
+            return later[0] if later else None
+
+        def recovered() -> list[str]:
+            return [j for j in victims
+                    if new_driver(j) is not None and (RLJOB_NS, killed[j]) in seen.gone]
+
+        try:
+            wait_for(lambda: len(recovered()) == len(victims), timeout=args.failure_timeout,
+                     interval=0.5, what="a new driver for every failed job")
+        except Timeout:
+            # The figures above stand; the failure line says how many came back, and when.
+            breaches.append(f"{len(victims) - len(recovered())} of {len(victims)} failed jobs "
+                            f"had no new driver after {args.failure_timeout:.0f} s")
+        victims = recovered()
+        failure_lat = [float(new_driver(j) or 0) - seen.gone[(RLJOB_NS, killed[j])]
+                       for j in victims]
+
+        def ready_again(job: str) -> float:
+            """When the job could have a new driver: its old driver pod gone (same name) and
+            KubeRay's replacement of the killed pod Running."""
+            with seen.lock:
+                replaced = min((at for (ns, _c), pods in seen.running.items()
+                                if ns == RLJOB_NS and seen.cluster_job.get((ns, _c)) == job
+                                for pod, at in pods.items() if at > kill_at), default=kill_at)
+                return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
+
+        operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]
+        stop.set()
+
         print(stats_line("failure: pod seen gone → new driver", failure_lat))
         print(stats_line("  of it the operator's: ready again → new driver", operator_lat))
         if failure_lat and percentile(failure_lat, 95) >= 5.0:
