@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rljob_api.mutability import FIELD_EFFECTS, Effect, FieldEffect
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import GROUP_BASELINE_ESTIMATORS, RLJobSpec
 
 Obj = dict[str, Any]
 
@@ -89,6 +89,28 @@ RULES: tuple[Rule, ...] = (
         message="spec.algorithm.clipEpsHigh must be >= clipEps; raise it or leave it unset",
         check=lambda a: a.get("clipEpsHigh") is None or a["clipEpsHigh"] >= a["clipEps"],
         field_path=".clipEpsHigh",
+    ),
+    Rule(
+        at=("algorithm",),
+        cel="!self.dynamicSampling.enabled || self.nSamplesPerPrompt >= 2",
+        message="spec.algorithm.dynamicSampling needs nSamplesPerPrompt >= 2 (a group of one "
+        "response always has equal rewards, so every group would be dropped); raise "
+        "nSamplesPerPrompt or set dynamicSampling.enabled false",
+        check=lambda a: not a["dynamicSampling"]["enabled"] or a["nSamplesPerPrompt"] >= 2,
+        field_path=".dynamicSampling",
+    ),
+    Rule(
+        at=("algorithm",),
+        cel=f"!self.dynamicSampling.enabled || self.estimator in "
+        f"{_quoted(GROUP_BASELINE_ESTIMATORS)}",
+        message="spec.algorithm.dynamicSampling drops groups whose rewards are all equal, "
+        "which carry no gradient only under a group baseline; use estimator "
+        + ", ".join(GROUP_BASELINE_ESTIMATORS)
+        + ", or set dynamicSampling.enabled false",
+        check=lambda a: (
+            not a["dynamicSampling"]["enabled"] or a["estimator"] in GROUP_BASELINE_ESTIMATORS
+        ),
+        field_path=".dynamicSampling",
     ),
     Rule(
         at=("rollout",),
