@@ -157,7 +157,8 @@ RULES: tuple[Rule, ...] = (
         at=(),
         cel="self.trainer.backend != 'megatron' || self.algorithm.estimator != 'ppo'",
         message="spec.algorithm.estimator ppo needs a critic, which the megatron backend does "
-        "not train; use grpo or reinforce++, or spec.trainer.backend torch",
+        "not train; use grpo, gspo, cispo, reinforce++ or reinforce++_baseline, or "
+        "spec.trainer.backend torch",
         check=lambda s: (
             s["trainer"]["backend"] != "megatron" or s["algorithm"]["estimator"] != "ppo"
         ),

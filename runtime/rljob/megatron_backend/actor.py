@@ -78,7 +78,8 @@ def check_supported(spec: RLJobSpec) -> None:
     if spec.algorithm.estimator == "ppo":
         raise ValueError(
             "spec.algorithm.estimator: ppo needs a critic, which the megatron backend does not "
-            "train; use grpo or reinforce++, or spec.trainer.backend: torch"
+            "train; use grpo, gspo, cispo, reinforce++ or reinforce++_baseline, or "
+            "spec.trainer.backend: torch"
         )
 
 
