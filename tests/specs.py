@@ -121,6 +121,23 @@ BAD_SPECS: list[BadSpec] = [
         "spec.recovery",
         rule_message("self.maxBackoffSeconds >= self.backoffSeconds"),
     ),
+    BadSpec(
+        "dynamic-sampling-one-sample",
+        {"algorithm.dynamicSampling": {"enabled": True}, "algorithm.nSamplesPerPrompt": 1,
+         "algorithm.rolloutBatchSize": 128},
+        "spec.algorithm",
+        rule_message("self.nSamplesPerPrompt >= 2"),
+    ),
+    BadSpec(
+        "dynamic-sampling-estimator",
+        {"algorithm.dynamicSampling": {"enabled": True}, "algorithm.estimator": "reinforce++"},
+        "spec.algorithm",
+        rule_message("self.estimator in"),
+    ),
+    BadSpec("tis-cap", {"algorithm.tis": {"enabled": True, "cap": 0.5}},
+            "spec.algorithm.tis.cap"),
+    BadSpec("dynamic-sampling-rounds", {"algorithm.dynamicSampling": {"maxRounds": 1}},
+            "spec.algorithm.dynamicSampling.maxRounds"),
     BadSpec("lr-positive", {"algorithm.lr": 0}, "spec.algorithm.lr"),
     BadSpec("clip-range", {"algorithm.clipEps": 1.5}, "spec.algorithm.clipEps"),
     BadSpec(

@@ -235,8 +235,7 @@ class Job:
         row: dict[str, Any] = {
             "step": state.step,
             **{k: v for k, v in m.items() if k not in ("step_skipped", "nonfinite", "skipped")},
-            "tokens_per_second": rollout["tokens_per_second"],
-            "rollout_seconds": rollout["rollout_seconds"],
+            **rollout,  # seconds, tokens/s, generation rounds, dynamic sampling's counts
             "train_seconds": train_seconds,
             "step_seconds": step_seconds,
             "weight_version": state.weight_version,

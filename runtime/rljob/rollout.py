@@ -31,6 +31,16 @@ class NotEnoughSamples(RuntimeError):
     """Too many generations were aborted to fill one rollout batch."""
 
 
+def _finished(group: list[Sample]) -> bool:
+    return all(s.status in (Status.completed, Status.truncated) for s in group)
+
+
+def _zero_variance(group: list[Sample]) -> bool:
+    """Every response of the prompt got the same reward: a group baseline gives each of them
+    zero advantage, so the group adds no policy gradient (DAPO's dynamic sampling)."""
+    return len({s.reward for s in group}) == 1
+
+
 def sample_seed(seed: int, step: int, group: int, index: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + group * 101 + index) % (2**63 - 1)
 
@@ -81,43 +91,76 @@ class RolloutWorker(Locatable):
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
     async def generate(self, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """One rollout step: rolloutBatchSize complete groups, as JSON-able sample dicts."""
+        """One rollout step: rolloutBatchSize complete groups, as JSON-able sample dicts.
+
+        Groups with an aborted sample go back to the data source and are generated again
+        (up to MAX_REFILLS rounds). With dynamic sampling, groups whose rewards are all equal
+        are set aside and replaced by new prompts for up to maxRounds rounds; if the batch is
+        still short then, the set-aside groups fill it. Every group of the step gets its own
+        sampling seeds (a counter over the step's groups), and dropped prompts stay consumed,
+        so the checkpointed data cursor and buffer resume exactly where this step left off.
+        """
         started = time.monotonic()
         want = self.spec.algorithm.rollout_batch_size
+        dynamic = self.spec.algorithm.dynamic_sampling
+        filter_rounds = dynamic.max_rounds if dynamic.enabled else 0
         done: list[list[Sample]] = []
+        uniform: list[list[Sample]] = []
+        attempted = rounds = uniform_kept = 0
         engines = [EngineClient(u) for u in self.engine_urls]
         try:
             args = HookArgs(self.spec, engines, self.codec, self.task)
             sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
-            for _ in range(MAX_REFILLS):
+            while len(done) < want:
+                if rounds == MAX_REFILLS + max(filter_rounds - 1, 0):
+                    raise NotEnoughSamples(
+                        f"step {step}: only {len(done)}/{want} groups finished after {rounds} "
+                        "attempts; the generate function keeps aborting samples")
                 prompts = self.source.take(want - len(done))
                 groups = await asyncio.gather(*(
-                    self._run_group(args, p, len(done) + i, step, sem)
+                    self._run_group(args, p, attempted + i, step, sem)
                     for i, p in enumerate(prompts)))
-                aborted = [p for p, g in zip(prompts, groups, strict=True)
-                           if any(s.status not in (Status.completed, Status.truncated)
-                                  for s in g)]
-                self.source.give_back(aborted)
-                done += [g for g in groups if all(
-                    s.status in (Status.completed, Status.truncated) for s in g)]
-                for index, g in enumerate(done):
-                    for s in g:
-                        s.group_index = index
-                if len(done) == want:
-                    break
-            else:
-                raise NotEnoughSamples(
-                    f"step {step}: only {len(done)}/{want} groups finished after {MAX_REFILLS} "
-                    "attempts; the generate function keeps aborting samples")
+                attempted += len(prompts)
+                rounds += 1
+                self.source.give_back([p for p, g in zip(prompts, groups, strict=True)
+                                       if not _finished(g)])
+                for g in groups:
+                    if not _finished(g):
+                        continue
+                    (uniform if rounds <= filter_rounds and _zero_variance(g) else done).append(g)
+                if rounds == filter_rounds:  # no more filtering: set-aside groups fill the gap
+                    uniform_kept = min(len(uniform), want - len(done))
+                    done += uniform[:uniform_kept]
         finally:
             await asyncio.gather(*(e.aclose() for e in engines))
         samples = [s for g in done for s in g]
+        for index, g in enumerate(done):
+            for s in g:
+                s.group_index = index
+        self._check_log_probs(samples)
         seconds = time.monotonic() - started
         tokens = sum(s.response_length for s in samples)
         worker_metrics.record_rollout(len(samples), tokens)
         stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
-                 "tokens_per_second": tokens / seconds if seconds > 0 else 0.0}
+                 "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                 "generation_rounds": float(rounds), "generated_groups": float(attempted)}
+        if dynamic.enabled:
+            stats["filtered_groups"] = float(len(uniform))
+            stats["filtered_groups_kept"] = float(uniform_kept)
         return [s.to_json() for s in samples], stats
+
+    def _check_log_probs(self, samples: list[Sample]) -> None:
+        """TIS weighs every token by the engine's log-prob: a sample without them would be
+        weighed against 0 and silently get a wrong weight, so it stops the run instead."""
+        if not self.spec.algorithm.tis.enabled:
+            return
+        missing = sum(1 for s in samples if len(s.rollout_log_probs) != s.response_length)
+        if missing:
+            raise HookError(
+                f"spec.algorithm.tis is enabled but {missing} of {len(samples)} samples lack "
+                "the engine's log-prob of every response token; the generate function "
+                f"{self.spec.generate.function} must set Sample.rollout_log_probs (one per "
+                "response token), or set spec.algorithm.tis.enabled false")
 
     async def evaluate(self) -> float:
         """Mean reward over the eval set (one sample per prompt, fixed seeds)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rljob_api.mutability import FIELD_EFFECTS, Effect, FieldEffect
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import GROUP_BASELINE_ESTIMATORS, RLJobSpec
 
 Obj = dict[str, Any]
 
@@ -91,6 +91,28 @@ RULES: tuple[Rule, ...] = (
         field_path=".clipEpsHigh",
     ),
     Rule(
+        at=("algorithm",),
+        cel="!self.dynamicSampling.enabled || self.nSamplesPerPrompt >= 2",
+        message="spec.algorithm.dynamicSampling needs nSamplesPerPrompt >= 2 (a group of one "
+        "response always has equal rewards, so every group would be dropped); raise "
+        "nSamplesPerPrompt or set dynamicSampling.enabled false",
+        check=lambda a: not a["dynamicSampling"]["enabled"] or a["nSamplesPerPrompt"] >= 2,
+        field_path=".dynamicSampling",
+    ),
+    Rule(
+        at=("algorithm",),
+        cel=f"!self.dynamicSampling.enabled || self.estimator in "
+        f"{_quoted(GROUP_BASELINE_ESTIMATORS)}",
+        message="spec.algorithm.dynamicSampling drops groups whose rewards are all equal, "
+        "which carry no gradient only under a group baseline; use estimator "
+        + ", ".join(GROUP_BASELINE_ESTIMATORS)
+        + ", or set dynamicSampling.enabled false",
+        check=lambda a: (
+            not a["dynamicSampling"]["enabled"] or a["estimator"] in GROUP_BASELINE_ESTIMATORS
+        ),
+        field_path=".dynamicSampling",
+    ),
+    Rule(
         at=("rollout",),
         cel="self.gpus % self.gpusPerEngine == 0",
         message="spec.rollout.gpus must be a multiple of spec.rollout.gpusPerEngine; "
@@ -135,7 +157,8 @@ RULES: tuple[Rule, ...] = (
         at=(),
         cel="self.trainer.backend != 'megatron' || self.algorithm.estimator != 'ppo'",
         message="spec.algorithm.estimator ppo needs a critic, which the megatron backend does "
-        "not train; use grpo or reinforce++, or spec.trainer.backend torch",
+        "not train; use grpo, gspo, cispo, reinforce++ or reinforce++_baseline, or "
+        "spec.trainer.backend torch",
         check=lambda s: (
             s["trainer"]["backend"] != "megatron" or s["algorithm"]["estimator"] != "ppo"
         ),

@@ -57,8 +57,16 @@ class Placement(str, Enum):
 
 class Estimator(str, Enum):
     grpo = "grpo"
+    gspo = "gspo"
+    cispo = "cispo"
     ppo = "ppo"
     reinforce_pp = "reinforce++"
+    reinforce_pp_baseline = "reinforce++_baseline"
+
+
+# Estimators whose advantage subtracts the mean reward of the prompt's group: a group whose
+# rewards are all equal gets zero advantage everywhere, which is what dynamic sampling drops.
+GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce++_baseline")
 
 
 class KLMode(str, Enum):
@@ -212,11 +220,76 @@ class RolloutSpec(ApiModel):
     sampling: Sampling = Field(default_factory=Sampling, description="Generation settings.")
 
 
+class GSPOSpec(ApiModel):
+    """GSPO's sequence-level clip range.
+
+    GSPO clips the per-sequence ratio exp(mean token log-ratio), which stays much closer to 1
+    than a token ratio does, so its range is orders of magnitude narrower than PPO's 0.2; the
+    defaults are the GSPO paper's (Qwen, 2025: 3e-4 below, 4e-4 above).
+    """
+
+    clip_eps: float = Field(
+        3e-4, gt=0, lt=1, description="Lower clip range of the sequence ratio (gspo only)."
+    )
+    clip_eps_high: float = Field(
+        4e-4, gt=0, lt=1, description="Upper clip range of the sequence ratio (gspo only)."
+    )
+
+
+class TISSpec(ApiModel):
+    """Truncated importance sampling between the rollout engine and the trainer.
+
+    Samples come from the engine's policy, but the loss treats the trainer's recomputed
+    log-probs as the behaviour policy; the two differ (kernels, precision, batch shapes).
+    With `enabled`, each token's policy loss is weighted by
+    min(exp(trainer log-prob − engine log-prob), `cap`), detached, which corrects that
+    mismatch while the cap bounds the variance a rare large ratio would add.
+    """
+
+    enabled: bool = Field(
+        False, description="Weight the policy loss by the truncated trainer/engine ratio."
+    )
+    cap: float = Field(
+        2.0, ge=1, le=1000, description="Largest importance weight; larger ones are truncated."
+    )
+
+
+class DynamicSamplingSpec(ApiModel):
+    """DAPO-style dynamic sampling: groups that teach nothing are replaced.
+
+    After generation and reward, a group (one prompt's nSamplesPerPrompt responses) whose
+    rewards are all equal has zero advantage under a group baseline and gives no gradient;
+    it is dropped and prompts are generated again for the missing groups, up to `maxRounds`
+    generation rounds per rollout step. If the batch is still short then, dropped groups
+    fill it (in the order they were generated), so every step trains on rolloutBatchSize
+    groups.
+    """
+
+    enabled: bool = Field(False, description="Drop zero-variance groups and generate more.")
+    max_rounds: int = Field(
+        4,
+        ge=2,
+        le=64,
+        description=(
+            "Generation rounds per rollout step, the first included; at most "
+            "maxRounds × rolloutBatchSize prompts are generated per step."
+        ),
+    )
+
+
 class AlgorithmSpec(ApiModel):
     """The RL objective and the batch arithmetic."""
 
     estimator: Estimator = Field(
-        Estimator.grpo, description="Advantage estimator: `grpo`, `ppo` or `reinforce++`."
+        Estimator.grpo,
+        description=(
+            "Advantage estimator and policy loss: `grpo` (group-normalised reward, PPO clip), "
+            "`gspo` (grpo's advantage, sequence-level ratio and clip, see `gspo`), `cispo` "
+            "(grpo's advantage, clipped and detached token weight on the log-prob; no token "
+            "leaves the gradient), `ppo` (GAE on a critic), `reinforce++` (discounted return "
+            "whitened over the batch) or `reinforce++_baseline` (the same after subtracting the "
+            "group's mean reward)."
+        ),
     )
     rollout_batch_size: int = Field(32, ge=1, le=1048576, description="Prompts per rollout step.")
     n_samples_per_prompt: int = Field(8, ge=1, le=1024, description="Responses per prompt.")
@@ -232,9 +305,25 @@ class AlgorithmSpec(ApiModel):
     critic_lr: float = Field(1e-5, gt=0, le=1, description="Critic learning rate (ppo only).")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range, in (0, 1).")
+    clip_eps: float = Field(
+        0.2, gt=0, lt=1,
+        description="PPO clip range of the token ratio, in (0, 1); cispo's lower weight bound.",
+    )
     clip_eps_high: float | None = Field(
-        None, gt=0, lt=1, description="Upper clip range (clip-higher); defaults to clipEps."
+        None, gt=0, lt=1,
+        description="Upper clip range (clip-higher); defaults to clipEps. Also cispo's upper "
+        "weight bound.",
+    )
+    gspo: GSPOSpec = Field(
+        default_factory=GSPOSpec, description="Sequence-level clip range of `gspo`."
+    )
+    tis: TISSpec = Field(
+        default_factory=TISSpec,
+        description="Truncated importance sampling on the trainer/engine log-prob ratio.",
+    )
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default_factory=DynamicSamplingSpec,
+        description="Drop groups whose rewards are all equal and generate replacements.",
     )
     kl_mode: KLMode = Field(
         KLMode.loss,
@@ -242,7 +331,9 @@ class AlgorithmSpec(ApiModel):
     )
     kl_coef: float = Field(0.0, ge=0, le=100, description="KL coefficient against the reference.")
     entropy_coef: float = Field(0.0, ge=0, le=100, description="Entropy bonus coefficient.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount (ppo, reinforce++).")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="Discount (ppo, reinforce++, reinforce++_baseline)."
+    )
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda (ppo).")
     logprob_chunk_tokens: int = Field(
         1024,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 from rljob.hooks import HookArgs, default_reward
-from rljob.sample import Sample
+from rljob.sample import Sample, Status
 
 
 async def nan_reward(args: HookArgs, sample: Sample) -> float:
@@ -31,3 +32,30 @@ async def gated_reward(args: HookArgs, sample: Sample) -> float:
         (gate.parent / f"{gate.name}.BLOCKED").touch()
         await asyncio.sleep(0.1)
     return await default_reward(args, sample)
+
+
+async def scripted_generate(args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+                            ) -> Sample:
+    """No engine: a one-token response (the prompt's first token) with a fixed log-prob, so
+    a test decides every reward through the reward hook alone."""
+    sample.tokens = [*sample.prompt_tokens, sample.prompt_tokens[0]]
+    sample.response_length = 1
+    sample.loss_mask = [1]
+    sample.rollout_log_probs = [-1.0]
+    sample.status = Status.completed
+    return sample
+
+
+async def scripted_generate_without_log_probs(
+    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """As `scripted_generate`, but like a custom generate function that drops log-probs."""
+    sample = await scripted_generate(args, sample, sampling_params)
+    sample.rollout_log_probs = []
+    return sample
+
+
+async def label_decides_variance(args: HookArgs, sample: Sample) -> float:
+    """Label `v`: the response's index as reward (the group's rewards differ); any other
+    label: 1.0 for every response (a zero-variance group)."""
+    return float(sample.index) if sample.label == "v" else 1.0

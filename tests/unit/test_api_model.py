@@ -93,6 +93,14 @@ def test_python_validator_rejects(bad: BadSpec) -> None:
         assert bad.message in text
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "reinforce++_baseline"])
+def test_dynamic_sampling_and_tis_are_accepted_with_a_group_baseline(estimator: str) -> None:
+    doc = BadSpec("ok", {"algorithm.estimator": estimator,
+                         "algorithm.dynamicSampling": {"enabled": True, "maxRounds": 3},
+                         "algorithm.tis": {"enabled": True, "cap": 5}}, "").apply_to(base_job())
+    assert manifest_problems(doc) == []
+
+
 def test_validator_reports_every_problem_at_once() -> None:
     chosen = [
         b

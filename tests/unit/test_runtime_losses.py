@@ -10,12 +10,16 @@ import torch
 from rljob.algo.advantages import (
     discounted_returns,
     gae,
+    group_centered,
     group_normalized,
     reinforce_pp,
     token_rewards,
     whiten,
 )
-from rljob.algo.losses import kl_estimate, policy_loss, value_loss
+from rljob.algo.losses import kl_estimate, policy_loss, truncated_is_weights, value_loss
+from rljob.sample import Sample
+from rljob.trainer.batch import advantages, policy_settings, rollout_summary, truncated_is
+from rljob_api.spec import AlgorithmSpec
 
 pytestmark = pytest.mark.unit
 
@@ -98,3 +102,111 @@ def test_value_loss_clipped() -> None:
     loss = value_loss(torch.tensor([[2.0]]), torch.tensor([[0.0]]), torch.tensor([[0.0]]),
                       torch.ones(1, 1), clip=0.5, denominator=1.0)
     assert loss.item() == pytest.approx(0.5 * 4.0)  # max of unclipped 4 and clipped 0.25
+
+
+def _algo(**fields: object) -> AlgorithmSpec:
+    return AlgorithmSpec.model_validate({"rolloutBatchSize": 2, "nSamplesPerPrompt": 2,
+                                         "globalBatchSize": 4, "microBatchSize": 4, **fields})
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_before_whitening() -> None:
+    assert group_centered(torch.tensor([1.0, 0.0, 0.0, 5.0, 5.0, 5.0]), 3).tolist() == \
+        pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0, 0.0, 0.0])
+    mask = torch.ones(4, 1)  # one response token each, groups of two
+    zero = torch.zeros(4, 1)
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    base, _ = advantages(_algo(estimator="reinforce++_baseline", klCoef=0.0), rewards, zero,
+                         zero, mask)
+    # centred: [0.5, -0.5, 0, 0]; batch mean 0, variance (0.25 + 0.25) / 4 = 0.125,
+    # std 0.353553: [1.414214, -1.414214, 0, 0]; the equal-reward group teaches nothing
+    assert base[:, 0].tolist() == pytest.approx([1.414214, -1.414214, 0.0, 0.0], abs=1e-4)
+    plain, _ = advantages(_algo(estimator="reinforce++"), rewards, zero, zero, mask)
+    # without the baseline: mean 1.75, variance (0.5625 + 3.0625 + 1.5625 + 1.5625) / 4
+    # = 1.6875, std 1.299038: [-0.577350, -1.347151, 0.962250, 0.962250]
+    assert plain[:, 0].tolist() == pytest.approx([-0.57735, -1.347151, 0.96225, 0.96225],
+                                                 abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo"])
+def test_gspo_and_cispo_use_grpo_advantages(estimator: str) -> None:
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    zero = torch.zeros(4, 2)
+    adv, returns = advantages(_algo(estimator=estimator), torch.tensor([1.0, 0.0, 2.0, 2.0]),
+                              zero, zero, mask)
+    # group (1, 0): mean 0.5, std 0.5 -> ±1 on every response token; group (2, 2): 0
+    assert adv.flatten().tolist() == pytest.approx([1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                                                   abs=1e-5)
+    assert returns is None
+
+
+def test_gspo_clips_and_weighs_the_sequence_ratio() -> None:
+    old = torch.zeros(2, 2)
+    # sequence 1: mean log-ratio 0.0003, s = 1.00030004, inside [1 - 3e-4, 1 + 4e-4];
+    # sequence 2: mean 0.002, s = 1.002002, above 1 + 4e-4: clipped
+    logp = torch.tensor([[0.0002, 0.0004], [0.001, 0.003]], requires_grad=True)
+    settings = policy_settings(_algo(estimator="gspo"))
+    assert (settings.kind, settings.clip_low, settings.clip_high) == ("gspo", 3e-4, 4e-4)
+    terms = policy_loss(logp, old, None, torch.ones(2, 2), torch.zeros(2, 2), torch.ones(2, 2),
+                        denominator=4.0, clip_low=3e-4, clip_high=4e-4, kl_coef=0.0,
+                        entropy_coef=0.0, kind="gspo")
+    # (-2 · 1.00030004 - 2 · 1.0004) / 4
+    assert terms.pg_loss.item() == pytest.approx(-1.00035002, abs=1e-7)
+    assert terms.clipfrac.item() == pytest.approx(0.5)
+    terms.loss.backward()
+    assert logp.grad is not None
+    # both tokens of sequence 1 get -s / 4 = -0.25007501 although their token ratios differ
+    # (PPO would give -exp(0.0002) / 4 and -exp(0.0004) / 4); sequence 2 is clipped whole
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.25007501, -0.25007501, 0.0, 0.0],
+                                                         abs=1e-7)
+
+
+def test_cispo_keeps_every_token_in_the_gradient() -> None:
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()  # ratios
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    settings = policy_settings(_algo(estimator="cispo", clipEpsHigh=0.28))
+    assert (settings.kind, settings.clip_low, settings.clip_high) == ("cispo", 0.2, 0.28)
+    terms = policy_loss(logp, old, None, adv, torch.zeros(1, 3), torch.ones(1, 3),
+                        denominator=3.0, clip_low=0.2, clip_high=0.28, kl_coef=0.0,
+                        entropy_coef=0.0, kind="cispo")
+    # weights clip(r, 0.8, 1.28) = [1.28, 0.8, 1.1]; -w · A · logp =
+    # [-1.28 · 0.405465, -0.8 · -0.693147, 1.1 · 0.095310] = [-0.518995, 0.554518, 0.104841]
+    assert terms.pg_loss.item() == pytest.approx((-0.518995 + 0.554518 + 0.104841) / 3,
+                                                 abs=1e-6)
+    assert terms.clipfrac.item() == pytest.approx(2 / 3)
+    terms.loss.backward()
+    assert logp.grad is not None
+    # d/dlogp = -w · A / 3: the clipped tokens still move (PPO's clip would zero the first)
+    assert logp.grad[0].tolist() == pytest.approx([-1.28 / 3, -0.8 / 3, 1.1 / 3], abs=1e-6)
+
+
+def test_truncated_importance_weights_and_their_metrics() -> None:
+    old = torch.zeros(1, 4)
+    rollout = torch.tensor([[-0.1, 0.5, -1.0, -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights, truncated = truncated_is_weights(old, rollout, mask, 2.0)
+    # exp(old - rollout) = [e^0.1, e^-0.5, e^1, (masked)] = [1.105171, 0.606531, 2.718282, -]
+    assert weights[0].tolist() == pytest.approx([1.105171, 0.606531, 2.0, 0.0], abs=1e-6)
+    assert truncated.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    logp = torch.zeros(1, 4, requires_grad=True)
+    terms = policy_loss(logp, old, None, torch.ones(1, 4), torch.zeros(1, 4), mask,
+                        denominator=3.0, clip_low=0.2, clip_high=0.2, kl_coef=0.0,
+                        entropy_coef=0.0, is_weight=weights)
+    assert terms.pg_loss.item() == pytest.approx(-(1.105171 + 0.606531 + 2.0) / 3, abs=1e-6)
+    terms.loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0].tolist() == pytest.approx([-1.105171 / 3, -0.606531 / 3, -2.0 / 3, 0.0],
+                                                  abs=1e-6)
+
+    assert truncated_is(_algo(), old, rollout, mask) is None  # off by default
+    tis = truncated_is(_algo(tis={"enabled": True, "cap": 2.0}), old, rollout, mask)
+    assert tis is not None
+    samples = [Sample(prompt="p", reward=1.0, response_length=3)]
+    step = {"loss": 0.5, "skipped": 0.0}
+    m = rollout_summary(samples, old, old, rollout, mask, [step], [], tis)
+    assert m["tis_weight"] == pytest.approx((1.105171 + 0.606531 + 2.0) / 3, abs=1e-6)
+    assert m["tis_truncated"] == pytest.approx(1 / 3)
+    # |rollout - old| over the response tokens: 0.1, 0.5, 1.0 (the masked 5.0 is not counted)
+    assert m["logprob_gap"] == pytest.approx(1.6 / 3)
+    assert m["logprob_gap_max"] == pytest.approx(1.0)
+    assert "tis_weight" not in rollout_summary(samples, old, old, rollout, mask, [step], [], None)

@@ -1,7 +1,8 @@
 """Advantage estimators over padded response tensors [B, T] with a 0/1 mask.
 
-GRPO normalises rewards within each prompt's group; REINFORCE++ uses discounted
-token-level returns whitened over the batch; PPO uses GAE on a learned critic.
+GRPO (and GSPO, CISPO, which share its advantage) normalises rewards within each prompt's
+group; REINFORCE++ uses discounted token-level returns whitened over the batch, and its
+baseline variant subtracts the group's mean reward first; PPO uses GAE on a learned critic.
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ def group_normalized(rewards: Tensor, group_size: int) -> Tensor:
     mean = groups.mean(dim=1, keepdim=True)
     std = groups.std(dim=1, keepdim=True, correction=0)
     return ((groups - mean) / (std + EPS)).reshape(-1)
+
+
+def group_centered(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE++-baseline: r − group mean, one value per sample.
+
+    Subtracting the group's mean before the batch whitening removes the prompt's difficulty
+    from the return, so a group whose rewards are all equal contributes zero advantage, as
+    under GRPO, while keeping REINFORCE++'s batch-wide scale instead of a per-group std.
+    """
+    groups = rewards.view(-1, group_size)
+    return (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
 
 
 def whiten(values: Tensor, mask: Tensor) -> Tensor:

@@ -49,8 +49,10 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    policy_settings,
     rewards_of,
     rollout_summary,
+    truncated_is,
     verify_initial_kl,
     widen,
 )
@@ -76,7 +78,8 @@ def check_supported(spec: RLJobSpec) -> None:
     if spec.algorithm.estimator == "ppo":
         raise ValueError(
             "spec.algorithm.estimator: ppo needs a critic, which the megatron backend does not "
-            "train; use grpo or reinforce++, or spec.trainer.backend: torch"
+            "train; use grpo, gspo, cispo, reinforce++ or reinforce++_baseline, or "
+            "spec.trainer.backend: torch"
         )
 
 
@@ -111,14 +114,13 @@ class MegatronTrainerActor(TrainerActor):
                    if not (shape.tie_word_embeddings and k == "lm_head.weight")}
         dtype = torch_dtype(self.spec.model.dtype)
         self.serve_dtype = dtype
-        kl_coef = algo.kl_coef if algo.kl_mode == "loss" else 0.0
+        policy = policy_settings(algo)
         self.trainer = MegatronTrainer(
             shape, weights, dtype=dtype, lr=algo.lr, weight_decay=algo.weight_decay,
             max_grad_norm=algo.max_grad_norm,
             loss=PolicyLossConfig(
-                clip_low=algo.clip_eps,
-                clip_high=algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps,
-                kl_coef=kl_coef, entropy_coef=algo.entropy_coef,
+                kind=policy.kind, clip_low=policy.clip_low, clip_high=policy.clip_high,
+                kl_coef=policy.kl_coef, entropy_coef=policy.entropy_coef,
                 temperature=self.spec.rollout.sampling.temperature),
             megatron_args=self.spec.trainer.megatron_args,
         )
@@ -136,13 +138,14 @@ class MegatronTrainerActor(TrainerActor):
 
     # ---- batches -----------------------------------------------------------------------
 
-    def _policy_batch(self, batch: Batch, old: Tensor, ref: Tensor, adv: Tensor
-                      ) -> PolicyMicroBatch:
+    def _policy_batch(self, batch: Batch, old: Tensor, ref: Tensor, adv: Tensor,
+                      is_weight: Tensor | None = None) -> PolicyMicroBatch:
         t = max(batch.response_lengths)
         return PolicyMicroBatch(
             tokens=batch.input_ids, prompt_lengths=batch.prompt_lengths,
             response_lengths=batch.response_lengths, loss_mask=batch.loss_mask,
-            old_logp=old[:, :t], advantages=adv[:, :t], ref_logp=ref[:, :t])
+            old_logp=old[:, :t], advantages=adv[:, :t], ref_logp=ref[:, :t],
+            is_weight=None if is_weight is None else is_weight[:, :t])
 
     def _infer(self, batches: list[Batch], width: int) -> tuple[Tensor, Tensor]:
         """Old-policy and reference log-probs `[N, width]` of all samples (every rank)."""
@@ -177,6 +180,7 @@ class MegatronTrainerActor(TrainerActor):
         if check_initial_kl:
             verify_initial_kl(old, ref)
         adv, _ = advantages(algo, rewards_of(samples), old, ref, mask)
+        tis = truncated_is(algo, old, rollout_logp, mask)
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
         steps: list[dict[str, float]] = []
@@ -184,7 +188,8 @@ class MegatronTrainerActor(TrainerActor):
         for k in range(algo.steps_per_rollout):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
             mbs = [self._policy_batch(collate([samples[i] for i in mb], self.pad_id),
-                                      old[mb], ref[mb], adv[mb])
+                                      old[mb], ref[mb], adv[mb],
+                                      None if tis is None else tis.weights[mb])
                    for mb in micro_batches(idx[dp_rank::dp_size], algo.micro_batch_size)]
             try:
                 m = self.trainer.train_step(mbs)
@@ -197,7 +202,7 @@ class MegatronTrainerActor(TrainerActor):
             worker_metrics.record_train_step(row["loss"], row["grad_norm"],
                                              skipped=bool(row["skipped"]))
             steps.append(row)
-        return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped)
+        return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped, tis)
 
     # ---- weights -----------------------------------------------------------------------
 

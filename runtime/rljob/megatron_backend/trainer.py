@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rljob import rng
 from rljob.algo.logprobs import pad_responses, response_index
-from rljob.algo.losses import policy_loss
+from rljob.algo.losses import LossKind, policy_loss
 from rljob.logprobs_vocab_parallel import token_logprobs
 from rljob.megatron_backend.args import route_megatron_args
 from rljob.megatron_backend.model import (
@@ -56,6 +56,7 @@ class NonFiniteError(FloatingPointError):
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
+    kind: LossKind = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
@@ -74,6 +75,7 @@ class PolicyMicroBatch:
     old_logp: torch.Tensor
     advantages: torch.Tensor
     ref_logp: torch.Tensor | None = None
+    is_weight: torch.Tensor | None = None  # truncated importance weights, when TIS is on
 
 
 def init_parallel(tensor: int, pipeline: int, context: int, seed: int) -> None:
@@ -246,6 +248,8 @@ class MegatronTrainer:
             clip_high=c.clip_high,
             kl_coef=c.kl_coef,
             entropy_coef=c.entropy_coef,
+            kind=c.kind,
+            is_weight=None if mb.is_weight is None else mb.is_weight.to(device),
         )
         n_tokens = mask.sum()
         sums = torch.stack(

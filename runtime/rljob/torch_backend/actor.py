@@ -37,8 +37,10 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    policy_settings,
     rewards_of,
     rollout_summary,
+    truncated_is,
     verify_initial_kl,
     widen,
 )
@@ -194,8 +196,8 @@ class TorchTrainer(TrainerActor):
         adv, returns = advantages(algo, rewards_of(samples, self.device), inf.old_logp,
                                   inf.ref_logp, inf.mask, inf.values)
         mask = inf.mask
-        kl_coef_loss = algo.kl_coef if algo.kl_mode == "loss" else 0.0
-        clip_high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
+        policy = policy_settings(algo)
+        tis = truncated_is(algo, inf.old_logp, inf.rollout_logp, mask)
         step_metrics: list[dict[str, float]] = []
         skipped: list[str] = []
         for k in range(algo.steps_per_rollout):
@@ -211,8 +213,9 @@ class TorchTrainer(TrainerActor):
                 terms = policy_loss(
                     logp, inf.old_logp[mb, :t], inf.ref_logp[mb, :t], adv[mb, :t],
                     ent, mask[mb, :t], denominator=max(denominator, 1.0),
-                    clip_low=algo.clip_eps, clip_high=clip_high, kl_coef=kl_coef_loss,
-                    entropy_coef=algo.entropy_coef,
+                    clip_low=policy.clip_low, clip_high=policy.clip_high,
+                    kl_coef=policy.kl_coef, entropy_coef=policy.entropy_coef,
+                    kind=policy.kind, is_weight=None if tis is None else tis.weights[mb, :t],
                 )
                 torch.autograd.backward(terms.loss)
                 sums.loss += float(terms.loss)
@@ -230,7 +233,7 @@ class TorchTrainer(TrainerActor):
                     sums.value_loss += float(vloss)
             step_metrics.append(self._optimizer_step(sums, skipped, k))
         return rollout_summary(samples, inf.old_logp, inf.ref_logp, inf.rollout_logp, inf.mask,
-                               step_metrics, skipped)
+                               step_metrics, skipped, tis)
 
     def _all_reduce(self, t: Tensor) -> Tensor:
         if self.world > 1:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rljob.algo import advantages as adv_fns
+from rljob.algo.losses import LossKind, truncated_is_weights
 from rljob.sample import Sample
 from rljob_api.spec import AlgorithmSpec
 
@@ -53,19 +54,67 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
                  [s.response_length for s in samples], mask, rollout)
 
 
+@dataclass(frozen=True)
+class PolicySettings:
+    """What the shared policy loss needs from the spec, derived once for both backends."""
+
+    kind: LossKind
+    clip_low: float
+    clip_high: float
+    kl_coef: float  # of the KL loss term; 0 when the KL goes into the reward or nowhere
+    entropy_coef: float
+
+
+def policy_settings(algo: AlgorithmSpec) -> PolicySettings:
+    """gspo clips its sequence ratio in its own (much narrower) range; every other estimator
+    uses clipEps/clipEpsHigh (cispo as the bounds of its detached token weight)."""
+    if algo.estimator == "gspo":
+        low, high = algo.gspo.clip_eps, algo.gspo.clip_eps_high
+    else:
+        low = algo.clip_eps
+        high = algo.clip_eps_high if algo.clip_eps_high is not None else algo.clip_eps
+    kind: LossKind = "gspo" if algo.estimator == "gspo" else (
+        "cispo" if algo.estimator == "cispo" else "ppo")
+    return PolicySettings(kind, low, high, algo.kl_coef if algo.kl_mode == "loss" else 0.0,
+                          algo.entropy_coef)
+
+
+@dataclass(frozen=True)
+class TruncatedIS:
+    """Per-token truncated importance weights `[N, T]` and the 0/1 marks of truncated ones."""
+
+    weights: Tensor
+    truncated: Tensor
+
+
+def truncated_is(algo: AlgorithmSpec, old: Tensor, rollout_logp: Tensor, mask: Tensor
+                 ) -> TruncatedIS | None:
+    """The step's TIS weights when `spec.algorithm.tis` is enabled, else None."""
+    if not algo.tis.enabled:
+        return None
+    return TruncatedIS(*truncated_is_weights(old, rollout_logp, mask, algo.tis.cap))
+
+
 def rollout_summary(
     samples: list[Sample], old: Tensor, ref: Tensor, rollout_logp: Tensor, mask: Tensor,
-    steps: list[dict[str, float]], skipped: list[str],
+    steps: list[dict[str, float]], skipped: list[str], tis: TruncatedIS | None,
 ) -> dict[str, Any]:
     """One rollout step's metrics, the same for every trainer backend: step means, reward,
-    KL to the reference and the rollout-vs-trainer log-prob gap per response token."""
+    KL to the reference, the rollout-vs-trainer log-prob gap per response token (mean and
+    largest: a mean hides one token the engine scored very differently) and, with TIS, the
+    mean weight and the share of tokens whose weight the cap truncated."""
     tokens = max(float(mask.sum()), 1.0)
     rewards = [float("nan") if s.reward is None else s.reward for s in samples]
+    gap = (rollout_logp - old).abs() * mask
     out: dict[str, Any] = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
+    if tis is not None:
+        out["tis_weight"] = float(tis.weights.sum()) / tokens
+        out["tis_truncated"] = float(tis.truncated.sum()) / tokens
     out.update({
         "reward": float(np.mean(rewards)),
         "kl": float(((old - ref) * mask).sum()) / tokens,
-        "logprob_gap": float(((rollout_logp - old).abs() * mask).sum()) / tokens,
+        "logprob_gap": float(gap.sum()) / tokens,
+        "logprob_gap_max": float(gap.max()) if gap.numel() else 0.0,
         "response_length": float(np.mean([s.response_length for s in samples])),
         "step_skipped": [bool(s["skipped"]) for s in steps],
         "optimizer_steps": len(steps) - len(skipped),
@@ -107,14 +156,16 @@ def advantages(
     returns the critic is trained towards."""
     kl_tok = (old - ref) * mask
     in_reward = algo.kl_mode == "reward" and algo.kl_coef > 0
-    if algo.estimator == "grpo":
+    if algo.estimator in ("grpo", "gspo", "cispo"):
         if in_reward:
             rewards = rewards - algo.kl_coef * kl_tok.sum(dim=1)
         per_sample = adv_fns.group_normalized(rewards, algo.n_samples_per_prompt)
         return per_sample.unsqueeze(1) * mask, None
+    if algo.estimator == "reinforce++_baseline":
+        rewards = adv_fns.group_centered(rewards, algo.n_samples_per_prompt)
     token_reward = adv_fns.token_rewards(rewards, mask, kl_tok if in_reward else None,
                                          algo.kl_coef)
-    if algo.estimator == "reinforce++":
+    if algo.estimator in ("reinforce++", "reinforce++_baseline"):
         return adv_fns.reinforce_pp(token_reward, mask, algo.gamma), None
     assert values is not None
     return adv_fns.gae(token_reward, values, mask, algo.gamma, algo.lam)
