@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from rljob.algo.advantages import group_normalized
 from rljob.megatron_backend.shape import ModelShape
-from rljob.megatron_backend.trainer import (
+from rljob.megatron_backend.training import (
     MegatronTrainer,
     PolicyLossConfig,
     PolicyMicroBatch,

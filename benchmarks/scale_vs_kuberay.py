@@ -406,7 +406,8 @@ def main() -> int:
 
         try:
             wait_for(lambda: len(recovered()) == len(victims), timeout=args.failure_timeout,
-                     interval=0.5, what="a new driver for every failed job")
+                     interval=0.5, what="a new driver for every failed job",
+                     describe=lambda: operator.tail(20) if operator else "")
         except Timeout:
             # The figures above stand; the failure line says how many came back, and when.
             breaches.append(f"{len(victims) - len(recovered())} of {len(victims)} failed jobs "

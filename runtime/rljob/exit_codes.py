@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import signal
 
+from rljob_api.exits import INVALID, NONFINITE, TERMINATED
+
+# INVALID (2: spec, dataset, model source or hooks; a restart cannot help), NONFINITE (3:
+# non-finite loss, gradients or weights; evidence kept) and TERMINATED (143: SIGTERM, i.e.
+# suspend, preemption, deletion) are the codes the operator acts on, defined with the API.
 OK = 0
 FAILED = 1  # runtime failure: a worker, engine or weight sync failed; a restart may help
-INVALID = 2  # invalid job: spec, dataset, model source or hooks; a restart cannot help
-NONFINITE = 3  # stopped on non-finite loss, gradients or weights; evidence kept
 INTERRUPTED = 128 + signal.SIGINT  # 130: stopped by SIGINT (Ctrl-C)
-TERMINATED = 128 + signal.SIGTERM  # 143: stopped by SIGTERM (suspend, preemption, deletion)
+__all__ = ["FAILED", "INTERRUPTED", "INVALID", "NONFINITE", "OK", "TERMINATED", "JobError",
+           "for_signal"]
 
 
 def for_signal(signum: int) -> int:

@@ -17,7 +17,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from rljob.megatron_backend.trainer import MegatronTrainer, PolicyMicroBatch
+    from rljob.megatron_backend.training import MegatronTrainer, PolicyMicroBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,7 +42,7 @@ SMALL: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def parallel() -> None:
-    from rljob.megatron_backend.trainer import init_parallel
+    from rljob.megatron_backend.training import init_parallel
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -76,7 +76,7 @@ def _trainer(
     model: PreTrainedModel, tied: bool, dtype: torch.dtype = torch.float32
 ) -> MegatronTrainer:
     from rljob.megatron_backend.shape import ModelShape
-    from rljob.megatron_backend.trainer import MegatronTrainer, PolicyLossConfig
+    from rljob.megatron_backend.training import MegatronTrainer, PolicyLossConfig
 
     return MegatronTrainer(
         ModelShape.from_hf(model.config),
@@ -90,7 +90,7 @@ def _trainer(
 
 
 def _batches(seed: int, n: int = 2, batch: int = 3) -> list[PolicyMicroBatch]:
-    from rljob.megatron_backend.trainer import PolicyMicroBatch
+    from rljob.megatron_backend.training import PolicyMicroBatch
 
     g = torch.Generator().manual_seed(seed)
     out = []

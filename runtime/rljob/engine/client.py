@@ -32,7 +32,7 @@ from rljob.engine.tensor_payload import (
     flat_span,
 )
 
-CONTROL_TIMEOUT_S = 10.0
+CONTROL_TIMEOUT_S = 30.0
 GENERATE_TIMEOUT_S = 600.0
 
 
@@ -65,7 +65,9 @@ class EngineClient:
     its health handler too, and a fresh connection per request costs a TCP handshake and, on
     our servers, a thread, as much as the rest of a 1 GB handoff. `generate` is async, over
     an aiohttp session opened on first use (`aclose` closes it): a rollout keeps hundreds of
-    generations in flight on one event loop.
+    generations in flight on one event loop. The session belongs to that loop, so a client
+    serves one `asyncio.run`; a hook on the event loop calls the blocking methods through
+    `asyncio.to_thread`, or it stalls every generation in flight.
     """
 
     def __init__(

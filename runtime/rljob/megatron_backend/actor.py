@@ -7,7 +7,7 @@ log-probs first (the reference is a frozen GPTModel of the initial weights), the
 advantages, then `stepsPerRollout` optimizer steps over consecutive `globalBatchSize` slices,
 each data-parallel rank taking every n-th sample of a slice.
 
-Weight sync (`rljob.trainer.weight_sync.TrainerSync`, shared with the torch backend) and
+Weight sync (`rljob.trainer.publishing.TrainerSync`, shared with the torch backend) and
 the non-finite scan run on trainer rank 0 alone, so this actor keeps all of
 a rank's weights on it: tensor, pipeline and context parallel sizes must be 1 (data parallel
 over several GPUs is fine). Checkpoints are Megatron distributed checkpoints in a
@@ -34,13 +34,14 @@ from rljob import worker_metrics
 from rljob.engine.tensor_payload import NamedTensors
 from rljob.megatron_backend.model import build_model, load_hf_weights
 from rljob.megatron_backend.shape import ModelShape
-from rljob.megatron_backend.trainer import (
+from rljob.megatron_backend.training import (
     MegatronTrainer,
     NonFiniteError,
     PolicyLossConfig,
     PolicyMicroBatch,
     init_parallel,
 )
+from rljob.nonfinite import nonfinite_names
 from rljob.offload import module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
@@ -57,7 +58,7 @@ from rljob.trainer.batch import (
     widen,
 )
 from rljob.trainer.interface import TrainerActor
-from rljob.trainer.weight_sync import TrainerSync
+from rljob.trainer.publishing import TrainerSync
 from rljob_api.spec import RLJobSpec
 
 CHECKPOINT_DIR = "megatron"
@@ -215,7 +216,7 @@ class MegatronTrainerActor(TrainerActor):
 
     def nonfinite_weights(self) -> list[str]:
         self.on_device()
-        return [n for n, t in self.trainer.export_hf() if not bool(torch.isfinite(t).all())]
+        return nonfinite_names(list(self.trainer.export_hf()))
 
     # ---- checkpoints -------------------------------------------------------------------
 

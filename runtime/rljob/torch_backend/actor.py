@@ -29,6 +29,7 @@ from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.engine.tensor_payload import NamedTensors
 from rljob.logprobs_vocab_parallel import token_logprobs
+from rljob.nonfinite import nonfinite_names
 from rljob.offload import module_tensors, optimizer_tensors
 from rljob.sample import Sample
 from rljob.tiny_model import torch_dtype
@@ -45,7 +46,7 @@ from rljob.trainer.batch import (
     widen,
 )
 from rljob.trainer.interface import TrainerActor
-from rljob.trainer.weight_sync import TrainerSync
+from rljob.trainer.publishing import TrainerSync
 from rljob_api.spec import RLJobSpec
 
 VALUE_CLIP = 0.2
@@ -280,7 +281,7 @@ class TorchTrainer(TrainerActor):
 
     def nonfinite_weights(self) -> list[str]:
         self.on_device()
-        return [n for n, t in self.model.state_dict().items() if not bool(torch.isfinite(t).all())]
+        return nonfinite_names(list(self.model.state_dict().items()))
 
     # ---- checkpoints -----------------------------------------------------------------
 

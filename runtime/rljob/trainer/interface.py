@@ -14,7 +14,7 @@ from typing import Any
 
 from rljob.engine.tensor_payload import NamedTensors
 from rljob.offload import TakesTurns
-from rljob.trainer.weight_sync import TrainerSync
+from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.publisher import SyncResult
 from rljob.whereabouts import Locatable
 
