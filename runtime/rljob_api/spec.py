@@ -499,6 +499,14 @@ class TrackingSpec(ApiModel):
     )
     wandb: WandbTracking = Field(default_factory=WandbTracking, description="Weights & Biases.")
     mlflow: MlflowTracking = Field(default_factory=MlflowTracking, description="MLflow.")
+    env_secret: DNSName | None = Field(
+        None,
+        description=(
+            "A Secret in the job's namespace whose keys become environment variables of the "
+            "driver pod, where the trackers run: `WANDB_API_KEY`, `MLFLOW_TRACKING_TOKEN`, ... "
+            "Optional: without it the trackers lack credentials (and warn), the job still runs."
+        ),
+    )
 
 
 class RLJobSpec(ApiModel):
