@@ -103,7 +103,8 @@ class Wandb:
             project=settings.project, entity=settings.entity, mode=settings.mode,
             dir=str(root), name=f"{job}-attempt-{attempt}", group=job, job_type="train",
             config=config, settings=wandb.Settings(console="off", silent=True))
-        self.where = f"{settings.mode} run {self.run.id} in {self.run.dir}"
+        # The run's folder (what `wandb sync` takes), not its files/ subfolder.
+        self.where = f"{settings.mode} run {self.run.id} in {Path(self.run.dir).parent}"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
