@@ -83,7 +83,7 @@ class TensorBoard:
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
-        self.writer.flush()
+        self.writer.flush()  # a driver killed later leaves every logged step readable
 
     def close(self, exit_code: int) -> None:
         self.writer.close()
@@ -119,7 +119,7 @@ class Mlflow:
     def __init__(self, settings: MlflowTracking, job: str, workdir: Path, attempt: int) -> None:
         uri = settings.tracking_uri or (workdir / "mlruns").resolve().as_uri()
         if uri.startswith("file:"):
-            # MLflow ≥ 3.7 refuses its file store unless this is set. It is the default here
+            # Recent MLflow refuses its file store unless this is set. It is the default here
             # on purpose: it keeps ±Inf as logged (MLflow's SQL stores clamp them to the
             # largest float) and needs no database packages; a user's own value wins.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
