@@ -457,6 +457,11 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             *mounts,
         ],
     }
+    if spec.tracking.env_secret:
+        # Credentials of the trackers (the driver logs to them) stay in a Secret. Optional,
+        # so a missing one starts the driver anyway: a tracker never stops training.
+        container["envFrom"] = [{"secretRef": {"name": spec.tracking.env_secret,
+                                               "optional": True}}]
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{DRIVER_SHM_GIB}Gi"}}
     return {
         "apiVersion": "v1",

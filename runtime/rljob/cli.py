@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rljob import run
+from rljob import run, tracking
 from rljob.exit_codes import INVALID as EXIT_INVALID
 from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
 from rljob_api.docs import DOCS_FILE, render_reference
@@ -16,7 +16,8 @@ from rljob_api.validate import InvalidJob, load_job, update_problems
 def _validate(args: argparse.Namespace) -> int:
     """Exit 2 when any file is invalid: the code `rljob run` gives for the same file. With
     `--old`, each file is also checked as an edit of that running job's spec, by the same
-    transition rules the API server applies (so a refused edit is seen before applying it)."""
+    transition rules the API server applies (so a refused edit is seen before applying it).
+    A tracker whose package is missing here is a warning: the driver's image is what needs it."""
     old: dict[str, object] | None = None
     if args.old:
         try:
@@ -39,6 +40,8 @@ def _validate(args: argparse.Namespace) -> int:
         edit = f", a valid edit of {args.old}" if old is not None else ""
         print(f"{path}: valid RLJob ({spec.trainer.backend} trainer, "
               f"{spec.rollout.backend} rollout, {spec.placement}){edit}")
+        for warning in tracking.missing_packages(spec.tracking):
+            print(f"{path}: warning: {warning}", file=sys.stderr)
     return EXIT_INVALID if failed else 0
 
 

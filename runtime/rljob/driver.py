@@ -27,6 +27,7 @@ from rljob.placement import plan
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter
 from rljob.stop import StopSignals
+from rljob.tracking import Trackers
 from rljob.weightsync.publisher import NonFiniteWeights
 from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
 from rljob_api import env, exits
@@ -59,6 +60,7 @@ class Job:
         self.sync_settings = SyncSettings()
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.loop_started = False
+        self.tracking = Trackers()
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -88,6 +90,7 @@ class Job:
         rows = metrics_log.read(self.metrics_path)
         if rows:
             metrics_log.plot(rows, self.workdir / metrics_log.PLOT_FILE)
+        self.tracking.close(code)  # before the summary, which says what each one wrote
         self.summary(rows, time.monotonic() - started, code)
         return code
 
@@ -143,6 +146,10 @@ class Job:
             print(f"resumed from {loaded.path} (step {loaded.step}, weight version "
                   f"{self.state.weight_version})", file=sys.stderr, flush=True)
         self.report_resume(loaded)
+        self.tracking = Trackers.start(
+            self.spec.tracking, self.name, self.workdir, first_step=self.state.step,
+            attempt=attempt_number(dict(os.environ)),
+            config=self.spec.model_dump(by_alias=True, mode="json"))
         self.start_weight_sync()
         self.publish()
         return loaded is not None
@@ -230,7 +237,7 @@ class Job:
 
     def report(self, m: dict[str, Any], rollout: dict[str, Any], train_seconds: float,
                step_seconds: float) -> None:
-        """One finished step into metrics.jsonl and the RLJob's status.progress."""
+        """One finished step into metrics.jsonl, the trackers and the RLJob's status.progress."""
         state = self.state
         row: dict[str, Any] = {
             "step": state.step,
@@ -248,6 +255,7 @@ class Job:
         # took the store over, and stops before it writes metrics or status again.
         self.checkpoints.check_writer()
         metrics_log.append(self.metrics_path, row)
+        self.tracking.log(row)
         self.reporter.progress(Progress(
             rollout_step=state.step, train_step=state.train_step,
             total_steps=self.spec.algorithm.total_steps, samples=state.samples,
@@ -303,15 +311,18 @@ class Job:
             f"  metrics      {self.metrics_path}",
             f"  curves       {self.workdir / metrics_log.PLOT_FILE}",
         ]
+        lines += [f"  {field:<12} {outcome}" for field, outcome in self.tracking.outcome.items()]
         print("\n".join(lines), flush=True)
 
-    def shutdown(self) -> None:
+    def shutdown(self, exit_code: int) -> None:
         """Stop sidecars, engines and trainers, free the slots, stop Ray if this run started
-        it; then let the next writer of the checkpoint store in. After an abort (or when a
-        signal arrives meanwhile) nothing is waited for: every actor is killed at once."""
+        it; finish the trackers a failure left open (marked with `exit_code`); then let the
+        next writer of the checkpoint store in. After an abort (or when a signal arrives
+        meanwhile) nothing is waited for: every actor is killed at once."""
         try:
             self.cluster.shutdown(self.weight_sync, graceful=not self.stop.aborted)
         finally:
+            self.tracking.close(exit_code)
             self.checkpoints.release()
 
 
@@ -395,11 +406,13 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
                                         retryable=False, step=0, time=timestamp()))
         return exit_codes.INVALID
     with job.stop.installed():
+        code = exit_codes.FAILED  # what the trackers are told when _run itself raised
         try:
             try:
-                return _run(job)
+                code = _run(job)
+                return code
             finally:
-                job.shutdown()
+                job.shutdown(code)
         except KeyboardInterrupt:
             # A first signal while a failure was being handled, or during the shutdown.
             return exit_codes.for_signal(job.stop.signum or signal.SIGINT)

@@ -109,6 +109,7 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
     FieldEffect("weightSync", Effect.restart, _RESTART_CONFIG),
     FieldEffect("recovery", Effect.operator, "the operator's own policy, applied to the next "
                 "failure or start-up"),
+    FieldEffect("tracking", Effect.restart, _RESTART_CONFIG),
     FieldEffect("scheduling.nodeSelector", Effect.compute, "every pod replaced"),
     FieldEffect("scheduling.tolerations", Effect.compute, "every pod replaced"),
     FieldEffect("scheduling.priorityClassName", Effect.compute, "every pod replaced"),

@@ -522,6 +522,84 @@ class SchedulingSpec(ApiModel):
     suspend: bool = Field(False, description="Tear compute down, keep checkpoints; false resumes.")
 
 
+class TensorBoardTracking(ApiModel):
+    """TensorBoard event files, written by the driver (`rljob[tracking-tensorboard]`)."""
+
+    enabled: bool = Field(False, description="Write every metrics.jsonl row as scalars.")
+    log_dir: Path | None = Field(
+        None,
+        description=(
+            "Event file directory. Unset: `tensorboard/` in the job's workdir (on a cluster, "
+            "on the checkpoint volume, so it outlives the pods)."
+        ),
+    )
+
+
+class WandbTracking(ApiModel):
+    """Weights & Biases runs, written by the driver (`rljob[tracking-wandb]`).
+
+    No API key here: an online run reads `WANDB_API_KEY` (and `WANDB_BASE_URL` for a
+    self-hosted server) from the environment, as W&B itself does."""
+
+    enabled: bool = Field(False, description="Log every metrics.jsonl row to a W&B run.")
+    project: ShortText = Field("rljob", description="W&B project.")
+    entity: ShortText | None = Field(
+        None, description="W&B team or user; unset: the API key's default entity."
+    )
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description=(
+            "`offline` writes the run under `dir` with no network (`wandb sync` uploads it "
+            "later); `online` sends it as it runs and needs `WANDB_API_KEY` in the "
+            "environment."
+        ),
+    )
+    dir: Path | None = Field(
+        None, description="Where W&B keeps the run's files. Unset: the job's workdir."
+    )
+
+
+class MlflowTracking(ApiModel):
+    """MLflow runs, written by the driver (`rljob[tracking-mlflow]`)."""
+
+    enabled: bool = Field(False, description="Log every metrics.jsonl row to an MLflow run.")
+    tracking_uri: Annotated[str, StringConstraints(min_length=1, max_length=1024)] | None = (
+        Field(
+            None,
+            description=(
+                "MLflow tracking URI: `http(s)://` for a tracking server, `file:` for a local "
+                "file store. Unset: the file store `mlruns/` in the job's workdir. Database "
+                "URIs (`sqlite:`, `postgresql:`) need MLflow's database packages in the image."
+            ),
+        )
+    )
+    experiment_name: ShortText | None = Field(
+        None, description="MLflow experiment, created when missing. Unset: the job's name."
+    )
+
+
+class TrackingSpec(ApiModel):
+    """Experiment trackers that receive the rows of metrics.jsonl as they are written.
+
+    Each is optional and runs in the driver; one that cannot start or log warns once and is
+    left out for the rest of the attempt; training goes on and metrics.jsonl keeps every row.
+    """
+
+    tensorboard: TensorBoardTracking = Field(
+        default_factory=TensorBoardTracking, description="TensorBoard event files."
+    )
+    wandb: WandbTracking = Field(default_factory=WandbTracking, description="Weights & Biases.")
+    mlflow: MlflowTracking = Field(default_factory=MlflowTracking, description="MLflow.")
+    env_secret: DNSName | None = Field(
+        None,
+        description=(
+            "A Secret in the job's namespace whose keys become environment variables of the "
+            "driver pod, where the trackers run: `WANDB_API_KEY`, `MLFLOW_TRACKING_TOKEN`, ... "
+            "Optional: without it the trackers lack credentials (and warn), the job still runs."
+        ),
+    )
+
+
 class RLJobSpec(ApiModel):
     """An RL post-training job."""
 
@@ -551,6 +629,10 @@ class RLJobSpec(ApiModel):
         default_factory=WeightSyncSpec, description="Trainer to engine weight transfer."
     )
     recovery: RecoverySpec = Field(default_factory=RecoverySpec, description="Failure handling.")
+    tracking: TrackingSpec = Field(
+        default_factory=TrackingSpec,
+        description="Experiment trackers (TensorBoard, W&B, MLflow) fed with metrics.jsonl rows.",
+    )
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Node placement and suspension."
     )

@@ -114,4 +114,11 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
         Edit("weight-sync", {"weightSync": {"mode": "disk", "bucketSizeMb": 256,
                                             "verifyDigest": False, "scanNonfinite": False,
                                             "ackTimeoutSeconds": 600}}),
+        Edit("tracking", {"tracking": {
+            "tensorboard": {"enabled": True, "logDir": "/checkpoints/tensorboard/rl"},
+            "wandb": {"enabled": True, "project": "rl", "entity": "team-a", "mode": "online",
+                      "dir": "/checkpoints/wandb"},
+            "mlflow": {"enabled": True, "trackingUri": "http://mlflow.team-a:5000",
+                       "experimentName": "rl"},
+            "envSecret": "rl-trackers"}}),
     ]

@@ -177,6 +177,20 @@ def _all_containers(job: RLJobSpec) -> dict[str, dict[str, Any]]:
     return out
 
 
+def test_only_the_driver_gets_the_trackers_secret_and_starts_without_it() -> None:
+    """The trackers run in the driver; their credentials come from the user's Secret (never
+    the spec), optional so that a missing Secret does not keep the driver from starting."""
+    plain = _all_containers(spec())
+    assert not any("envFrom" in c for c in plain.values())
+    s = spec(tracking={"wandb": {"enabled": True, "mode": "online"}, "envSecret": "rl-wandb"})
+    for name, container in _all_containers(s).items():
+        if name == "driver/driver":
+            assert container["envFrom"] == [{"secretRef": {"name": "rl-wandb",
+                                                           "optional": True}}]
+        else:
+            assert "envFrom" not in container, name
+
+
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_every_ray_container_and_only_those_get_the_token_from_the_secret(
         placement: str) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from rljob.hooks import HookArgs, default_reward
 from rljob.sample import Sample, Status
@@ -14,6 +16,32 @@ from rljob.sample import Sample, Status
 async def nan_reward(args: HookArgs, sample: Sample) -> float:
     """A broken reward model: every reward is NaN."""
     return float("nan")
+
+
+_rewarded = 0  # samples rewarded so far in this rollout worker
+
+
+async def nan_reward_first_step(args: HookArgs, sample: Sample) -> float:
+    """NaN for every sample of the first rollout step, the task's reward after: a run that
+    reports non-finite figures once (its optimizer steps skipped) and then trains on."""
+    global _rewarded
+    _rewarded += 1
+    algo = args.spec.algorithm
+    if _rewarded <= algo.rollout_batch_size * algo.n_samples_per_prompt:
+        return float("nan")
+    return await default_reward(args, sample)
+
+
+async def break_mlflow_store_reward(args: HookArgs, sample: Sample) -> float:
+    """The task's reward, after breaking the job's MLflow file store under its tracker: each
+    run's metrics folder becomes a file, so MLflow's next write of a metric fails."""
+    uri = args.spec.tracking.mlflow.tracking_uri
+    assert uri is not None and uri.startswith("file:"), uri
+    for metrics in Path(urlparse(uri).path).glob("*/*/metrics"):
+        if metrics.is_dir():
+            shutil.rmtree(metrics)
+            metrics.write_text("not a folder\n")
+    return await default_reward(args, sample)
 
 
 async def length_reward(args: HookArgs, sample: Sample) -> float:

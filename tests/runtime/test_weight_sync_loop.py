@@ -71,7 +71,7 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
             health = job.weight_sync.health()
             assert [h["last_acked_version"] for h in health] == [STEPS]
         finally:
-            job.shutdown()
+            job.shutdown(EXIT_OK)
     state = json.loads((workdir / "checkpoints" / f"step_{STEPS:08d}" / "state.json")
                        .read_text())
     assert state["weight_version"] == STEPS  # what a resume continues from
