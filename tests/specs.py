@@ -134,6 +134,13 @@ BAD_SPECS: list[BadSpec] = [
         "spec.algorithm",
         rule_message("self.estimator in"),
     ),
+    BadSpec(
+        "dynamic-sampling-baseline-estimator",
+        {"algorithm.dynamicSampling": {"enabled": True},
+         "algorithm.estimator": "reinforce++_baseline"},
+        "spec.algorithm",
+        rule_message("self.estimator in"),
+    ),
     BadSpec("tis-cap", {"algorithm.tis": {"enabled": True, "cap": 0.5}},
             "spec.algorithm.tis.cap"),
     BadSpec("dynamic-sampling-rounds", {"algorithm.dynamicSampling": {"maxRounds": 1}},

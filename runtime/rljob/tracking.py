@@ -15,12 +15,14 @@ Values are passed as the loop computed them: NaN and ±Inf reach the tracker unc
 from __future__ import annotations
 
 import importlib.util
+import netrc
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from rljob_api.spec import MlflowTracking, TensorBoardTracking, TrackingSpec, WandbTracking
 
@@ -96,6 +98,13 @@ class Wandb:
                  config: dict[str, Any]) -> None:
         import wandb
 
+        if settings.mode == "offline":
+            # W&B's own telemetry follows the process-wide mode, not the run's: without this
+            # an offline run still posts to W&B's servers from the driver.
+            os.environ["WANDB_MODE"] = "offline"
+            wandb.setup(settings=wandb.Settings(mode="offline"))
+        else:
+            _require_wandb_login()
         root = Path(settings.dir) if settings.dir else workdir
         root.mkdir(parents=True, exist_ok=True)
         # console="off": the driver's output stays the driver's (W&B would wrap stdout).
@@ -113,11 +122,43 @@ class Wandb:
         self.run.finish(exit_code=exit_code)
 
 
+def _require_wandb_login() -> None:
+    """An online run with no API key makes W&B ask for one on the terminal, which would hold
+    a local run at its prompt (and end it on EOF): fail the tracker's start instead."""
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        login = netrc.netrc().authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        login = None
+    if login is None:
+        raise RuntimeError(
+            f"mode online needs WANDB_API_KEY (on a cluster, a key of the Secret named in "
+            f"spec.tracking.envSecret) or a ~/.netrc login for {host}; or set mode offline")
+
+
+def _redacted(uri: str) -> str:
+    """`uri` without a password in it, for the run summary."""
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 class Mlflow:
     """An MLflow run per attempt in the job's experiment, tagged with job and attempt."""
 
     def __init__(self, settings: MlflowTracking, job: str, workdir: Path, attempt: int) -> None:
-        uri = settings.tracking_uri or (workdir / "mlruns").resolve().as_uri()
+        uri = settings.tracking_uri or str(workdir / "mlruns")
+        if "://" not in uri and not uri.startswith("file:"):
+            uri = Path(uri).resolve().as_uri()  # a plain path is a file store
+        if uri.startswith(("http://", "https://")):
+            # MLflow retries a failing server for minutes by default; a tracker that cannot
+            # reach its server should fail its start (or one step's log) within seconds.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         if uri.startswith("file:"):
             # Recent MLflow refuses its file store unless this is set. It is the default here
             # on purpose: it keeps ±Inf as logged (MLflow's SQL stores clamp them to the
@@ -132,7 +173,7 @@ class Mlflow:
         run = self.client.create_run(experiment, run_name=f"{job}-attempt-{attempt}",
                                      tags={"rljob.job": job, "rljob.attempt": str(attempt)})
         self.run_id: str = run.info.run_id
-        self.where = f"run {self.run_id} of experiment {name!r} at {uri}"
+        self.where = f"run {self.run_id} of experiment {name!r} at {_redacted(uri)}"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric

@@ -104,7 +104,7 @@ RULES: tuple[Rule, ...] = (
         cel=f"!self.dynamicSampling.enabled || self.estimator in "
         f"{_quoted(GROUP_BASELINE_ESTIMATORS)}",
         message="spec.algorithm.dynamicSampling drops groups whose rewards are all equal, "
-        "which carry no gradient only under a group baseline; use estimator "
+        "which carry no gradient only under a group-normalised advantage; use estimator "
         + ", ".join(GROUP_BASELINE_ESTIMATORS)
         + ", or set dynamicSampling.enabled false",
         check=lambda a: (

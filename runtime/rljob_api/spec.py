@@ -64,9 +64,11 @@ class Estimator(str, Enum):
     reinforce_pp_baseline = "reinforce++_baseline"
 
 
-# Estimators whose advantage subtracts the mean reward of the prompt's group: a group whose
-# rewards are all equal gets zero advantage everywhere, which is what dynamic sampling drops.
-GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce++_baseline")
+# Estimators whose advantage is the group-normalised reward alone: a group whose rewards are
+# all equal gets zero advantage on every token, which is what dynamic sampling drops.
+# reinforce++_baseline is not one: its batch whitening subtracts the mean over tokens, so an
+# equal-reward group of responses of other lengths than the batch's still has an advantage.
+GROUP_BASELINE_ESTIMATORS = ("grpo", "gspo", "cispo")
 
 
 class KLMode(str, Enum):

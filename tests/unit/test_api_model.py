@@ -93,7 +93,7 @@ def test_python_validator_rejects(bad: BadSpec) -> None:
         assert bad.message in text
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo", "reinforce++_baseline"])
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "cispo"])
 def test_dynamic_sampling_and_tis_are_accepted_with_a_group_baseline(estimator: str) -> None:
     doc = BadSpec("ok", {"algorithm.estimator": estimator,
                          "algorithm.dynamicSampling": {"enabled": True, "maxRounds": 3},

@@ -118,7 +118,8 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_before_whitening() -> No
     base, _ = advantages(_algo(estimator="reinforce++_baseline", klCoef=0.0), rewards, zero,
                          zero, mask)
     # centred: [0.5, -0.5, 0, 0]; batch mean 0, variance (0.25 + 0.25) / 4 = 0.125,
-    # std 0.353553: [1.414214, -1.414214, 0, 0]; the equal-reward group teaches nothing
+    # std 0.353553: [1.414214, -1.414214, 0, 0] (zero for the equal-reward group here only
+    # because every response is one token long: the whitening's mean is over tokens)
     assert base[:, 0].tolist() == pytest.approx([1.414214, -1.414214, 0.0, 0.0], abs=1e-4)
     plain, _ = advantages(_algo(estimator="reinforce++"), rewards, zero, zero, mask)
     # without the baseline: mean 1.75, variance (0.5625 + 3.0625 + 1.5625 + 1.5625) / 4

@@ -94,3 +94,60 @@ def test_a_missing_tracker_package_is_a_warning_with_the_field_and_the_fix(
     started.close(0)
     err = capsys.readouterr().err
     assert err.count("spec.tracking.wandb") == 1 and f"rljob run: warning: {fix}" in err
+
+
+OFFLINE_RUN = """
+import atexit, json, socket, sys
+from pathlib import Path
+looked_up = []
+real = socket.getaddrinfo
+def recording(host, *args, **kwargs):
+    looked_up.append(str(host))
+    return real(host, *args, **kwargs)
+socket.getaddrinfo = recording
+# Registered first, so it runs last: after W&B's own exit hooks.
+atexit.register(lambda: print("LOOKED UP " + json.dumps(looked_up)))
+from rljob.tracking import Trackers
+from rljob_api.spec import TrackingSpec
+spec = TrackingSpec.model_validate({"wandb": {"enabled": True, "project": "tests"}})
+started = Trackers.start(spec, "job", Path(sys.argv[1]), first_step=0, attempt=0, config={})
+assert list(started.active) == ["wandb"], started.outcome
+started.log({"step": 2, "reward": 0.5})
+started.close(0)
+"""
+
+
+def test_an_offline_wandb_run_looks_up_no_host(tmp_path: Path) -> None:
+    """`mode: offline` works where nothing can be reached: the driver's process resolves no
+    host name but its own, up to its exit (W&B's telemetry, left to the process-wide mode,
+    posts to W&B's servers from an offline run when the process exits)."""
+    import json
+    import os
+    import socket
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    out = subprocess.run([sys.executable, "-c", OFFLINE_RUN, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("LOOKED UP "))
+    local = {"localhost", "127.0.0.1", "::1", "None", socket.gethostname()}
+    assert [h for h in json.loads(line.removeprefix("LOOKED UP ")) if h not in local] == []
+    assert trackers.same(trackers.wandb_offline(tmp_path), {"reward": {2: 0.5}}) == []
+
+
+def test_an_online_wandb_run_without_a_key_fails_its_start_and_not_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With no key W&B would ask for one on the terminal and hold the run there; the tracker
+    fails its start instead, naming what to set, and the other trackers go on."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    spec = TrackingSpec.model_validate({
+        "wandb": {"enabled": True, "project": "tests", "mode": "online"},
+        "tensorboard": {"enabled": True}})
+    started = Trackers.start(spec, "job", tmp_path, first_step=0, attempt=0, config={})
+    assert sorted(started.active) == ["tensorboard"]
+    assert "WANDB_API_KEY" in started.outcome["wandb"]
+    assert "spec.tracking.envSecret" in capsys.readouterr().err
+    started.close(0)

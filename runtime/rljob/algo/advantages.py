@@ -25,8 +25,10 @@ def group_centered(rewards: Tensor, group_size: int) -> Tensor:
     """REINFORCE++-baseline: r − group mean, one value per sample.
 
     Subtracting the group's mean before the batch whitening removes the prompt's difficulty
-    from the return, so a group whose rewards are all equal contributes zero advantage, as
-    under GRPO, while keeping REINFORCE++'s batch-wide scale instead of a per-group std.
+    from the return while keeping REINFORCE++'s batch-wide scale instead of a per-group std.
+    A group whose rewards are all equal is centred to 0, but the whitening then subtracts the
+    mean over every response token, so it keeps an advantage when response lengths differ
+    (which is why dynamic sampling is refused with this estimator).
     """
     groups = rewards.view(-1, group_size)
     return (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)
