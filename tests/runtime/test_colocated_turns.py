@@ -15,6 +15,7 @@ from rljob import driver
 from rljob.cluster import Workers
 from rljob.driver import Job
 from rljob.loop_state import LoopState
+from rljob.tracking import Trackers
 from rljob.trainer.trainer_group import TrainerGroup
 
 
@@ -52,6 +53,7 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
         data=SimpleNamespace(eval_dataset=None, eval_interval=0))
     job.checkpoints = SimpleNamespace(check_writer=lambda: None)  # type: ignore[assignment]
     job.metrics_path = tmp_path / "metrics.jsonl"
+    job.tracking = Trackers()  # none enabled
     job.reporter = SimpleNamespace(progress=lambda _: None)
     job.publish = lambda again=False: log.append(  # type: ignore[method-assign]
         f"publish(again={again}, version={job.state.weight_version})")
