@@ -56,12 +56,15 @@ class Job:
 
     def resumed_after(self, restarts: int) -> dict[str, Any]:
         """`status.recovery` with the runtime's `status.resumed` under `resumed`, once the
-        runtime of restart `restarts + 1` (or later) reported what it loaded."""
+        runtime of restart `restarts + 1` (or later) reported what it loaded and the operator
+        derived resumedFromStep from it."""
         def probe() -> dict[str, Any] | None:
             status = self.status()
             rec = status.get("recovery") or {}
             resumed = status.get("resumed") or {}
-            if rec.get("restarts", 0) > restarts and resumed.get("attempt") == rec["restarts"]:
+            # The operator derives resumedFromStep from that report on its next reconcile.
+            if (rec.get("restarts", 0) > restarts and resumed.get("attempt") == rec["restarts"]
+                    and "resumedFromStep" in rec):
                 return {**rec, "resumed": resumed}
             return None
         return self.wait(probe, f"restart {restarts + 1} to report what it resumed from")  # type: ignore[no-any-return]
