@@ -106,7 +106,7 @@ BAD_SPECS: list[BadSpec] = [
         "colocated-gpus",
         {"placement": "colocated", "trainer.gpusPerReplica": 2},
         "spec",
-        rule_message("self.placement != 'colocated'"),
+        rule_message("self.rollout.gpus == self.trainer.replicas"),
     ),
     BadSpec(
         "colocated-engine-spans-pods",
@@ -115,6 +115,20 @@ BAD_SPECS: list[BadSpec] = [
         "spec",
         rule_message("self.trainer.gpusPerReplica % self.rollout.gpusPerEngine"),
     ),
+    BadSpec(
+        "async-colocated",
+        {"placement": "colocated", "rollout.mode": "async"},
+        "spec",
+        rule_message("self.rollout.mode != 'async'"),
+    ),
+    BadSpec(
+        "staleness-without-async",
+        {"rollout.maxStaleness": 2},
+        "spec.rollout",
+        rule_message("!has(self.maxStaleness)"),
+    ),
+    BadSpec("staleness-zero", {"rollout.mode": "async", "rollout.maxStaleness": 0},
+            "spec.rollout.maxStaleness"),
     BadSpec(
         "backoff",
         {"recovery.backoffSeconds": 60, "recovery.maxBackoffSeconds": 30},

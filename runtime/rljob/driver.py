@@ -26,12 +26,13 @@ from rljob.loop_state import Checkpoints, LoopState
 from rljob.placement import plan
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter
+from rljob.rollout_pipeline import RolloutPipeline, Staleness
 from rljob.stop import StopSignals
 from rljob.tracking import Trackers
 from rljob.weightsync.publisher import NonFiniteWeights
 from rljob.weightsync.wiring import SyncSettings, WeightSyncActors
 from rljob_api import env, exits
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import RLJobSpec, RolloutMode
 from rljob_api.status import Progress, ResumeReport, RuntimeFailure, RuntimeStop, timestamp
 
 WEIGHT_SYNC_LOG = "weight_sync.jsonl"
@@ -57,10 +58,15 @@ class Job:
         self.stop = StopSignals()
         self.cluster = Cluster(options, self.stop)
         self.workers = self.cluster.workers
+        self.batches: RolloutPipeline
         self.sync_settings = SyncSettings()
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.loop_started = False
         self.tracking = Trackers()
+        # Async: the next batch generates while the trainer trains (rljob.rollout_pipeline).
+        self.pipelined = spec.rollout.mode == RolloutMode.async_
+        self.max_staleness = (spec.rollout.max_staleness or 1) if self.pipelined else 0
+        self.engine_version = 0  # the weight version the engines serve
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -99,10 +105,20 @@ class Job:
         t0 = time.monotonic()
         if w.offload:  # the trainers' parameters, gradients and optimizer state leave
             w.trainers.offload()
-        samples, rollout = ray.get(w.rollout.generate.remote(state.step))  # rewarded
+        batch = self.batches.take(state.step, self.engine_version)  # rewarded samples
         t1 = time.monotonic()
+        if self.pipelined and state.step + 1 < self.spec.algorithm.total_steps:
+            # The next batch is trained after this step's update (one version on): the
+            # engines get the newest weights first if it would lag more than the bound.
+            # Started at the last step of a stopped or --max-steps run too: it is kept in
+            # the checkpoint, and the resumed run trains on it.
+            if state.weight_version + 1 - self.engine_version > self.max_staleness:
+                self.publish()
+            self.batches.launch(state.step + 1, self.engine_version)
         if w.offload:  # the engines' weights and caches leave; the trainers come back
             w.release_engines()
+        samples = batch.samples
+        staleness = Staleness.of(batch, state.weight_version, self.max_staleness)
         m = w.trainers.train(samples, check_initial_kl=state.step == 0)  # log-probs, steps
         weights_kept = w.resume_engines() if w.offload else True
         t2 = time.monotonic()
@@ -112,9 +128,13 @@ class Job:
         state.samples += len(samples)
         if m["optimizer_steps"]:
             state.weight_version += 1
-            self.publish()
+            if not self.pipelined or state.step == self.spec.algorithm.total_steps:
+                self.publish()  # async: at the start of the next step, if due
         elif not weights_kept:  # SGLang dropped its released weights: the same version again
             self.publish(again=True)
+        rollout = {**batch.stats, "rollout_wait_seconds": t1 - t0,
+                   "staleness_mean": staleness.mean, "staleness_max": float(staleness.max),
+                   "stale_samples": float(staleness.over_bound)}
         self.report(m, rollout, train_seconds=t2 - t1, step_seconds=time.monotonic() - t0)
         bar.update(state.step, m["reward"], rollout["tokens_per_second"])
 
@@ -138,7 +158,8 @@ class Job:
         self.checkpoints.take()
         model_dir = prepare_model(self.spec, self.workdir)
         self.cluster.place(self.spec, model_dir, self.sync_settings.engine_port)
-        resumed = self.checkpoints.resume(self.workers.trainers, self.workers.rollout)
+        self.batches = RolloutPipeline(self.workers.rollout)
+        resumed = self.checkpoints.resume(self.workers.trainers, self.batches)
         loaded: Verified | None = None
         if resumed is not None:
             loaded, self.state = resumed
@@ -178,7 +199,7 @@ class Job:
 
     def save(self) -> Verified:
         w = self.workers
-        return self.checkpoints.save(self.state, w.trainers, w.rollout,
+        return self.checkpoints.save(self.state, w.trainers, self.batches,
                                      hf_export=self.spec.checkpoint.format == "hf")
 
     def stop_if_nonfinite(self, m: dict[str, Any], samples: list[dict[str, Any]]) -> None:
@@ -234,6 +255,7 @@ class Job:
             reasons = "; ".join(f"{name}: {why}" for name, why in sorted(result.stale.items()))
             raise JobError(exit_codes.FAILED, f"WeightSyncFailed: engines did not install "
                            f"weight version {version}: {reasons}")
+        self.engine_version = version
 
     def report(self, m: dict[str, Any], rollout: dict[str, Any], train_seconds: float,
                step_seconds: float) -> None:
@@ -245,7 +267,8 @@ class Job:
             **rollout,  # seconds, tokens/s, generation rounds, dynamic sampling's counts
             "train_seconds": train_seconds,
             "step_seconds": step_seconds,
-            "weight_version": state.weight_version,
+            "weight_version": self.engine_version,
+            "policy_version": state.weight_version,
             "total_skipped_steps": state.skipped_steps,
         }
         interval = self.spec.data.eval_interval
@@ -260,8 +283,12 @@ class Job:
             rollout_step=state.step, train_step=state.train_step,
             total_steps=self.spec.algorithm.total_steps, samples=state.samples,
             mean_reward=m["reward"], tokens_per_second=rollout["tokens_per_second"],
-            weight_version=state.weight_version, skipped_steps=state.skipped_steps,
-            updated_at=timestamp()))
+            weight_version=self.engine_version, skipped_steps=state.skipped_steps,
+            policy_version=state.weight_version, staleness_mean=rollout["staleness_mean"],
+            staleness_max=int(rollout["staleness_max"]),
+            filtered_groups=(int(rollout["filtered_groups"]) if "filtered_groups" in rollout
+                             else None),
+            logprob_gap=m.get("logprob_gap"), updated_at=timestamp()))
 
     # ---- reports -----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from rljob import exit_codes, rng
 from rljob.checkpoint import CheckpointStore, LeaseHeld, Verified
 from rljob.exit_codes import JobError
 from rljob.report import Reporter
+from rljob.rollout_pipeline import RolloutPipeline
 from rljob.store_lease import writer_identity
 from rljob.trainer.trainer_group import TrainerGroup
 from rljob_api.status import CheckpointRecord, CheckpointStatus, timestamp
@@ -74,25 +75,30 @@ class Checkpoints:
         behind by a restart, e.g. on a partitioned node)."""
         self.store.lease.check()
 
-    def resume(self, trainers: TrainerGroup, rollout: Any) -> tuple[Verified, LoopState] | None:
-        """Trainers, rollout worker and this process's RNG back to the latest verified
-        checkpoint; None (nothing restored) when there is none."""
+    def resume(self, trainers: TrainerGroup, rollout: RolloutPipeline
+               ) -> tuple[Verified, LoopState] | None:
+        """Trainers, rollout worker (and the batch it had generated ahead) and this process's
+        RNG back to the latest verified checkpoint; None (nothing restored) when there is
+        none."""
         latest = self.store.latest()
         if latest is None:
             return None
         trainers.load(str(latest.path))
         state = LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
-        ray.get(rollout.load.remote(json.loads((latest.path / ROLLOUT_FILE).read_text())))
+        ray.get(rollout.rollout.load.remote(
+            json.loads((latest.path / ROLLOUT_FILE).read_text())))
+        rollout.load(latest.path)
         rng.load(latest.path / DRIVER_RNG_FILE)
         self.step = latest.step
         return latest, state
 
-    def save(self, state: LoopState, trainers: TrainerGroup, rollout: Any, hf_export: bool
-             ) -> Verified:
+    def save(self, state: LoopState, trainers: TrainerGroup, rollout: RolloutPipeline,
+             hf_export: bool) -> Verified:
         tmp = self.store.begin(state.step)
         trainers.save(str(tmp), hf_export)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
-        (tmp / ROLLOUT_FILE).write_text(json.dumps(ray.get(rollout.state.remote())))
+        rollout.save(tmp)  # a batch generating ahead finishes first: the cursor is after it
+        (tmp / ROLLOUT_FILE).write_text(json.dumps(ray.get(rollout.rollout.state.remote())))
         rng.save(tmp / DRIVER_RNG_FILE, cuda=False)
         verified = self.store.commit(tmp, state.step)
         self.step = verified.step

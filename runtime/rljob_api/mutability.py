@@ -84,6 +84,10 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
     FieldEffect("rollout.resources", Effect.compute, "rollout pods replaced"),
     FieldEffect("rollout.sglangArgs", Effect.restart, "engines restart with the driver"),
     FieldEffect("rollout.sampling", Effect.restart, _RESTART_CONFIG),
+    FieldEffect("rollout.mode", Effect.restart,
+                "the driver restarts from its checkpoint in the new mode (a batch an async run "
+                "generated ahead is trained on first)"),
+    FieldEffect("rollout.maxStaleness", Effect.restart, _RESTART_CONFIG),
     FieldEffect("placement", Effect.immutable, "the shape of the RayCluster",
                 "spec.placement is immutable on an existing job; create a new RLJob"),
     FieldEffect("algorithm.estimator", Effect.immutable,

@@ -191,6 +191,23 @@ RULES: tuple[Rule, ...] = (
         field_path=".rollout.gpusPerEngine",
     ),
     Rule(
+        at=(),
+        cel="self.rollout.mode != 'async' || self.placement != 'colocated'",
+        message="spec.rollout.mode async generates while the trainer trains, which colocated "
+        "placement cannot do: the engines give their GPUs to the trainer while it trains; use "
+        "rollout.mode sync or placement disaggregated",
+        check=lambda s: s["rollout"]["mode"] != "async" or s["placement"] != "colocated",
+        field_path=".rollout.mode",
+    ),
+    Rule(
+        at=("rollout",),
+        cel="self.mode == 'async' || !has(self.maxStaleness)",
+        message="spec.rollout.maxStaleness bounds how far async generation lags the trainer; "
+        "a sync rollout never lags: set rollout.mode async or remove maxStaleness",
+        check=lambda r: r["mode"] == "async" or r.get("maxStaleness") is None,
+        field_path=".maxStaleness",
+    ),
+    Rule(
         at=("recovery",),
         cel="self.maxBackoffSeconds >= self.backoffSeconds",
         message="spec.recovery.maxBackoffSeconds must be >= backoffSeconds; raise it",

@@ -50,6 +50,11 @@ class RolloutBackend(str, Enum):
     hf = "hf"
 
 
+class RolloutMode(str, Enum):
+    sync = "sync"
+    async_ = "async"
+
+
 class Placement(str, Enum):
     colocated = "colocated"
     disaggregated = "disaggregated"
@@ -220,6 +225,24 @@ class RolloutSpec(ApiModel):
         ),
     )
     sampling: Sampling = Field(default_factory=Sampling, description="Generation settings.")
+    mode: RolloutMode = Field(
+        RolloutMode.sync,
+        description=(
+            "`sync`: each step generates, then trains, then sends the new weights. `async`: the "
+            "next step's batch is generated while the trainer trains, by the weights the "
+            "engines have, so samples lag the trained policy by up to maxStaleness versions."
+        ),
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=(
+            "Async only (default 1): the most policy versions a trained sample may lag. The "
+            "engines get new weights whenever the next batch would lag more; 1 sends them "
+            "every step, n every n-th step."
+        ),
+    )
 
 
 class GSPOSpec(ApiModel):

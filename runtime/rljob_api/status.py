@@ -94,6 +94,22 @@ class Progress(ApiModel):
     tokens_per_second: float | None = Field(None, description="Generated tokens per second.")
     weight_version: int = Field(0, description="Weight version the rollout engines serve.")
     skipped_steps: int = Field(0, description="Steps skipped for non-finite loss or gradients.")
+    policy_version: int = Field(
+        0, description="Weight version of the trainer; ahead of weightVersion in async mode."
+    )
+    staleness_mean: float | None = Field(
+        None, description="Mean policy versions the last step's samples lagged the trainer."
+    )
+    staleness_max: int | None = Field(
+        None, description="Most policy versions a sample of the last step lagged the trainer."
+    )
+    filtered_groups: int | None = Field(
+        None, description="Zero-variance groups dynamic sampling set aside in the last step."
+    )
+    logprob_gap: float | None = Field(
+        None,
+        description="Mean |trainer − engine| log-prob per response token in the last step.",
+    )
     non_finite: ShortText | None = Field(
         None, description="Set when a reported figure was NaN/Inf: which one."
     )

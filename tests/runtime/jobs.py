@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from rljob import metrics_log
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job
 from tests.controlplane import REPO
@@ -44,3 +45,14 @@ def job_file(tmp: Path, *overrides: dict[str, Any], name: str = "job") -> Path:
 
 def job_spec(tmp: Path, *overrides: dict[str, Any]) -> RLJobSpec:
     return load_job(job_file(tmp, *overrides))[1]
+
+
+# Figures that depend on the machine's speed, not on what was trained.
+TIMING = {"tokens_per_second", "rollout_seconds", "rollout_wait_seconds", "train_seconds",
+          "step_seconds"}
+
+
+def metric_rows(workdir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl of a run without its timings: equal for runs that trained the same."""
+    return [{k: v for k, v in r.items() if k not in TIMING}
+            for r in metrics_log.read(workdir / metrics_log.METRICS_FILE)]

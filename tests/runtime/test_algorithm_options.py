@@ -6,25 +6,17 @@ data cursor stays exact although dynamic sampling consumes a varying number of p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from rljob import metrics_log
 from rljob.cluster import RunOptions
 from rljob.driver import run_job
 from rljob.exit_codes import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
-from tests.runtime.jobs import job_spec
+from tests.runtime.jobs import job_spec, metric_rows
 
 pytestmark = pytest.mark.runtime
 
-TIMING = {"tokens_per_second", "rollout_seconds", "train_seconds", "step_seconds"}
-
-
-def _rows(workdir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMING}
-            for r in metrics_log.read(workdir / metrics_log.METRICS_FILE)]
 
 
 def test_gspo_with_tis_and_dynamic_sampling_resumes_exactly(
@@ -36,9 +28,9 @@ def test_gspo_with_tis_and_dynamic_sampling_resumes_exactly(
     assert run_job("job", spec, RunOptions(straight), reporter) == EXIT_OK
     assert run_job("job", spec, RunOptions(split, max_steps=2), RecordingReporter()) == EXIT_OK
     assert run_job("job", spec, RunOptions(split), RecordingReporter()) == EXIT_OK
-    rows = _rows(straight)
+    rows = metric_rows(straight)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert rows == _rows(split)
+    assert rows == metric_rows(split)
     want = spec.algorithm.rollout_batch_size
     for r in rows:
         assert 1 <= r["generation_rounds"] <= 2

@@ -15,6 +15,7 @@ from rljob import driver
 from rljob.cluster import Workers
 from rljob.driver import Job
 from rljob.loop_state import LoopState
+from rljob.rollout_pipeline import RolloutPipeline
 from rljob.tracking import Trackers
 from rljob.trainer.trainer_group import TrainerGroup
 
@@ -48,6 +49,8 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
             [], {"tokens_per_second": 1.0, "rollout_seconds": 0.1})}))
     job.state = LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
                           skipped_steps=0, train_step=3, samples=0)
+    job.batches = RolloutPipeline(job.workers.rollout)
+    job.pipelined, job.max_staleness, job.engine_version = False, 0, 3  # colocated: sync
     job.spec = SimpleNamespace(
         algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10),
         data=SimpleNamespace(eval_dataset=None, eval_interval=0))

@@ -16,16 +16,10 @@ from rljob.driver import run_job
 from rljob.exit_codes import NONFINITE as EXIT_NONFINITE
 from rljob.exit_codes import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
-from tests.runtime.jobs import job_spec
+from tests.runtime.jobs import job_spec, metric_rows
 
 pytestmark = pytest.mark.runtime
 
-TIMING = {"tokens_per_second", "rollout_seconds", "train_seconds", "step_seconds"}
-
-
-def _rows(workdir: Path) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k not in TIMING}
-            for r in metrics_log.read(workdir / metrics_log.METRICS_FILE)]
 
 
 def _final_weights(workdir: Path) -> dict[str, Any]:
@@ -38,11 +32,11 @@ def test_resume_is_exact(ray_local: None, tmp_path: Path, reporter: RecordingRep
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_job("job", spec, RunOptions(straight), reporter) == EXIT_OK
     assert run_job("job", spec, RunOptions(split, max_steps=2), RecordingReporter()) == EXIT_OK
-    assert len(_rows(split)) == 2
+    assert len(metric_rows(split)) == 2
     resumed = RecordingReporter()
     assert run_job("job", spec, RunOptions(split), resumed) == EXIT_OK
 
-    a, b = _rows(straight), _rows(split)
+    a, b = metric_rows(straight), metric_rows(split)
     assert [r["step"] for r in a] == [1, 2, 3, 4]
     assert a == b  # every figure of every step, bit for bit
     wa, wb = _final_weights(straight), _final_weights(split)
@@ -78,7 +72,7 @@ def test_it_learns(ray_local: None, tmp_path: Path, reporter: RecordingReporter)
         "checkpoint": {"interval": 40},
     })
     assert run_job("job", spec, RunOptions(tmp_path / "w"), reporter) == EXIT_OK
-    rewards = [r["reward"] for r in _rows(tmp_path / "w")]
+    rewards = [r["reward"] for r in metric_rows(tmp_path / "w")]
     baseline = sum(rewards[:3]) / 3
     final = sum(rewards[-8:]) / 8
     assert final > baseline + 0.08, (baseline, final, rewards)
@@ -94,7 +88,7 @@ def test_nonfinite_rewards_stop_the_run_with_evidence(
     workdir = tmp_path / "w"
     assert run_job("job", spec, RunOptions(workdir), reporter) == EXIT_NONFINITE
     # 2 optimizer steps per rollout step: skipped 2, then 2 more → stop at the third
-    rows = _rows(workdir)
+    rows = metric_rows(workdir)
     assert len(rows) == 1 and rows[0]["skipped_steps"] == 2 and rows[0]["weight_version"] == 0
     assert reporter.progresses[-1].skipped_steps == 2
     (failure,) = reporter.failures
