@@ -17,6 +17,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from rljob.algo.losses import LossKind
     from rljob.megatron_backend.training import MegatronTrainer, PolicyMicroBatch
 
 pytestmark = [
@@ -73,7 +74,7 @@ def _hf_state(model: PreTrainedModel, tied: bool) -> dict[str, torch.Tensor]:
 
 
 def _trainer(
-    model: PreTrainedModel, tied: bool, dtype: torch.dtype = torch.float32
+    model: PreTrainedModel, tied: bool, dtype: torch.dtype = torch.float32, kind: LossKind = "ppo"
 ) -> MegatronTrainer:
     from rljob.megatron_backend.shape import ModelShape
     from rljob.megatron_backend.training import MegatronTrainer, PolicyLossConfig
@@ -85,11 +86,12 @@ def _trainer(
         lr=1e-3,
         weight_decay=0.0,
         max_grad_norm=1e9,
-        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01),
+        loss=PolicyLossConfig(kind=kind, clip_low=0.2, clip_high=0.28, kl_coef=0.05,
+                              entropy_coef=0.01),
     )
 
 
-def _batches(seed: int, n: int = 2, batch: int = 3) -> list[PolicyMicroBatch]:
+def _batches(seed: int, n: int = 2, batch: int = 3, tis: bool = False) -> list[PolicyMicroBatch]:
     from rljob.megatron_backend.training import PolicyMicroBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -113,12 +115,15 @@ def _batches(seed: int, n: int = 2, batch: int = 3) -> list[PolicyMicroBatch]:
                 old_logp=old,
                 advantages=torch.randn(batch, r_max, generator=g),
                 ref_logp=old - 0.1 * torch.rand(batch, r_max, generator=g),
+                is_weight=(torch.rand(batch, r_max, generator=g) * 2).clamp(max=1.5)
+                if tis else None,
             )
         )
     return out
 
 
-def _torch_path(model: PreTrainedModel, batches: list[PolicyMicroBatch]) -> tuple[float, float]:
+def _torch_path(model: PreTrainedModel, batches: list[PolicyMicroBatch], kind: LossKind = "ppo"
+                ) -> tuple[float, float]:
     """The torch backend's computation: HF model, chunked log-probs, the shared policy loss."""
     from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
     from rljob.algo.losses import policy_loss
@@ -147,6 +152,8 @@ def _torch_path(model: PreTrainedModel, batches: list[PolicyMicroBatch]) -> tupl
             clip_high=0.28,
             kl_coef=0.05,
             entropy_coef=0.01,
+            kind=kind,
+            is_weight=None if b.is_weight is None else b.is_weight.cuda(),
         )
         torch.autograd.backward(terms.loss)
         loss_value += float(terms.loss.detach())
@@ -167,14 +174,20 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(kind: str, tied: bool) -> None:
     assert exported["model.embed_tokens.weight"].shape[0] == SMALL["vocab_size"]
 
 
-@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True)])
-def test_same_loss_and_grad_norm_as_torch_path(kind: str, tied: bool) -> None:
+@pytest.mark.parametrize(("kind", "tied", "loss", "tis"), [
+    ("llama", False, "ppo", False), ("qwen2", True, "ppo", False),
+    ("qwen2", True, "gspo", False), ("llama", False, "cispo", False),
+    ("qwen2", True, "ppo", True), ("llama", False, "gspo", True)])
+def test_same_loss_and_grad_norm_as_torch_path(kind: str, tied: bool, loss: LossKind, tis: bool
+                                               ) -> None:
+    """Every policy loss the API offers (grpo and reinforce++ use `ppo`), with and without
+    truncated importance weights, gives the torch path's loss and gradient norm."""
     model = _hf_model(kind, tied)
-    trainer = _trainer(model, tied)
-    batches = _batches(seed=7)
-    ref_loss, ref_norm = _torch_path(model, batches)
+    trainer = _trainer(model, tied, kind=loss)
+    batches = _batches(seed=7, tis=tis)
+    ref_loss, ref_norm = _torch_path(model, batches, kind=loss)
     metrics = trainer.train_step(batches)
-    print(f"{kind}: loss {metrics['loss']:.8f} vs {ref_loss:.8f}; "
+    print(f"{kind} {loss} tis={tis}: loss {metrics['loss']:.8f} vs {ref_loss:.8f}; "
           f"grad norm {metrics['grad_norm']:.8f} vs {ref_norm:.8f}")
     assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
     assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
