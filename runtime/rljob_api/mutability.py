@@ -84,6 +84,10 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
     FieldEffect("rollout.resources", Effect.compute, "rollout pods replaced"),
     FieldEffect("rollout.sglangArgs", Effect.restart, "engines restart with the driver"),
     FieldEffect("rollout.sampling", Effect.restart, _RESTART_CONFIG),
+    FieldEffect("rollout.partialRollout", Effect.restart,
+                "read by the runtime when the driver starts; generations a checkpoint carries "
+                "are continued, or, with partialRollout disabled, their prompts generated "
+                "again"),
     FieldEffect("placement", Effect.immutable, "the shape of the RayCluster",
                 "spec.placement is immutable on an existing job; create a new RLJob"),
     FieldEffect("algorithm.estimator", Effect.immutable,
