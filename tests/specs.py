@@ -159,6 +159,8 @@ BAD_SPECS: list[BadSpec] = [
             "spec.algorithm.tis.cap"),
     BadSpec("dynamic-sampling-rounds", {"algorithm.dynamicSampling": {"maxRounds": 1}},
             "spec.algorithm.dynamicSampling.maxRounds"),
+    BadSpec("partial-rollout-over-sampling", {"rollout.partialRollout": {"overSampling": 0}},
+            "spec.rollout.partialRollout.overSampling"),
     BadSpec("lr-positive", {"algorithm.lr": 0}, "spec.algorithm.lr"),
     BadSpec("clip-range", {"algorithm.clipEps": 1.5}, "spec.algorithm.clipEps"),
     BadSpec(

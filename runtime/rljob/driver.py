@@ -105,7 +105,10 @@ class Job:
         t0 = time.monotonic()
         if w.offload:  # the trainers' parameters, gradients and optimizer state leave
             w.trainers.offload()
-        batch = self.batches.take(state.step, self.engine_version)  # rewarded samples
+        bound = self.max_staleness if self.pipelined else None
+        # rewarded samples; a batch generated now is trained at the trainer's version now
+        batch = self.batches.take(state.step, self.engine_version,
+                                  None if bound is None else state.weight_version - bound)
         t1 = time.monotonic()
         if self.pipelined and state.step + 1 < self.spec.algorithm.total_steps:
             # The next batch is trained after this step's update (one version on): the
@@ -114,11 +117,12 @@ class Job:
             # the checkpoint, and the resumed run trains on it.
             if state.weight_version + 1 - self.engine_version > self.max_staleness:
                 self.publish()
-            self.batches.launch(state.step + 1, self.engine_version)
+            self.batches.launch(state.step + 1, self.engine_version,
+                                state.weight_version + 1 - self.max_staleness)
         if w.offload:  # the engines' weights and caches leave; the trainers come back
             w.release_engines()
         samples = batch.samples
-        staleness = Staleness.of(batch, state.weight_version, self.max_staleness)
+        staleness = Staleness.of(batch, state.weight_version, bound)
         m = w.trainers.train(samples, check_initial_kl=state.step == 0)  # log-probs, steps
         weights_kept = w.resume_engines() if w.offload else True
         t2 = time.monotonic()
@@ -133,8 +137,9 @@ class Job:
         elif not weights_kept:  # SGLang dropped its released weights: the same version again
             self.publish(again=True)
         rollout = {**batch.stats, "rollout_wait_seconds": t1 - t0,
-                   "staleness_mean": staleness.mean, "staleness_max": float(staleness.max),
-                   "stale_samples": float(staleness.over_bound)}
+                   "staleness_mean": staleness.mean, "staleness_max": float(staleness.max)}
+        if self.pipelined:
+            rollout["stale_samples"] = float(staleness.over_bound)
         self.report(m, rollout, train_seconds=t2 - t1, step_seconds=time.monotonic() - t0)
         bar.update(state.step, m["reward"], rollout["tokens_per_second"])
 

@@ -53,17 +53,39 @@ async def default_reward(args: HookArgs, sample: Sample) -> float:
 async def default_generate(
     args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
 ) -> Sample:
-    """One completion from the sample's engine, with the engine's log-probs and version."""
+    """One completion from the sample's engine, with the engine's log-probs and version.
+
+    A sample that already holds a partial response (partial rollout aborted it at a step
+    boundary) is continued rather than started over: the engine gets the prompt and the
+    partial response as its input and `max_new_tokens` less what the response already
+    has, and the new tokens, log-probs and loss mask are appended, the version that made
+    them recorded in `Sample.version_spans`. An aborted generation keeps what it got, with
+    status aborted; the rollout worker decides whether it is carried or started over.
+    """
+    prior = sample.response_tokens()
     params = dict(sampling_params, sampling_seed=sample.seed)
-    out = await args.engine_for(sample).generate(sample.prompt_tokens, params)
+    if prior and params.get("max_new_tokens") is not None:
+        params["max_new_tokens"] = int(params["max_new_tokens"]) - len(prior)
+        if params["max_new_tokens"] <= 0:  # a full-length response was never aborted
+            sample.status = Status.truncated
+            return sample
+    out = await args.engine_for(sample).generate(list(sample.prompt_tokens) + prior, params)
     meta = out["meta_info"]
-    response = [int(t) for t in out["output_ids"]]
-    sample.tokens = list(sample.prompt_tokens) + response
-    sample.response_length = len(response)
-    sample.response = str(out.get("text", args.tokenizer.decode(response)))
-    sample.rollout_log_probs = [float(lp[0]) for lp in meta["output_token_logprobs"]]
-    sample.loss_mask = [1] * len(response)
-    sample.weight_version = str(meta.get("weight_version", ""))
+    new = [int(t) for t in out["output_ids"]]
+    text = str(out.get("text", args.tokenizer.decode(new)))
+    if not prior:  # a fresh generation: nothing of an earlier attempt stays
+        sample.response, sample.rollout_log_probs, sample.loss_mask = "", [], []
+        sample.version_spans = []
+    sample.tokens = list(sample.prompt_tokens) + prior + new
+    sample.response_length = len(prior) + len(new)
+    sample.response += text
+    sample.rollout_log_probs += [float(lp[0]) for lp in meta["output_token_logprobs"]]
+    sample.loss_mask += [1] * len(new)
+    version = str(meta.get("weight_version", ""))
+    if new or not prior:  # the version of the last token: unchanged if this call added none
+        sample.weight_version = version
+    if new:
+        sample.add_span(version, len(prior))
     finish = (meta.get("finish_reason") or {}).get("type")
     sample.status = {"stop": Status.completed, "length": Status.truncated}.get(
         str(finish), Status.aborted

@@ -4,6 +4,12 @@ It owns the data source (cursor and buffer) and the engine clients, and runs as 
 actor so user hooks execute in a worker process. Each sample gets a sampling seed fixed
 by (job seed, rollout step, group, index), so a resumed run regenerates exactly what an
 uninterrupted one would have.
+
+With partial rollout (`spec.rollout.partialRollout`) that exactness ends: which groups
+finish before the step's cut depends on timing. A carried sample's continuation gets a
+fresh seed from the step, group and index it is continued under; the checkpoint holds the
+carried groups, so a resume continues the same ones and loses none, but the tokens it
+generates for them are not bit-identical with an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -31,8 +37,22 @@ class NotEnoughSamples(RuntimeError):
     """Too many generations were aborted to fill one rollout batch."""
 
 
+def _done(sample: Sample) -> bool:
+    return sample.status in (Status.completed, Status.truncated)
+
+
 def _finished(group: list[Sample]) -> bool:
-    return all(s.status in (Status.completed, Status.truncated) for s in group)
+    return all(_done(s) for s in group)
+
+
+def _carryable(group: list[Sample]) -> bool:
+    """Every unfinished sample was aborted or never sent, so it can be continued; a sample
+    a generate function marked failed makes the group start over from its prompt."""
+    return all(_done(s) or s.status in (Status.aborted, Status.pending) for s in group)
+
+
+def _prompt_of(job: Prompt | list[Sample]) -> Prompt:
+    return job if isinstance(job, Prompt) else Prompt(job[0].prompt, job[0].label)
 
 
 def _zero_variance(group: list[Sample]) -> bool:
@@ -50,6 +70,8 @@ class RolloutWorker(Locatable):
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.model_dir = model_dir
         self.engine_urls = engine_urls
+        # Partial rollout: groups cut off at the last step boundary, continued first next step.
+        self.carried: list[list[Sample]] = []
 
     def setup(self) -> list[str]:
         """Load data and hooks here, in the worker; return the problems instead of raising."""
@@ -73,24 +95,81 @@ class RolloutWorker(Locatable):
                 "max_new_tokens": s.max_new_tokens, "stop": list(s.stop)}
 
     async def _run_group(
-        self, args: HookArgs, prompt: Prompt, group: int, step: int, sem: asyncio.Semaphore
+        self, args: HookArgs, job: Prompt | list[Sample], group: int, step: int,
+        sem: asyncio.Semaphore, cut: asyncio.Event,
     ) -> list[Sample]:
-        n = self.spec.algorithm.n_samples_per_prompt
+        """One group: a new prompt's nSamplesPerPrompt samples, or a carried group whose
+        unfinished samples are continued (finished ones are kept as they are). Every sample
+        generated gets the seed of (step, group, index). Once `cut` is set (partial rollout:
+        the step has its groups), samples still waiting for a slot are not sent."""
+        if isinstance(job, Prompt):
+            tokens = self.codec.encode(job.prompt)
+            samples = [Sample(prompt=job.prompt, label=job.label, index=i,
+                              prompt_tokens=list(tokens))
+                       for i in range(self.spec.algorithm.n_samples_per_prompt)]
+        else:
+            samples = job
 
-        async def one(index: int) -> Sample:
-            sample = Sample(prompt=prompt.prompt, label=prompt.label, group_index=group,
-                            index=index, prompt_tokens=self.codec.encode(prompt.prompt),
-                            seed=sample_seed(self.spec.algorithm.seed, step, group, index))
+        async def one(sample: Sample) -> Sample:
+            if _done(sample):
+                return sample
+            sample.group_index = group
+            sample.seed = sample_seed(self.spec.algorithm.seed, step, group, sample.index)
             async with sem:
+                if cut.is_set():
+                    return sample
                 sample = await self.generate_fn(args, sample, self._sampling())
-                if sample.status in (Status.completed, Status.truncated):
+                if _done(sample):
                     path = self.spec.reward.function
                     sample.reward = as_reward(await self.reward_fn(args, sample), path)
             return sample
 
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
+        # In place: a carried group stays the same list, which generate() keys it by.
+        samples[:] = await asyncio.gather(*(one(s) for s in samples))
+        return samples
 
-    async def generate(self, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    async def _round(
+        self, args: HookArgs, jobs: list[Prompt | list[Sample]], first: int, step: int,
+        sem: asyncio.Semaphore, engines: list[EngineClient], cut_at: int | None,
+        filtering: bool,
+    ) -> tuple[list[list[Sample]], list[bool], bool]:
+        """Generate `jobs` concurrently as groups first, first + 1, ...; return the groups
+        in launch order, whether each finished, and whether the round was cut.
+
+        With `cut_at` (partial rollout), as soon as that many groups finished and count
+        for the batch (not set aside by dynamic sampling while `filtering`), the engines'
+        requests are aborted: each answers at once with what it generated so far, and
+        samples still waiting for a slot are not sent.
+        """
+        cut = asyncio.Event()
+        tasks = [asyncio.create_task(self._run_group(args, job, first + i, step, sem, cut))
+                 for i, job in enumerate(jobs)]
+        try:
+            if cut_at is None:
+                groups = list(await asyncio.gather(*tasks))
+                return groups, [_finished(g) for g in groups], False
+            position = {task: i for i, task in enumerate(tasks)}
+            finished = [False] * len(tasks)
+            counted = 0
+            pending = set(tasks)
+            while pending:
+                complete, pending = await asyncio.wait(pending,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                for task in complete:
+                    group = task.result()
+                    finished[position[task]] = _finished(group)
+                    if finished[position[task]] and not (filtering and _zero_variance(group)):
+                        counted += 1
+                if counted >= cut_at and not cut.is_set():
+                    cut.set()
+                    await asyncio.gather(*(e.abort_all() for e in engines))
+            return [t.result() for t in tasks], finished, cut.is_set()
+        finally:
+            for task in tasks:  # only left running when one of them raised
+                task.cancel()
+
+    async def generate(self, step: int, oldest_version: int | None = None
+                       ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """One rollout step: rolloutBatchSize complete groups, as JSON-able sample dicts.
 
         Groups with an aborted sample go back to the data source and are generated again
@@ -99,14 +178,27 @@ class RolloutWorker(Locatable):
         still short then, the set-aside groups fill it. Every group of the step gets its own
         sampling seeds (a counter over the step's groups), and dropped prompts stay consumed,
         so the checkpointed data cursor and buffer resume exactly where this step left off.
+
+        With partial rollout, each round starts overSampling groups more than it needs,
+        groups carried from the last step first; when enough are finished the round is cut
+        (`_round`), and the unfinished groups of a cut round are carried to the next step
+        with their partial responses (as are groups that finished after the cut) instead
+        of going back as prompts. A group aborted in a round that was not cut (by its
+        generate function, not by us) still starts over from its prompt. `oldest_version`
+        (async rollout's staleness bound) drops carried groups with tokens of an older
+        weight version: their prompts are generated again from scratch, and counted.
         """
         started = time.monotonic()
         want = self.spec.algorithm.rollout_batch_size
         dynamic = self.spec.algorithm.dynamic_sampling
+        partial = self.spec.rollout.partial_rollout
+        extra = partial.extra_groups(want)
         filter_rounds = dynamic.max_rounds if dynamic.enabled else 0
         done: list[list[Sample]] = []
         uniform: list[list[Sample]] = []
-        attempted = rounds = uniform_kept = 0
+        attempted = rounds = uniform_kept = resumed_groups = 0
+        brought: dict[int, int] = {}  # id(carried group) → response tokens it brought along
+        stale = self._drop_stale_carried(oldest_version)
         engines = [EngineClient(u) for u in self.engine_urls]
         try:
             args = HookArgs(self.spec, engines, self.codec, self.task)
@@ -116,18 +208,33 @@ class RolloutWorker(Locatable):
                     raise NotEnoughSamples(
                         f"step {step}: only {len(done)}/{want} groups finished after {rounds} "
                         "attempts; the generate function keeps aborting samples")
-                prompts = self.source.take(want - len(done))
-                groups = await asyncio.gather(*(
-                    self._run_group(args, p, attempted + i, step, sem)
-                    for i, p in enumerate(prompts)))
-                attempted += len(prompts)
+                need = want - len(done)
+                resumed = self.carried[: need + extra]
+                del self.carried[: len(resumed)]
+                resumed_groups += len(resumed)
+                brought.update({id(g): sum(s.response_length for s in g) for g in resumed})
+                jobs: list[Prompt | list[Sample]] = [
+                    *resumed, *self.source.take(need + extra - len(resumed))]
+                filtering = rounds < filter_rounds
+                groups, finished, was_cut = await self._round(
+                    args, jobs, attempted, step, sem, engines,
+                    need if partial.enabled else None, filtering)
+                attempted += len(jobs)
                 rounds += 1
-                self.source.give_back([p for p, g in zip(prompts, groups, strict=True)
-                                       if not _finished(g)])
-                for g in groups:
-                    if not _finished(g):
-                        continue
-                    (uniform if rounds <= filter_rounds and _zero_variance(g) else done).append(g)
+                again: list[Prompt] = []
+                for job, g, ok in zip(jobs, groups, finished, strict=True):
+                    if not ok:
+                        if was_cut and _carryable(g):
+                            self.carried.append(g)
+                        else:
+                            again.append(_prompt_of(job))
+                    elif filtering and _zero_variance(g):
+                        uniform.append(g)
+                    elif len(done) < want:
+                        done.append(g)
+                    else:  # finished after the cut: the next step takes it as it is
+                        self.carried.append(g)
+                self.source.give_back(again)
                 if rounds == filter_rounds:  # no more filtering: set-aside groups fill the gap
                     uniform_kept = min(len(uniform), want - len(done))
                     done += uniform[:uniform_kept]
@@ -147,6 +254,14 @@ class RolloutWorker(Locatable):
         if dynamic.enabled:
             stats["filtered_groups"] = float(len(uniform))
             stats["filtered_groups_kept"] = float(uniform_kept)
+        if partial.enabled:
+            stats["partial_groups_carried"] = float(len(self.carried))
+            stats["partial_groups_resumed"] = float(resumed_groups)
+            stats["partial_tokens_resumed"] = float(sum(brought.get(id(g), 0) for g in done))
+            stats["stale_groups_dropped"] = float(stale)
+            if partial.mask_off_policy_tokens:
+                stats["masked_off_policy_tokens"] = float(
+                    sum(s.mask_older_versions() for s in samples))
         return [s.to_json() for s in samples], stats
 
     def _check_log_probs(self, samples: list[Sample]) -> None:
@@ -186,8 +301,34 @@ class RolloutWorker(Locatable):
             await asyncio.gather(*(e.aclose() for e in engines))
         return sum(rewards) / len(rewards)
 
+    def _drop_stale_carried(self, oldest_version: int | None) -> int:
+        """Carried groups with a token older than `oldest_version` would lag the trainer by
+        more than async rollout's bound: their prompts go back to be generated afresh."""
+        if oldest_version is None:
+            return 0
+        keep: list[list[Sample]] = []
+        stale: list[list[Sample]] = []
+        for g in self.carried:
+            versions = [s.first_weight_version for s in g if s.first_weight_version]
+            old = any(v.lstrip("-").isdigit() and int(v) < oldest_version for v in versions)
+            (stale if old else keep).append(g)
+        self.carried = keep
+        self.source.give_back([_prompt_of(g) for g in stale])
+        return len(stale)
+
     def state(self) -> dict[str, Any]:
-        return self.source.state()
+        """The data cursor and buffer; with partial rollout also the carried groups, partial
+        responses, log-probs and versions included, so a resume continues them."""
+        state = self.source.state()
+        if self.spec.rollout.partial_rollout.enabled:
+            state["partial_groups"] = [[s.to_json() for s in g] for g in self.carried]
+        return state
 
     def load(self, state: dict[str, Any]) -> None:
+        """Back to a checkpoint's state. Groups a run with partial rollout carried are
+        continued; with partialRollout now disabled their prompts are generated again."""
         self.source.load(state)
+        self.carried = [[Sample.from_json(d) for d in g] for g in state.get("partial_groups", [])]
+        if self.carried and not self.spec.rollout.partial_rollout.enabled:
+            self.source.give_back([_prompt_of(g) for g in self.carried])
+            self.carried = []

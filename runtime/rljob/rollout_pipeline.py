@@ -32,11 +32,13 @@ class Batch:
     engine_version: int  # the version the engines served when its generation began
 
     def sample_versions(self) -> list[int]:
-        """The weight version that generated each sample: the engine's own report, or the
-        version it served at the start when a custom generate function did not record it."""
+        """The oldest weight version that generated each sample: the engine's own report (of
+        its first token's version, for a sample a partial rollout continued), or the version
+        it served at the start when a custom generate function did not record one."""
         out = []
         for s in self.samples:
-            reported = str(s.get("weight_version", ""))
+            spans = s.get("version_spans") or []
+            reported = str(spans[0][0] if spans else s.get("weight_version", ""))
             out.append(int(reported) if reported.lstrip("-").isdigit() else self.engine_version)
         return out
 
@@ -47,14 +49,15 @@ class Staleness:
 
     mean: float
     max: int
-    over_bound: int  # samples lagging more than the bound (none when the loop keeps it)
+    over_bound: int  # samples lagging more than the bound (none while the loop keeps it)
 
     @classmethod
-    def of(cls, batch: Batch, policy_version: int, bound: int) -> Staleness:
+    def of(cls, batch: Batch, policy_version: int, bound: int | None) -> Staleness:
         lags = [policy_version - v for v in batch.sample_versions()]
         if not lags:
             return cls(0.0, 0, 0)
-        return cls(sum(lags) / len(lags), max(lags), sum(1 for lag in lags if lag > bound))
+        over = 0 if bound is None else sum(1 for lag in lags if lag > bound)
+        return cls(sum(lags) / len(lags), max(lags), over)
 
 
 class RolloutPipeline:
@@ -65,12 +68,14 @@ class RolloutPipeline:
         self.in_flight: tuple[int, int, ray.ObjectRef[Any]] | None = None
         self.ready: Batch | None = None
 
-    def launch(self, step: int, engine_version: int) -> None:
-        """Start generating `step`'s batch; it runs while the caller trains."""
+    def launch(self, step: int, engine_version: int, oldest_version: int | None) -> None:
+        """Start generating `step`'s batch; it runs while the caller trains. Carried partial
+        generations with tokens older than `oldest_version` are not continued."""
         assert self.in_flight is None and self.ready is None, "one batch ahead at most"
-        self.in_flight = (step, engine_version, self.rollout.generate.remote(step))
+        self.in_flight = (step, engine_version,
+                          self.rollout.generate.remote(step, oldest_version))
 
-    def take(self, step: int, engine_version: int) -> Batch:
+    def take(self, step: int, engine_version: int, oldest_version: int | None) -> Batch:
         """`step`'s batch: the one kept or started earlier, else generated now."""
         self.settle()
         batch, self.ready = self.ready, None
@@ -79,7 +84,7 @@ class RolloutPipeline:
                 raise RuntimeError(f"the pending rollout batch is for step {batch.step}, "
                                    f"not {step}")
             return batch
-        samples, stats = ray.get(self.rollout.generate.remote(step))
+        samples, stats = ray.get(self.rollout.generate.remote(step, oldest_version))
         return Batch(step, samples, stats, engine_version)
 
     def settle(self) -> Batch | None:

@@ -21,8 +21,16 @@ class Sample:
 
     `tokens` holds prompt and response ids; `loss_mask` has one entry per response token
     (1 = trained on, 0 = e.g. a tool output a custom generate function inserted).
-    `weight_version` is the engine's version that produced the response, so staleness is
-    visible; `rollout_log_probs` are the engine's log-probs of the response tokens.
+    `weight_version` is the version of the engine that produced the response's LAST token,
+    so staleness is visible; `rollout_log_probs` are the engine's log-probs of the response
+    tokens.
+
+    A generation that partial rollout aborted at a step boundary and continued later was
+    produced by more than one weight version: `version_spans` lists them in order as
+    (version, index in the response of its first token), one entry per engine call that
+    added tokens, so the tokens of older versions can be masked (`mask_older_versions`)
+    and `first_weight_version` shows the oldest. The built-in generate function fills it;
+    a custom one may leave it empty (then nothing is masked).
     """
 
     prompt: str
@@ -40,9 +48,35 @@ class Sample:
     status: Status = Status.pending
     seed: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    version_spans: list[tuple[str, int]] = field(default_factory=list)
 
     def response_tokens(self) -> list[int]:
         return self.tokens[len(self.tokens) - self.response_length :]
+
+    @property
+    def first_weight_version(self) -> str:
+        """The version that produced the response's first token (`weight_version` when the
+        response came from one version, or no spans were recorded)."""
+        return self.version_spans[0][0] if self.version_spans else self.weight_version
+
+    def add_span(self, version: str, start: int) -> None:
+        """Record that response tokens from index `start` on came from `version`."""
+        if not self.version_spans or self.version_spans[-1][0] != version:
+            self.version_spans.append((version, start))
+
+    def mask_older_versions(self) -> int:
+        """Loss mask 0 on the response tokens produced by a version other than the one that
+        produced the last token (versions only grow in a run, so other means older);
+        returns how many tokens this newly masked."""
+        ends = [start for _, start in self.version_spans[1:]] + [self.response_length]
+        masked = 0
+        for (version, start), end in zip(self.version_spans, ends, strict=True):
+            if version == self.weight_version:
+                continue
+            for i in range(start, min(end, len(self.loss_mask))):
+                masked += self.loss_mask[i]
+                self.loss_mask[i] = 0
+        return masked
 
     def to_json(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -53,4 +87,6 @@ class Sample:
     def from_json(cls, data: dict[str, Any]) -> Sample:
         data = dict(data)
         data["status"] = Status(data["status"])
+        # JSON (a checkpoint's rollout_state.json) turns the spans' tuples into lists.
+        data["version_spans"] = [(str(v), int(i)) for v, i in data.get("version_spans", [])]
         return cls(**data)

@@ -88,6 +88,10 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "the driver restarts from its checkpoint in the new mode (a batch an async run "
                 "generated ahead is trained on first)"),
     FieldEffect("rollout.maxStaleness", Effect.restart, _RESTART_CONFIG),
+    FieldEffect("rollout.partialRollout", Effect.restart,
+                "read by the runtime when the driver starts; generations a checkpoint carries "
+                "are continued, or, with partialRollout disabled, their prompts generated "
+                "again"),
     FieldEffect("placement", Effect.immutable, "the shape of the RayCluster",
                 "spec.placement is immutable on an existing job; create a new RLJob"),
     FieldEffect("algorithm.estimator", Effect.immutable,

@@ -201,6 +201,50 @@ class Sampling(ApiModel):
     )
 
 
+class PartialRolloutSpec(ApiModel):
+    """Partial rollout with over-sampling (slime's): long generations stop holding a step back.
+
+    Each rollout step starts rolloutBatchSize + `overSampling` groups at once. As soon as
+    rolloutBatchSize of them are finished, the engines' requests in flight are aborted
+    (SGLang's `/abort_request` with `abort_all`) and the unfinished groups are kept, with
+    the tokens, log-probs and weight versions generated so far, in the rollout worker; the
+    next step continues them first (prompt + partial response as the input, max_new_tokens
+    reduced by what each already has), then new prompts fill the rest. Checkpoints carry
+    the kept groups, so a resume loses none. A custom `spec.generate.function` must itself
+    continue a sample that already holds a partial response (the built-in one does, see
+    docs/hooks.md); one that regenerates from the prompt only wastes the partial tokens.
+    """
+
+    enabled: bool = Field(
+        False, description="Abort unfinished generations at the step boundary and continue "
+        "them in the next step."
+    )
+    over_sampling: int | None = Field(
+        None,
+        ge=1,
+        le=1048576,
+        description=(
+            "Groups started per step beyond rolloutBatchSize; unset: max(1, "
+            "rolloutBatchSize // 2)."
+        ),
+    )
+    mask_off_policy_tokens: bool = Field(
+        False,
+        description=(
+            "Give loss mask 0 to the response tokens a sample got from an older weight "
+            "version than the one that finished it (they stay in the context, untrained)."
+        ),
+    )
+
+    def extra_groups(self, rollout_batch_size: int) -> int:
+        """Groups started per step beyond the batch (0 when disabled)."""
+        if not self.enabled:
+            return 0
+        if self.over_sampling is not None:
+            return self.over_sampling
+        return max(1, rollout_batch_size // 2)
+
+
 class RolloutSpec(ApiModel):
     """The generation engines."""
 
@@ -242,6 +286,11 @@ class RolloutSpec(ApiModel):
             "engines get new weights whenever the next batch would lag more; 1 sends them "
             "every step, n every n-th step."
         ),
+    )
+    partial_rollout: PartialRolloutSpec = Field(
+        default_factory=PartialRolloutSpec,
+        description="Over-sample, abort at the step boundary, continue unfinished "
+        "generations in the next step.",
     )
 
 

@@ -97,6 +97,8 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
             "sglangArgs": {"mem-fraction-static": "0.7"},
             "sampling": {"temperature": 0.7, "topP": 0.9, "topK": 50, "maxNewTokens": 256,
                          "stop": ["</answer>"]}}}),
+        Edit("partial-rollout", {"rollout": {"partialRollout": {
+            "enabled": True, "overSampling": 8, "maskOffPolicyTokens": True}}}),
         Edit("algorithm", {"algorithm": {
             "rolloutBatchSize": 64, "nSamplesPerPrompt": 4, "globalBatchSize": 128,
             "stepsPerRollout": 2, "microBatchSize": 16, "totalSteps": 200, "lr": 2e-6,

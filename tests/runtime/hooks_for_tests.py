@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rljob.hooks import HookArgs, default_reward
+from rljob.hooks import HookArgs, default_generate, default_reward
 from rljob.sample import Sample, Status
 
 
@@ -87,3 +89,27 @@ async def label_decides_variance(args: HookArgs, sample: Sample) -> float:
     """Label `v`: the response's index as reward (the group's rewards differ); any other
     label: 1.0 for every response (a zero-variance group)."""
     return float(sample.index) if sample.label == "v" else 1.0
+
+
+async def generate_to_the_limit(
+    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """The built-in generate function with end-of-sequence ignored: a generation ends at
+    maxNewTokens unless aborted, so only a step boundary can cut one short. It continues a
+    carried sample as the built-in one does (it is the built-in one)."""
+    return await default_generate(args, sample, dict(sampling_params, ignore_eos=True))
+
+
+# Set by a test: rewards wait (polling, 30 s deadline) until it returns True.
+REWARD_GATE: Callable[[], bool] | None = None
+
+
+async def reward_after_gate(args: HookArgs, sample: Sample) -> float:
+    """The response's index as reward, once REWARD_GATE holds: a test holds a group's last
+    reward (and so the step's cut) until the engine is mid-way through another generation."""
+    deadline = time.monotonic() + 30
+    while REWARD_GATE is not None and not REWARD_GATE():
+        if time.monotonic() > deadline:
+            raise TimeoutError("REWARD_GATE did not open within 30 s")
+        await asyncio.sleep(0.002)
+    return float(sample.index)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from safetensors.torch import save_file
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.tensor_payload import encode_named_tensors, flat_span
-from rljob.tiny_model import write_tiny
+from rljob.tiny_model import MAX_POSITIONS, write_tiny
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob_api.spec import TinyModel
 
@@ -53,6 +54,55 @@ def test_generate_shape_seeding_and_stop(server: ServerThread) -> None:
             assert greedy["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
     asyncio.run(go())
+
+
+async def _until_generating(engine: HFEngine, task: asyncio.Task[object], tokens: int) -> None:
+    """Poll (deadline 30 s) until the engine's running generation has `tokens` tokens."""
+    deadline = time.monotonic() + 30
+    while engine.tokens_in_flight < tokens:
+        assert not task.done(), f"the generation ended before {tokens} tokens: {task.result()}"
+        assert time.monotonic() < deadline, "the engine never started generating"
+        await asyncio.sleep(0.005)
+
+
+def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThread) -> None:
+    """SGLang's `/abort_request` with abort_all: the running generation answers at once with
+    the tokens it has and finish_reason abort; a request after the abort runs normally."""
+    longest = MAX_POSITIONS - 8
+    params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
+              "ignore_eos": True}
+
+    async def go() -> None:
+        async with EngineClient(server.url) as c:
+            c.wait_healthy(30)
+            running = asyncio.create_task(c.generate([4, 5, 6], params))
+            await _until_generating(server.engine, running, 3)
+            await c.abort_all()
+            cut = await running
+            meta = cut["meta_info"]
+            assert meta["finish_reason"]["type"] == "abort"
+            got = cut["output_ids"]
+            assert 3 <= len(got) < longest
+            assert [t for _, t, _ in meta["output_token_logprobs"]] == got
+            assert meta["completion_tokens"] == len(got) and meta["weight_version"] == "0"
+            # the partial answer is what the same request generates up to the cut
+            again = await c.generate([4, 5, 6], dict(params, max_new_tokens=len(got) + 4))
+            assert again["meta_info"]["finish_reason"] == {"type": "length",
+                                                          "length": len(got) + 4}
+            assert again["output_ids"][: len(got)] == got
+            assert [lp for lp, _, _ in again["meta_info"]["output_token_logprobs"]][
+                : len(got)] == [lp for lp, _, _ in meta["output_token_logprobs"]]
+            # continuing from prompt + partial answer (what partial rollout sends) works too
+            more = await c.generate([4, 5, 6, *got], dict(params, max_new_tokens=5))
+            assert more["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+    asyncio.run(go())
+    request = urllib.request.Request(server.url + "/abort_request", method="POST",
+                                     data=json.dumps({"rid": "r1"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:  # no request ids in this engine
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 400 and b"abort_all" in refused.value.read()
 
 
 def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: Path) -> None:

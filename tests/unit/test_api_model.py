@@ -101,6 +101,27 @@ def test_dynamic_sampling_and_tis_are_accepted_with_a_group_baseline(estimator: 
     assert manifest_problems(doc) == []
 
 
+def test_partial_rollout_is_accepted_with_dynamic_sampling_and_a_custom_generate() -> None:
+    doc = BadSpec("ok", {"rollout.partialRollout": {"enabled": True, "overSampling": 3,
+                                                    "maskOffPolicyTokens": True},
+                         "algorithm.dynamicSampling": {"enabled": True},
+                         "generate.function": "my_generate:generate"}, "").apply_to(base_job())
+    assert manifest_problems(doc) == []
+    # options without `enabled` are inert defaults, not contradictions
+    inert = BadSpec("ok", {"rollout.partialRollout": {"overSampling": 3}}, "")
+    assert manifest_problems(inert.apply_to(base_job())) == []
+
+
+@pytest.mark.parametrize(("batch", "over", "extra"),
+                         [(32, None, 16), (1, None, 1), (32, 3, 3)])
+def test_partial_rollout_over_sampling_defaults_to_half_the_batch(
+        batch: int, over: int | None, extra: int) -> None:
+    spec = RLJobSpec.model_validate({"rollout": {"partialRollout": {
+        "enabled": True, "overSampling": over}}})
+    assert spec.rollout.partial_rollout.extra_groups(batch) == extra
+    assert RLJobSpec().rollout.partial_rollout.extra_groups(batch) == 0  # disabled: none
+
+
 def test_validator_reports_every_problem_at_once() -> None:
     chosen = [
         b

@@ -239,6 +239,25 @@ class EngineClient:
             raise EngineError(self.base_url, call, f"unexpected response {str(out)[:200]}")
         return out
 
+    async def abort_all(self) -> None:
+        """Abort every request the engine holds, running or queued: SGLang's
+        `/abort_request` with `abort_all` (0.5.3 answers 200 with no body). Each aborted
+        `/generate` still answers, with the tokens it got and finish_reason `abort`;
+        requests sent after this one run normally. Async, on the generation session: it
+        is sent from the event loop whose generations it stops."""
+        call = "POST /abort_request"
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.post(
+                    self.base_url + "/abort_request", json={"rid": "", "abort_all": True},
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise EngineError(self.base_url, call, f"{type(err).__name__}: {err}") from None
+        if resp.status != 200:
+            raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}")
+
     def tp_size(self) -> int:
         """The engine's tensor-parallel ranks, asked once: an engine keeps its size for life."""
         if self._tp_size is None:

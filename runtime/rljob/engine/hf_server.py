@@ -6,6 +6,11 @@ in whole, between requests, and every response names the version that produced i
 Requests are served one at a time (rows of one request are batched); that keeps sampling
 reproducible: a request with a `sampling_seed` gives the same tokens every time.
 
+`POST /abort_request` with `abort_all` (SGLang's, as partial rollout uses it) stops every
+generation that arrived before it at its next token; each answers with what it generated
+so far and finish_reason `abort`. It counts epochs rather than setting a flag, so requests
+that arrive after the abort run normally.
+
 With `--tp-size N` the engine keeps SGLang's weight-update contract for N tensor-parallel
 ranks (entry r of `serialized_named_tensors` is what rank r loads; see `install_ranks`), so
 the per-rank payload is exercised without GPUs; the model itself runs whole on one device.
@@ -78,6 +83,13 @@ class HFEngine:
         self.weight_version = weight_version
         self.lock = threading.Lock()
         self.generated_tokens = 0
+        # Tokens the generation now running has produced (0 between generations): progress
+        # a caller can watch, e.g. to abort a request that is surely mid-generation.
+        self.tokens_in_flight = 0
+        # Bumped by every abort_all; a request remembers the epoch it arrived in and stops
+        # when the epoch moves on.
+        self.abort_epoch = 0
+        self._abort_lock = threading.Lock()
         self.receiver = TensorReceiver()
         # Weights leave the device while a colocated trainer trains (SGLang's release/resume
         # memory occupation); a host copy brings them back as they were.
@@ -109,8 +121,21 @@ class HFEngine:
             raise MemoryReleased("the engine's memory is released (a colocated trainer is "
                                  "training); POST /resume_memory_occupation first")
 
+    def abort_all(self) -> int:
+        """Stop every generation that arrived before this call, running or queued, at its
+        next token (SGLang's `abort_request` with `abort_all`); returns the new epoch. Not
+        under `self.lock`: the generation it interrupts holds that."""
+        with self._abort_lock:
+            self.abort_epoch += 1
+            return self.abort_epoch
+
     @torch.no_grad()
-    def generate(self, rows: list[list[int]], params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def generate(
+        self, rows: list[list[int]], params: list[dict[str, Any]], epoch: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Sample every row; `epoch` is the abort epoch the request arrived in (now, if
+        None): an abort_all after that stops it between tokens."""
+        arrived = self.abort_epoch if epoch is None else epoch
         with self.lock:
             self._check_resident()
             version = self.weight_version
@@ -118,16 +143,19 @@ class HFEngine:
             by_length: dict[int, list[int]] = {}
             for i, row in enumerate(rows):
                 by_length.setdefault(len(row), []).append(i)
-            for indices in by_length.values():
-                results = self._generate_same_length([rows[i] for i in indices],
-                                                     [params[i] for i in indices])
-                for i, result in zip(indices, results, strict=True):
-                    result["meta_info"]["weight_version"] = version
-                    out[i] = result
+            try:
+                for indices in by_length.values():
+                    results = self._generate_same_length([rows[i] for i in indices],
+                                                         [params[i] for i in indices], arrived)
+                    for i, result in zip(indices, results, strict=True):
+                        result["meta_info"]["weight_version"] = version
+                        out[i] = result
+            finally:
+                self.tokens_in_flight = 0
             return out
 
     def _generate_same_length(
-        self, rows: list[list[int]], params: list[dict[str, Any]]
+        self, rows: list[list[int]], params: list[dict[str, Any]], epoch: int
     ) -> list[dict[str, Any]]:
         p0 = params[0]
         max_new = int(p0.get("max_new_tokens", 128))
@@ -144,13 +172,19 @@ class HFEngine:
             seed = p.get("sampling_seed")
             g.manual_seed(int(seed) if seed is not None else torch.seed() + i)
             generators.append(g)
-        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        step = self.model(input_ids=ids, use_cache=True)
-        logits = step.logits[:, -1].float()
         outputs: list[list[int]] = [[] for _ in rows]
         logps: list[list[float]] = [[] for _ in rows]
         finish: list[dict[str, Any] | None] = [None] * len(rows)
+        abort = {"type": "abort", "message": "aborted by /abort_request"}
+        if self.abort_epoch != epoch:  # aborted while it waited for its turn
+            return self._results(rows, outputs, logps, [dict(abort) for _ in rows])
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        step = self.model(input_ids=ids, use_cache=True)
+        logits = step.logits[:, -1].float()
         for _ in range(max_new):
+            if self.abort_epoch != epoch:
+                finish = [f or dict(abort) for f in finish]
+                break
             if not torch.isfinite(logits).all():
                 raise FloatingPointError("the model produced non-finite logits")
             if temperature > 0:
@@ -167,6 +201,7 @@ class HFEngine:
                     continue
                 outputs[i].append(token)
                 logps[i].append(float(logp_all[i, token]))
+                self.tokens_in_flight += 1
                 if token in stop_ids:
                     finish[i] = {"type": "stop", "matched": token}
                 elif stops:
@@ -179,6 +214,13 @@ class HFEngine:
             nxt = torch.tensor(chosen, dtype=torch.long, device=self.device).unsqueeze(1)
             step = self.model(input_ids=nxt, past_key_values=step.past_key_values, use_cache=True)
             logits = step.logits[:, -1].float()
+        return self._results(rows, outputs, logps, finish)
+
+    def _results(
+        self, rows: list[list[int]], outputs: list[list[int]], logps: list[list[float]],
+        finish: list[dict[str, Any] | None],
+    ) -> list[dict[str, Any]]:
+        """SGLang's answer per row; an aborted row keeps the tokens it got."""
         results = []
         for i, row in enumerate(rows):
             text = self.codec.decode(outputs[i])
@@ -288,6 +330,7 @@ def build_app(engine: HFEngine) -> web.Application:
         return web.json_response({"weight_version": engine.weight_version})
 
     async def generate(request: web.Request) -> web.Response:
+        epoch = engine.abort_epoch  # an abort_all from now on stops this request
         body = await request.json()
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
@@ -300,12 +343,24 @@ def build_app(engine: HFEngine) -> web.Application:
             return web.json_response({"error": "one sampling_params per prompt"}, status=400)
         await running.wait()
         try:
-            out = await run(engine.generate, rows, per_row)
+            out = await run(engine.generate, rows, per_row, epoch)
         except FloatingPointError as err:
             return web.json_response({"error": str(err)}, status=500)
         except MemoryReleased as err:
             return web.json_response({"error": str(err)}, status=503)
         return web.json_response(out[0] if single else out)
+
+    async def abort_request(request: web.Request) -> web.Response:
+        # SGLang 0.5.3's contract: AbortReq {rid, abort_all}, answered 200 with no body.
+        # This engine names no requests, so only abort_all is served. Not on the executor:
+        # the generation it stops holds it.
+        body = await request.json() if request.can_read_body else {}
+        if not isinstance(body, dict) or body.get("abort_all") is not True:
+            return web.json_response(
+                {"error": 'this engine aborts all requests only: send {"abort_all": true}'},
+                status=400)
+        engine.abort_all()
+        return web.Response(status=200)
 
     async def pause(_: web.Request) -> web.Response:
         running.clear()
@@ -370,6 +425,7 @@ def build_app(engine: HFEngine) -> web.Application:
         web.get("/get_server_info", server_info),
         web.get("/get_weight_version", weight_version),
         web.post("/generate", generate),
+        web.post("/abort_request", abort_request),
         web.post("/pause_generation", pause),
         web.post("/continue_generation", resume),
         web.post("/flush_cache", flush),
