@@ -61,6 +61,9 @@ class Job:
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.loop_started = False
         self.tracking = Trackers()
+        # (rollout step, eval reward) of the latest evaluation, reported with every step
+        self.last_eval: tuple[int, float] | None = None
+        self.last_eval_read = False  # metrics.jsonl not yet read for an earlier attempt's
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -248,9 +251,16 @@ class Job:
             "weight_version": state.weight_version,
             "total_skipped_steps": state.skipped_steps,
         }
-        interval = self.spec.data.eval_interval
-        if self.spec.data.eval_dataset and interval and state.step % interval == 0:
-            row["eval_reward"] = ray.get(self.workers.rollout.evaluate.remote())
+        if not self.last_eval_read:  # a resumed attempt reports the eval it resumed after
+            self.last_eval = metrics_log.last_eval(self.metrics_path)
+            self.last_eval_read = True
+        evaluation = self.spec.eval
+        if evaluation.dataset and evaluation.interval and (
+                state.step % evaluation.interval == 0
+                or state.step == self.spec.algorithm.total_steps):
+            result = ray.get(self.workers.rollout.evaluate.remote())
+            row.update(result.metrics())
+            self.last_eval = (state.step, result.reward)
         # A driver left behind by a restart (a partitioned node) learns here that another
         # took the store over, and stops before it writes metrics or status again.
         self.checkpoints.check_writer()
@@ -261,7 +271,9 @@ class Job:
             total_steps=self.spec.algorithm.total_steps, samples=state.samples,
             mean_reward=m["reward"], tokens_per_second=rollout["tokens_per_second"],
             weight_version=state.weight_version, skipped_steps=state.skipped_steps,
-            updated_at=timestamp()))
+            updated_at=timestamp(),
+            eval_reward=self.last_eval[1] if self.last_eval else None,
+            eval_step=self.last_eval[0] if self.last_eval else None))
 
     # ---- reports -----------------------------------------------------------------------
 

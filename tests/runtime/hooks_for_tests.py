@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -87,3 +88,14 @@ async def label_decides_variance(args: HookArgs, sample: Sample) -> float:
     """Label `v`: the response's index as reward (the group's rewards differ); any other
     label: 1.0 for every response (a zero-variance group)."""
     return float(sample.index) if sample.label == "v" else 1.0
+
+
+REWARDED: list[Sample] = []  # every sample `recording_reward` scored in this process
+
+
+async def recording_reward(args: HookArgs, sample: Sample) -> float:
+    """The task's reward, with the scored sample kept in REWARDED: a test running the rollout
+    worker in its own process reads back what was generated, with which seed and reward."""
+    reward = await default_reward(args, sample)
+    REWARDED.append(dataclasses.replace(sample, reward=reward))
+    return reward
