@@ -107,7 +107,8 @@ def prepare_model(spec: RLJobSpec, workdir: Path) -> Path:
     try:
         alphabet = load_task(data.dataset, data.prompt_key, data.label_key).alphabet
         if spec.eval.dataset:
-            alphabet += load_task(spec.eval.dataset, data.prompt_key, data.label_key).alphabet
+            alphabet += load_task(spec.eval.dataset, data.prompt_key, data.label_key,
+                                  field="spec.eval.dataset").alphabet
     except DatasetError as err:
         raise JobError(exit_codes.INVALID, str(err)) from None
     try:

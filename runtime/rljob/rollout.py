@@ -89,7 +89,8 @@ class RolloutWorker(Locatable):
         try:
             self.task = load_task(data.dataset, data.prompt_key, data.label_key)
             eval_dataset = self.spec.eval.dataset
-            self.eval_task = (load_task(eval_dataset, data.prompt_key, data.label_key)
+            self.eval_task = (load_task(eval_dataset, data.prompt_key, data.label_key,
+                                        field="spec.eval.dataset")
                               if eval_dataset else None)
             self.generate_fn = load_generate(self.spec.generate.function)
             self.reward_fn = load_reward(self.spec.reward.function)

@@ -104,8 +104,10 @@ def test_a_run_reports_eval_at_its_interval_and_last_step_across_a_resume(
         ray_local: None, tmp_path: Path) -> None:
     """Steps 1-2, then a resumed attempt runs 3-5: evaluations at 2, 4 and the last step 5,
     and the resumed attempt's status shows step 2's evaluation until its own."""
-    spec = job_spec(tmp_path, {"algorithm": {"totalSteps": 5},
-                               "eval": {**held_out(tmp_path), "samplesPerPrompt": 2}})
+    spec = job_spec(tmp_path, {  # small steps: the test is about when evaluations happen
+        "algorithm": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 2, "globalBatchSize": 8,
+                      "stepsPerRollout": 1, "microBatchSize": 8, "totalSteps": 5},
+        "eval": {**held_out(tmp_path), "samplesPerPrompt": 2}})
     workdir = tmp_path / "w"
     first, second = RecordingReporter(), RecordingReporter()
     assert run_job("job", spec, RunOptions(workdir, max_steps=2), first) == EXIT_OK
