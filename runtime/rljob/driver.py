@@ -63,7 +63,7 @@ class Job:
         self.tracking = Trackers()
         # (rollout step, eval reward) of the latest evaluation, reported with every step
         self.last_eval: tuple[int, float] | None = None
-        self.last_eval_read = False  # metrics.jsonl not yet read for an earlier attempt's
+        self.last_eval_read = False  # whether metrics.jsonl was read for an earlier eval
 
     # ---- the loop ----------------------------------------------------------------------
 
