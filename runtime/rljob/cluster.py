@@ -106,8 +106,9 @@ def prepare_model(spec: RLJobSpec, workdir: Path) -> Path:
     data = spec.data
     try:
         alphabet = load_task(data.dataset, data.prompt_key, data.label_key).alphabet
-        if data.eval_dataset:
-            alphabet += load_task(data.eval_dataset, data.prompt_key, data.label_key).alphabet
+        if spec.eval.dataset:
+            alphabet += load_task(spec.eval.dataset, data.prompt_key, data.label_key,
+                                  field="spec.eval.dataset").alphabet
     except DatasetError as err:
         raise JobError(exit_codes.INVALID, str(err)) from None
     try:

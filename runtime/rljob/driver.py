@@ -67,6 +67,9 @@ class Job:
         self.pipelined = spec.rollout.mode == RolloutMode.async_
         self.max_staleness = (spec.rollout.max_staleness or 1) if self.pipelined else 0
         self.engine_version = 0  # the weight version the engines serve
+        # (rollout step, eval reward) of the latest evaluation, reported with every step
+        self.last_eval: tuple[int, float] | None = None
+        self.last_eval_read = False  # whether metrics.jsonl was read for an earlier eval
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -276,9 +279,16 @@ class Job:
             "policy_version": state.weight_version,
             "total_skipped_steps": state.skipped_steps,
         }
-        interval = self.spec.data.eval_interval
-        if self.spec.data.eval_dataset and interval and state.step % interval == 0:
-            row["eval_reward"] = ray.get(self.workers.rollout.evaluate.remote())
+        if not self.last_eval_read:  # a resumed attempt reports the eval it resumed after
+            self.last_eval = metrics_log.last_eval(self.metrics_path)
+            self.last_eval_read = True
+        evaluation = self.spec.eval
+        if evaluation.dataset and evaluation.interval and (
+                state.step % evaluation.interval == 0
+                or state.step == self.spec.algorithm.total_steps):
+            result = ray.get(self.workers.rollout.evaluate.remote())
+            row.update(result.metrics())
+            self.last_eval = (state.step, result.reward)
         # A driver left behind by a restart (a partitioned node) learns here that another
         # took the store over, and stops before it writes metrics or status again.
         self.checkpoints.check_writer()
@@ -293,7 +303,9 @@ class Job:
             staleness_max=int(rollout["staleness_max"]),
             filtered_groups=(int(rollout["filtered_groups"]) if "filtered_groups" in rollout
                              else None),
-            logprob_gap=m.get("logprob_gap"), updated_at=timestamp()))
+            logprob_gap=m.get("logprob_gap"), updated_at=timestamp(),
+            eval_reward=self.last_eval[1] if self.last_eval else None,
+            eval_step=self.last_eval[0] if self.last_eval else None))
 
     # ---- reports -----------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ generates for them are not bit-identical with an uninterrupted run's.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,36 @@ def sample_seed(seed: int, step: int, group: int, index: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + group * 101 + index) % (2**63 - 1)
 
 
+def eval_seed(seed: int, prompt: int, index: int) -> int:
+    """The sampling seed of eval sample `index` of eval prompt `prompt`: the same at every
+    evaluation, and hashed apart from the training seeds (`sample_seed`, a small linear
+    combination of its arguments), so an eval never replays a training sample's draws."""
+    digest = hashlib.blake2b(f"rljob-eval:{seed}:{prompt}:{index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") % (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One evaluation over the held-out prompts (spec.eval)."""
+
+    reward: float  # mean reward over every eval sample
+    best_reward: float  # mean over prompts of the best sample's reward (pass@n for 0/1 rewards)
+    prompts: int
+    samples_per_prompt: int
+    aborted: int  # samples the generate function aborted; each scored 0
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics.jsonl figures: `eval_reward_max` only when there is a best of several,
+        `eval_aborted` only when a sample was aborted."""
+        row = {"eval_reward": self.reward, "eval_seconds": self.seconds}
+        if self.samples_per_prompt > 1:
+            row["eval_reward_max"] = self.best_reward
+        if self.aborted:
+            row["eval_aborted"] = float(self.aborted)
+        return row
+
+
 class RolloutWorker(Locatable):
     def __init__(self, spec_json: str, model_dir: str, engine_urls: list[str]) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
@@ -78,8 +110,10 @@ class RolloutWorker(Locatable):
         data = self.spec.data
         try:
             self.task = load_task(data.dataset, data.prompt_key, data.label_key)
-            self.eval_task = (load_task(data.eval_dataset, data.prompt_key, data.label_key)
-                              if data.eval_dataset else None)
+            eval_dataset = self.spec.eval.dataset
+            self.eval_task = (load_task(eval_dataset, data.prompt_key, data.label_key,
+                                        field="spec.eval.dataset")
+                              if eval_dataset else None)
             self.generate_fn = load_generate(self.spec.generate.function)
             self.reward_fn = load_reward(self.spec.reward.function)
         except (DatasetError, HookError) as err:
@@ -277,29 +311,59 @@ class RolloutWorker(Locatable):
                 f"{self.spec.generate.function} must set Sample.rollout_log_probs (one per "
                 "response token), or set spec.algorithm.tis.enabled false")
 
-    async def evaluate(self) -> float:
-        """Mean reward over the eval set (one sample per prompt, fixed seeds)."""
+    def _eval_sampling(self) -> dict[str, Any]:
+        """The training sampling settings, made greedy (temperature 0: the engines take the
+        most likely token, in the hf engine and in SGLang alike) and capped as spec.eval says."""
+        params = self._sampling()
+        ev = self.spec.eval
+        if ev.greedy:
+            params.update(temperature=0.0, top_p=1.0, top_k=-1)
+        if ev.max_new_tokens is not None:
+            params["max_new_tokens"] = ev.max_new_tokens
+        return params
+
+    async def evaluate(self) -> EvalResult:
+        """Every prompt of spec.eval.dataset, answered samplesPerPrompt times and rewarded.
+
+        Seeds depend only on (job seed, prompt, sample), never on the step, so two
+        evaluations differ only by the weights. A sample the generate function aborted
+        scores 0 and is counted, so a flaky hook cannot lift the eval reward by dropping
+        hard prompts."""
         if self.eval_task is None:
-            raise ValueError("no spec.data.evalDataset configured")
+            raise ValueError("no spec.eval.dataset configured; set spec.eval.dataset")
+        started = time.monotonic()
+        n = self.spec.eval.samples_per_prompt
+        sampling = self._eval_sampling()
         engines = [EngineClient(u) for u in self.engine_urls]
         try:
             args = HookArgs(self.spec, engines, self.codec, self.eval_task)
             sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
 
-            async def one(i: int, p: Prompt) -> float:
-                sample = Sample(prompt=p.prompt, label=p.label, group_index=i,
+            async def one(i: int, p: Prompt, index: int) -> tuple[float, bool]:
+                sample = Sample(prompt=p.prompt, label=p.label, group_index=i, index=index,
                                 prompt_tokens=self.codec.encode(p.prompt),
-                                seed=sample_seed(self.spec.algorithm.seed, -1, i, 0))
+                                seed=eval_seed(self.spec.algorithm.seed, i, index))
                 async with sem:
-                    sample = await self.generate_fn(args, sample, self._sampling())
+                    sample = await self.generate_fn(args, sample, dict(sampling))
+                    if sample.status not in (Status.completed, Status.truncated):
+                        return 0.0, True
                     return as_reward(await self.reward_fn(args, sample),
-                                     self.spec.reward.function)
+                                     self.spec.reward.function), False
 
-            rewards = await asyncio.gather(*(one(i, p)
-                                             for i, p in enumerate(self.eval_task.prompts)))
+            async def prompt_rewards(i: int, p: Prompt) -> list[tuple[float, bool]]:
+                return list(await asyncio.gather(*(one(i, p, j) for j in range(n))))
+
+            per_prompt = await asyncio.gather(*(prompt_rewards(i, p)
+                                                for i, p in enumerate(self.eval_task.prompts)))
         finally:
             await asyncio.gather(*(e.aclose() for e in engines))
-        return sum(rewards) / len(rewards)
+        rewards = [[r for r, _ in group] for group in per_prompt]
+        return EvalResult(
+            reward=sum(sum(g) for g in rewards) / (len(rewards) * n),
+            best_reward=sum(max(g) for g in rewards) / len(rewards),
+            prompts=len(rewards), samples_per_prompt=n,
+            aborted=sum(a for group in per_prompt for _, a in group),
+            seconds=time.monotonic() - started)
 
     def _drop_stale_carried(self, oldest_version: int | None) -> int:
         """Carried groups with a token older than `oldest_version` would lag the trainer by

@@ -84,14 +84,16 @@ BUILTIN_TASKS: dict[str, Callable[[], Task]] = {
 }
 
 
-def load_jsonl(path: Path, prompt_key: str, label_key: str) -> Task:
-    """A JSONL prompt file: one object per line with `prompt_key` and `label_key` strings."""
+def load_jsonl(path: Path, prompt_key: str, label_key: str,
+               field: str = "spec.data.dataset") -> Task:
+    """A JSONL prompt file: one object per line with `prompt_key` and `label_key` strings;
+    errors name `field`, the spec field that gave the path."""
     prompts: list[Prompt] = []
     try:
         lines = path.read_text().splitlines()
     except OSError as err:
         raise DatasetError(
-            f"spec.data.dataset: cannot read {path}: {err.strerror}; give an existing JSONL "
+            f"{field}: cannot read {path}: {err.strerror}; give an existing JSONL "
             "file or builtin:arithmetic / builtin:reverse"
         ) from None
     for number, line in enumerate(lines, 1):
@@ -116,13 +118,14 @@ def load_jsonl(path: Path, prompt_key: str, label_key: str) -> Task:
     return Task(path.name, tuple(prompts), alphabet, exact_match_reward)
 
 
-def load_task(dataset: str, prompt_key: str = "prompt", label_key: str = "label") -> Task:
-    """The task named by `spec.data.dataset` (or `evalDataset`)."""
+def load_task(dataset: str, prompt_key: str = "prompt", label_key: str = "label",
+              field: str = "spec.data.dataset") -> Task:
+    """The task named by `field`: `spec.data.dataset`, or `spec.eval.dataset`."""
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_TASKS:
             raise DatasetError(
-                f"spec.data.dataset: unknown built-in {dataset!r}; use one of "
+                f"{field}: unknown built-in {dataset!r}; use one of "
                 + ", ".join(sorted(BUILTIN_TASKS))
             )
         return BUILTIN_TASKS[dataset]()
-    return load_jsonl(Path(dataset), prompt_key, label_key)
+    return load_jsonl(Path(dataset), prompt_key, label_key, field)

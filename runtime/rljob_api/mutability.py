@@ -105,6 +105,7 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "the checkpointed data cursor points into the dataset on it"),
     FieldEffect("data.shuffle", Effect.immutable, "the checkpointed data cursor follows its order"),
     FieldEffect("data", Effect.restart, _RESTART_CONFIG),
+    FieldEffect("eval", Effect.restart, _RESTART_CONFIG),
     FieldEffect("reward", Effect.restart, _RESTART_CONFIG),
     FieldEffect("generate", Effect.restart, _RESTART_CONFIG),
     FieldEffect("checkpoint.pvc", Effect.immutable, "the checkpoints are on it"),

@@ -208,6 +208,23 @@ RULES: tuple[Rule, ...] = (
         field_path=".maxStaleness",
     ),
     Rule(
+        at=("eval",),
+        cel="self.interval == 0 || has(self.dataset)",
+        message="spec.eval.interval > 0 needs spec.eval.dataset (the held-out prompts to "
+        "evaluate on); set eval.dataset, or eval.interval 0 to disable evaluation",
+        check=lambda e: e["interval"] == 0 or e.get("dataset") is not None,
+        field_path=".dataset",
+    ),
+    Rule(
+        at=("eval",),
+        cel="!self.greedy || self.samplesPerPrompt == 1",
+        message="spec.eval.greedy decodes one deterministic response per prompt, so "
+        "samplesPerPrompt > 1 would repeat it; set eval.samplesPerPrompt 1, or eval.greedy "
+        "false to sample several responses with spec.rollout.sampling",
+        check=lambda e: not e["greedy"] or e["samplesPerPrompt"] == 1,
+        field_path=".samplesPerPrompt",
+    ),
+    Rule(
         at=("recovery",),
         cel="self.maxBackoffSeconds >= self.backoffSeconds",
         message="spec.recovery.maxBackoffSeconds must be >= backoffSeconds; raise it",

@@ -425,7 +425,7 @@ class AlgorithmSpec(ApiModel):
 
 
 class DataSpec(ApiModel):
-    """Prompts and evaluation."""
+    """Training prompts."""
 
     dataset: Path = Field(
         "builtin:arithmetic",
@@ -436,11 +436,57 @@ class DataSpec(ApiModel):
     )
     prompt_key: ShortText = Field("prompt", description="JSONL key of the prompt text.")
     label_key: ShortText = Field("label", description="JSONL key of the reference answer.")
-    eval_dataset: Path | None = Field(None, description="Evaluation set, same format.")
-    eval_interval: int = Field(
-        0, ge=0, le=1_000_000, description="Rollout steps between evaluations; 0 disables."
-    )
     shuffle: bool = Field(True, description="Shuffle prompts every epoch.")
+
+
+class EvalSpec(ApiModel):
+    """Evaluation on held-out prompts during training.
+
+    Every `interval` rollout steps, and once more at the last step (`totalSteps`), the
+    rollout engines answer every prompt of `dataset` with the weights just trained; the
+    reward function scores the answers. Sampling seeds are fixed per prompt and sample and
+    differ from the training ones, so two evaluations differ only by the weights. The mean
+    reward goes to metrics.jsonl (`eval_reward`), curves.png and `status.progress.evalReward`.
+    """
+
+    dataset: Path | None = Field(
+        None,
+        description=(
+            "Held-out prompts: a JSONL file in the format of spec.data.dataset (same "
+            "promptKey, labelKey and PVC), or `builtin:arithmetic` / `builtin:reverse`."
+        ),
+    )
+    interval: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Rollout steps between evaluations; the last step (totalSteps) is evaluated too. "
+            "0 disables evaluation."
+        ),
+    )
+    samples_per_prompt: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Responses per eval prompt. Above 1, metrics.jsonl also records "
+            "`eval_reward_max`, the mean over prompts of the best response's reward."
+        ),
+    )
+    greedy: bool = Field(
+        False,
+        description=(
+            "Decode greedily (temperature 0: the most likely token every time) instead of "
+            "with spec.rollout.sampling's temperature, topP and topK; needs samplesPerPrompt 1."
+        ),
+    )
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1048576,
+        description="Longest eval response, in tokens. Unset: spec.rollout.sampling.maxNewTokens.",
+    )
 
 
 class FunctionSpec(ApiModel):
@@ -687,7 +733,10 @@ class RLJobSpec(ApiModel):
     algorithm: AlgorithmSpec = Field(
         default_factory=AlgorithmSpec, description="Objective and batch sizes."
     )
-    data: DataSpec = Field(default_factory=DataSpec, description="Prompts and evaluation.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training prompts.")
+    eval: EvalSpec = Field(
+        default_factory=EvalSpec, description="Evaluation on held-out prompts during training."
+    )
     reward: FunctionSpec = Field(
         default_factory=FunctionSpec,
         description="Reward function: `async def reward(args, sample) -> float`.",

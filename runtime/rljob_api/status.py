@@ -114,6 +114,14 @@ class Progress(ApiModel):
         None, description="Set when a reported figure was NaN/Inf: which one."
     )
     updated_at: Timestamp | None = Field(None, description="When the runtime last reported.")
+    eval_reward: float | None = Field(
+        None,
+        description=(
+            "Mean reward on spec.eval.dataset at the latest evaluation (kept until the next "
+            "one); unset until the first."
+        ),
+    )
+    eval_step: int | None = Field(None, description="Rollout step evalReward was measured at.")
 
 
 class CheckpointRecord(ApiModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import time
@@ -113,3 +114,12 @@ async def reward_after_gate(args: HookArgs, sample: Sample) -> float:
             raise TimeoutError("REWARD_GATE did not open within 30 s")
         await asyncio.sleep(0.002)
     return float(sample.index)
+REWARDED: list[Sample] = []  # every sample `recording_reward` scored in this process
+
+
+async def recording_reward(args: HookArgs, sample: Sample) -> float:
+    """The task's reward, with the scored sample kept in REWARDED: a test running the rollout
+    worker in its own process reads back what was generated, with which seed and reward."""
+    reward = await default_reward(args, sample)
+    REWARDED.append(dataclasses.replace(sample, reward=reward))
+    return reward

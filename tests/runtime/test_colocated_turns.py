@@ -53,7 +53,8 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     job.pipelined, job.max_staleness, job.engine_version = False, 0, 3  # colocated: sync
     job.spec = SimpleNamespace(
         algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10),
-        data=SimpleNamespace(eval_dataset=None, eval_interval=0))
+        eval=SimpleNamespace(dataset=None, interval=0))
+    job.last_eval, job.last_eval_read = None, True
     job.checkpoints = SimpleNamespace(check_writer=lambda: None)  # type: ignore[assignment]
     job.metrics_path = tmp_path / "metrics.jsonl"
     job.tracking = Trackers()  # none enabled

@@ -278,7 +278,7 @@ def test_colocated_ppo_with_disk_weight_sync(
         "algorithm": {"estimator": "ppo", "totalSteps": 2, "klMode": "reward", "klCoef": 0.1},
         "weightSync": {"mode": "disk"},
         "checkpoint": {"format": "hf"},
-        "data": {"evalDataset": "builtin:arithmetic", "evalInterval": 2},
+        "eval": {"dataset": "builtin:arithmetic", "interval": 2},
         "model": {"tiny": {"architecture": "llama"}},
     })
     workdir = tmp_path / "w"

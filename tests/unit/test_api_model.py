@@ -195,3 +195,15 @@ def test_cli_validate_old_refuses_an_edit_the_api_server_refuses(tmp_path: objec
     assert validate("edit.yaml").returncode == 0  # valid as a new job
     fine = validate("--old", "old.yaml", "ok.yaml")
     assert fine.returncode == 0 and "a valid edit of old.yaml" in fine.stdout
+
+
+def test_eval_settings_are_accepted_and_the_old_data_fields_refused() -> None:
+    doc = BadSpec("ok", {"eval.dataset": "builtin:reverse", "eval.interval": 5,
+                         "eval.greedy": True, "eval.maxNewTokens": 8}, "").apply_to(base_job())
+    assert manifest_problems(doc) == []
+    sampled = BadSpec("ok", {"eval.dataset": "builtin:reverse", "eval.interval": 5,
+                             "eval.samplesPerPrompt": 8}, "").apply_to(base_job())
+    assert manifest_problems(sampled) == []
+    # spec.data.evalDataset/evalInterval moved to spec.eval: the old place is refused
+    moved = BadSpec("x", {"data.evalDataset": "builtin:reverse"}, "").apply_to(base_job())
+    assert any(p.field == "spec.data.evalDataset" for p in manifest_problems(moved))

@@ -71,3 +71,18 @@ def test_buffered_prompts_are_served_first_and_persisted() -> None:
     restored = DataSource(prompts, seed=0, shuffle=False)
     restored.load(src.state())
     assert restored.take(2) == [taken[0], prompts[2]]
+
+
+def test_a_bad_eval_dataset_is_named_as_spec_eval_dataset(tmp_path: Path) -> None:
+    from rljob.cluster import prepare_model
+    from rljob.exit_codes import INVALID, JobError
+    from rljob_api.spec import RLJobSpec
+
+    spec = RLJobSpec.model_validate(
+        {"eval": {"dataset": str(tmp_path / "missing.jsonl"), "interval": 5}})
+    with pytest.raises(JobError) as err:
+        prepare_model(spec, tmp_path / "work")
+    assert err.value.code == INVALID
+    assert str(err.value).startswith("spec.eval.dataset: cannot read")
+    with pytest.raises(DatasetError, match=r"^spec\.eval\.dataset: unknown built-in"):
+        load_task("builtin:nope", field="spec.eval.dataset")
