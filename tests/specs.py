@@ -127,6 +127,12 @@ BAD_SPECS: list[BadSpec] = [
         "spec.rollout",
         rule_message("!has(self.maxStaleness)"),
     ),
+    BadSpec(
+        "partial-async-bound-1",
+        {"rollout.mode": "async", "rollout.partialRollout": {"enabled": True}},
+        "spec.rollout",
+        rule_message("self.partialRollout.enabled"),
+    ),
     BadSpec("staleness-zero", {"rollout.mode": "async", "rollout.maxStaleness": 0},
             "spec.rollout.maxStaleness"),
     BadSpec(

@@ -208,6 +208,18 @@ RULES: tuple[Rule, ...] = (
         field_path=".maxStaleness",
     ),
     Rule(
+        at=("rollout",),
+        cel="!self.partialRollout.enabled || self.mode != 'async' || "
+        "(has(self.maxStaleness) && self.maxStaleness >= 2)",
+        message="spec.rollout.partialRollout with mode async needs maxStaleness >= 2: a "
+        "generation carried to the next step is trained two versions after it began, so "
+        "under the default bound of 1 every carried group would be dropped; set "
+        "rollout.maxStaleness 2 or more, or partialRollout.enabled false",
+        check=lambda r: (not r["partialRollout"]["enabled"] or r["mode"] != "async"
+                         or (r.get("maxStaleness") or 1) >= 2),
+        field_path=".maxStaleness",
+    ),
+    Rule(
         at=("eval",),
         cel="self.interval == 0 || has(self.dataset)",
         message="spec.eval.interval > 0 needs spec.eval.dataset (the held-out prompts to "

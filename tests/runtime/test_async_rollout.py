@@ -64,3 +64,20 @@ def test_a_wider_bound_sends_weights_less_often(
                 (tmp_path / "w" / "weight_sync.jsonl").read_text().splitlines()]
     # start-up (0); then version 2, when the next batch would otherwise lag 3; the final one
     assert [v["version"] for v in sync_log] == [0, 2, 5]
+
+
+def test_async_with_partial_rollout_keeps_the_bound(
+        ray_local: None, tmp_path: Path, reporter: RecordingReporter) -> None:
+    """Over-sampled groups cut at the step boundary are carried and continued one step
+    later, or dropped once their oldest tokens would lag more than maxStaleness; either way
+    no trained sample lags more than the bound."""
+    spec = job_spec(tmp_path, {"rollout": {
+        "mode": "async", "maxStaleness": 2,
+        "partialRollout": {"enabled": True, "overSampling": 8}}})
+    assert run_job("job", spec, RunOptions(tmp_path / "w"), reporter) == EXIT_OK
+    rows = metric_rows(tmp_path / "w")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["stale_samples"] == 0 and r["staleness_max"] <= 2 for r in rows)
+    # groups were cut and carried at every step, and each later step continued or dropped
+    assert all(r["partial_groups_carried"] > 0 for r in rows)
+    assert sum(r["partial_groups_resumed"] + r["stale_groups_dropped"] for r in rows[1:]) > 0
