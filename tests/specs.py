@@ -133,6 +133,18 @@ BAD_SPECS: list[BadSpec] = [
         "spec.rollout",
         rule_message("self.partialRollout.enabled"),
     ),
+    BadSpec(
+        "partial-options-without-enabled",
+        {"rollout.partialRollout": {"overSampling": 3}},
+        "spec.rollout.partialRollout",
+        rule_message("!has(self.overSampling)"),
+    ),
+    BadSpec(
+        "eval-dataset-without-interval",
+        {"eval.dataset": "builtin:reverse"},
+        "spec.eval",
+        rule_message("self.interval > 0"),
+    ),
     BadSpec("staleness-zero", {"rollout.mode": "async", "rollout.maxStaleness": 0},
             "spec.rollout.maxStaleness"),
     BadSpec(

@@ -110,8 +110,10 @@ class Job:
             w.trainers.offload()
         bound = self.max_staleness if self.pipelined else None
         # rewarded samples; a batch generated now is trained at the trainer's version now
+        algo = self.spec.algorithm
         batch = self.batches.take(state.step, self.engine_version,
-                                  None if bound is None else state.weight_version - bound)
+                                  None if bound is None else state.weight_version - bound,
+                                  algo.rollout_batch_size * algo.n_samples_per_prompt)
         t1 = time.monotonic()
         if self.pipelined and state.step + 1 < self.spec.algorithm.total_steps:
             # The next batch is trained after this step's update (one version on): the
@@ -169,9 +171,11 @@ class Job:
         self.batches = RolloutPipeline(self.workers.rollout)
         resumed = self.checkpoints.resume(self.workers.trainers, self.batches)
         loaded: Verified | None = None
+        # Rows after the step this attempt starts from are redone (none, with no checkpoint:
+        # an attempt that failed before its first checkpoint leaves nothing to report).
+        metrics_log.keep_until(self.metrics_path, resumed[1].step if resumed else 0)
         if resumed is not None:
             loaded, self.state = resumed
-            metrics_log.keep_until(self.metrics_path, self.state.step)
             print(f"resumed from {loaded.path} (step {loaded.step}, weight version "
                   f"{self.state.weight_version})", file=sys.stderr, flush=True)
         self.report_resume(loaded)
@@ -208,7 +212,8 @@ class Job:
     def save(self) -> Verified:
         w = self.workers
         return self.checkpoints.save(self.state, w.trainers, self.batches,
-                                     hf_export=self.spec.checkpoint.format == "hf")
+                                     hf_export=self.spec.checkpoint.format == "hf",
+                                     stopping=self.stop.requested)
 
     def stop_if_nonfinite(self, m: dict[str, Any], samples: list[dict[str, Any]]) -> None:
         """Stop (not retryable, evidence kept) after too many skipped optimizer steps in a row
@@ -286,6 +291,9 @@ class Job:
         if evaluation.dataset and evaluation.interval and (
                 state.step % evaluation.interval == 0
                 or state.step == self.spec.algorithm.total_steps):
+            # Not beside a batch generating ahead: its step's cut would abort the eval's
+            # requests too (partial rollout aborts every request of the engines).
+            self.batches.settle()
             result = ray.get(self.workers.rollout.evaluate.remote())
             row.update(result.metrics())
             self.last_eval = (state.step, result.reward)

@@ -93,12 +93,17 @@ class Checkpoints:
         return latest, state
 
     def save(self, state: LoopState, trainers: TrainerGroup, rollout: RolloutPipeline,
-             hf_export: bool) -> Verified:
+             hf_export: bool, stopping: bool = False) -> Verified:
+        """Write and publish the checkpoint of `state.step`. A failure of the batch being
+        generated ahead is raised after the checkpoint is published (it holds the rollout
+        state from before that batch), so the trained step is never lost to it."""
         tmp = self.store.begin(state.step)
         trainers.save(str(tmp), hf_export)
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
-        rollout.save(tmp)  # a batch generating ahead finishes first: the cursor is after it
-        (tmp / ROLLOUT_FILE).write_text(json.dumps(ray.get(rollout.rollout.state.remote())))
+        rollout_state, pending, failed = rollout.for_checkpoint(stopping)
+        if pending is not None:
+            pending.write(tmp)
+        (tmp / ROLLOUT_FILE).write_text(json.dumps(rollout_state))
         rng.save(tmp / DRIVER_RNG_FILE, cuda=False)
         verified = self.store.commit(tmp, state.step)
         self.step = verified.step
@@ -108,6 +113,8 @@ class Checkpoints:
             step=verified.step, path=str(verified.path), saved_at=timestamp(),
             size_bytes=verified.size_bytes, checksum=verified.checksum, verified=True,
             history=history))
+        if failed is not None:
+            raise failed
         return verified
 
     def latest_step(self) -> int | None:

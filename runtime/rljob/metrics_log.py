@@ -32,6 +32,8 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 def keep_until(path: Path, step: int) -> None:
     """Drop rows after `step` (they are redone after a resume from that step)."""
+    if not path.exists():
+        return
     rows = [r for r in read(path) if int(r["step"]) <= step]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -25,7 +25,7 @@ from rljob import worker_metrics
 from rljob.data_source import DataSource
 from rljob.engine.client import EngineClient
 from rljob.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
-from rljob.sample import Sample, Status
+from rljob.sample import Sample, Status, version_number
 from rljob.tasks import DatasetError, Prompt, load_task
 from rljob.text_codec import load_codec
 from rljob.whereabouts import Locatable
@@ -281,9 +281,10 @@ class RolloutWorker(Locatable):
         self._check_log_probs(samples)
         seconds = time.monotonic() - started
         tokens = sum(s.response_length for s in samples)
-        worker_metrics.record_rollout(len(samples), tokens)
+        carried_tokens = sum(brought.get(id(g), 0) for g in done)  # generated in earlier steps
+        worker_metrics.record_rollout(len(samples), tokens - carried_tokens)
         stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
-                 "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                 "tokens_per_second": (tokens - carried_tokens) / seconds if seconds > 0 else 0.0,
                  "generation_rounds": float(rounds), "generated_groups": float(attempted)}
         if dynamic.enabled:
             stats["filtered_groups"] = float(len(uniform))
@@ -291,8 +292,9 @@ class RolloutWorker(Locatable):
         if partial.enabled:
             stats["partial_groups_carried"] = float(len(self.carried))
             stats["partial_groups_resumed"] = float(resumed_groups)
-            stats["partial_tokens_resumed"] = float(sum(brought.get(id(g), 0) for g in done))
-            stats["stale_groups_dropped"] = float(stale)
+            stats["partial_tokens_resumed"] = float(carried_tokens)
+            if oldest_version is not None:
+                stats["stale_groups_dropped"] = float(stale)
             if partial.mask_off_policy_tokens:
                 stats["masked_off_policy_tokens"] = float(
                     sum(s.mask_older_versions() for s in samples))
@@ -373,12 +375,17 @@ class RolloutWorker(Locatable):
         keep: list[list[Sample]] = []
         stale: list[list[Sample]] = []
         for g in self.carried:
-            versions = [s.first_weight_version for s in g if s.first_weight_version]
-            old = any(v.lstrip("-").isdigit() and int(v) < oldest_version for v in versions)
+            versions = [version_number(s.first_weight_version) for s in g]
+            old = any(v is not None and v < oldest_version for v in versions)
             (stale if old else keep).append(g)
         self.carried = keep
         self.source.give_back([_prompt_of(g) for g in stale])
         return len(stale)
+
+    def return_prompts(self, samples: list[dict[str, Any]]) -> None:
+        """A generated batch's prompts, one per group, back to be generated again first."""
+        groups = {(d["group_index"], d["prompt"], d["label"]) for d in samples}
+        self.source.give_back([Prompt(prompt, label) for _, prompt, label in sorted(groups)])
 
     def state(self) -> dict[str, Any]:
         """The data cursor and buffer; with partial rollout also the carried groups, partial

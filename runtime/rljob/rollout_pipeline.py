@@ -13,11 +13,14 @@ that batch next and the data cursor saved beside it is the one after it.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+
+from rljob.sample import version_number
 
 PENDING_FILE = "pending_batch.json"
 
@@ -31,6 +34,20 @@ class Batch:
     stats: dict[str, float]
     engine_version: int  # the version the engines served when its generation began
 
+    def write(self, directory: Path) -> None:
+        """Into a checkpoint being written: the resumed run trains on it first."""
+        (directory / PENDING_FILE).write_text(json.dumps(asdict(self)))
+
+    def misfit(self, oldest_version: int | None, samples_per_step: int) -> str | None:
+        """Why this batch cannot be trained as it is, or None."""
+        if len(self.samples) != samples_per_step:
+            return (f"it has {len(self.samples)} samples, the job now takes "
+                    f"{samples_per_step} a step")
+        if oldest_version is not None and min(self.sample_versions(), default=0) < oldest_version:
+            return (f"its oldest sample is of weight version {min(self.sample_versions())}, "
+                    f"older than rollout.maxStaleness now allows ({oldest_version})")
+        return None
+
     def sample_versions(self) -> list[int]:
         """The oldest weight version that generated each sample: the engine's own report (of
         its first token's version, for a sample a partial rollout continued), or the version
@@ -38,8 +55,8 @@ class Batch:
         out = []
         for s in self.samples:
             spans = s.get("version_spans") or []
-            reported = str(spans[0][0] if spans else s.get("weight_version", ""))
-            out.append(int(reported) if reported.lstrip("-").isdigit() else self.engine_version)
+            reported = version_number(str(spans[0][0] if spans else s.get("weight_version", "")))
+            out.append(self.engine_version if reported is None else reported)
         return out
 
 
@@ -60,48 +77,81 @@ class Staleness:
         return cls(sum(lags) / len(lags), max(lags), over)
 
 
+@dataclass
+class InFlight:
+    """A batch generating in the background, and the rollout worker's state before it."""
+
+    step: int
+    engine_version: int
+    ref: ray.ObjectRef[Any]
+    state_before: dict[str, Any]
+
+
 class RolloutPipeline:
     """The rollout worker's batches, in step order; at most one generating in the background."""
 
     def __init__(self, rollout: Any) -> None:
         self.rollout = rollout  # the RolloutWorker actor
-        self.in_flight: tuple[int, int, ray.ObjectRef[Any]] | None = None
+        self.in_flight: InFlight | None = None
         self.ready: Batch | None = None
 
     def launch(self, step: int, engine_version: int, oldest_version: int | None) -> None:
         """Start generating `step`'s batch; it runs while the caller trains. Carried partial
         generations with tokens older than `oldest_version` are not continued."""
         assert self.in_flight is None and self.ready is None, "one batch ahead at most"
-        self.in_flight = (step, engine_version,
-                          self.rollout.generate.remote(step, oldest_version))
+        before = ray.get(self.rollout.state.remote())
+        self.in_flight = InFlight(step, engine_version,
+                                  self.rollout.generate.remote(step, oldest_version), before)
 
-    def take(self, step: int, engine_version: int, oldest_version: int | None) -> Batch:
-        """`step`'s batch: the one kept or started earlier, else generated now."""
+    def take(self, step: int, engine_version: int, oldest_version: int | None,
+             samples_per_step: int) -> Batch:
+        """`step`'s batch: the one kept or started earlier, else generated now. A batch a
+        checkpoint kept that no longer fits the job (its bound or batch size was edited
+        before the resume) goes back to the rollout worker as prompts, generated again."""
         self.settle()
         batch, self.ready = self.ready, None
         if batch is not None:
             if batch.step != step:
                 raise RuntimeError(f"the pending rollout batch is for step {batch.step}, "
                                    f"not {step}")
-            return batch
+            why = batch.misfit(oldest_version, samples_per_step)
+            if why is None:
+                return batch
+            print(f"rollout: the batch generated ahead for step {step} is generated again: "
+                  f"{why}", file=sys.stderr, flush=True)
+            ray.get(self.rollout.return_prompts.remote(batch.samples))
         samples, stats = ray.get(self.rollout.generate.remote(step, oldest_version))
         return Batch(step, samples, stats, engine_version)
 
     def settle(self) -> Batch | None:
-        """Wait for the batch generating in the background (if any) and keep it: before a
-        checkpoint, so the rollout worker's data cursor is the one after that batch."""
+        """Wait for the batch generating in the background (if any) and keep it."""
         if self.in_flight is not None:
-            step, version, ref = self.in_flight
-            self.in_flight = None
-            samples, stats = ray.get(ref)
-            self.ready = Batch(step, samples, stats, version)
+            flight, self.in_flight = self.in_flight, None
+            samples, stats = ray.get(flight.ref)
+            self.ready = Batch(flight.step, samples, stats, flight.engine_version)
         return self.ready
 
-    def save(self, directory: Path) -> None:
-        """The settled batch into a checkpoint being written (nothing when there is none)."""
-        batch = self.settle()
-        if batch is not None:
-            (directory / PENDING_FILE).write_text(json.dumps(asdict(batch)))
+    def for_checkpoint(self, stopping: bool
+                       ) -> tuple[dict[str, Any], Batch | None, ray.exceptions.RayError | None]:
+        """What a checkpoint keeps of the rollout side: the worker's state (data cursor,
+        buffer, carried generations) and the batch generated ahead, consistent with it.
+
+        Normally the batch in flight is waited for and kept, with the state after it, so a
+        resumed run trains on exactly that batch. On a stop it is cancelled instead and the
+        state from before it is kept (its prompts are generated again after the resume): a
+        stop never waits for a generation. When it failed, the state from before it is kept
+        too, and its error is returned, to be raised once the checkpoint is written."""
+        flight = self.in_flight
+        if flight is not None:
+            if stopping:
+                ray.cancel(flight.ref)
+                self.in_flight = None
+                return flight.state_before, None, None
+            try:
+                self.settle()
+            except ray.exceptions.RayError as err:
+                return flight.state_before, None, err
+        return ray.get(self.rollout.state.remote()), self.ready, None
 
     def load(self, directory: Path) -> None:
         """The batch a checkpoint kept, trained on next."""

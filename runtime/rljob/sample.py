@@ -7,6 +7,12 @@ from enum import Enum
 from typing import Any
 
 
+def version_number(version: str) -> int | None:
+    """A weight version as the loop counts it (engines report it as text; a custom engine or
+    generate function may report something else, or nothing: None)."""
+    return int(version) if version.lstrip("-").isdigit() else None
+
+
 class Status(str, Enum):
     pending = "pending"
     completed = "completed"

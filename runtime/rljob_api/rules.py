@@ -220,12 +220,30 @@ RULES: tuple[Rule, ...] = (
         field_path=".maxStaleness",
     ),
     Rule(
+        at=("rollout", "partialRollout"),
+        cel="self.enabled || (!has(self.overSampling) && !self.maskOffPolicyTokens)",
+        message="spec.rollout.partialRollout.overSampling and maskOffPolicyTokens act only "
+        "with partialRollout.enabled true; set enabled true, or remove them",
+        check=lambda p: p["enabled"] or (p.get("overSampling") is None
+                                          and not p["maskOffPolicyTokens"]),
+        field_path=".enabled",
+    ),
+    Rule(
         at=("eval",),
         cel="self.interval == 0 || has(self.dataset)",
         message="spec.eval.interval > 0 needs spec.eval.dataset (the held-out prompts to "
         "evaluate on); set eval.dataset, or eval.interval 0 to disable evaluation",
         check=lambda e: e["interval"] == 0 or e.get("dataset") is not None,
         field_path=".dataset",
+    ),
+    Rule(
+        at=("eval",),
+        cel="!has(self.dataset) || self.interval > 0",
+        message="spec.eval.dataset is set but eval.interval is 0, so it would never be "
+        "evaluated; set eval.interval (rollout steps between evaluations), or remove "
+        "eval.dataset",
+        check=lambda e: e.get("dataset") is None or e["interval"] > 0,
+        field_path=".interval",
     ),
     Rule(
         at=("eval",),

@@ -443,10 +443,12 @@ class EvalSpec(ApiModel):
     """Evaluation on held-out prompts during training.
 
     Every `interval` rollout steps, and once more at the last step (`totalSteps`), the
-    rollout engines answer every prompt of `dataset` with the weights just trained; the
-    reward function scores the answers. Sampling seeds are fixed per prompt and sample and
-    differ from the training ones, so two evaluations differ only by the weights. The mean
-    reward goes to metrics.jsonl (`eval_reward`), curves.png and `status.progress.evalReward`.
+    rollout engines answer every prompt of `dataset` with the weights they serve (the ones
+    just trained in sync mode; in async mode up to maxStaleness versions older, except at
+    the last step); the reward function scores the answers. Sampling seeds are fixed per
+    prompt and sample and differ from the training ones, so two evaluations differ only by
+    the weights. The mean reward goes to metrics.jsonl (`eval_reward`), curves.png and
+    `status.progress.evalReward`.
     """
 
     dataset: Path | None = Field(

@@ -106,6 +106,13 @@ def _overlaps(read: tuple[str, ...], bad: tuple[str, ...]) -> bool:
     return read[:shorter] == bad[:shorter]
 
 
+# Fields of earlier versions of this API and where they are now (below `spec`).
+MOVED_FIELDS: dict[tuple[str, ...], str] = {
+    ("data", "evalDataset"): "spec.eval.dataset",
+    ("data", "evalInterval"): "spec.eval.interval",
+}
+
+
 def _schema_errors(spec: Obj) -> list[tuple[tuple[str, ...], Problem]]:
     """Type and value problems, found as the API server finds them: strictly, on the JSON the
     manifest becomes (the string "16" is no integer there, so it is none here either)."""
@@ -116,7 +123,9 @@ def _schema_errors(spec: Obj) -> list[tuple[tuple[str, ...], Problem]]:
         for e in err.errors(include_url=False):
             msg = e["msg"]
             if e["type"] == "extra_forbidden":
-                msg = "unknown field; remove it or check its spelling (see docs/reference.md)"
+                moved = MOVED_FIELDS.get(tuple(str(part) for part in e["loc"]))
+                msg = (f"moved to {moved}; set it there" if moved else
+                       "unknown field; remove it or check its spelling (see docs/reference.md)")
             elif "input" in e and not isinstance(e["input"], dict | list):
                 msg = f"{msg} (got {e['input']!r})"
             loc = tuple(str(part) for part in e["loc"])

@@ -31,4 +31,4 @@ def test_cpu_example_runs(tmp_path: Path, path: Path) -> None:
     assert proc.returncode == EXIT_OK, out.decode(errors="replace")[-4000:]
     rows = metrics_log.read(workdir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["weight_version"] == r["step"] for r in rows)
+    assert all(r["policy_version"] == r["step"] for r in rows)

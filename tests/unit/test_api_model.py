@@ -107,9 +107,6 @@ def test_partial_rollout_is_accepted_with_dynamic_sampling_and_a_custom_generate
                          "algorithm.dynamicSampling": {"enabled": True},
                          "generate.function": "my_generate:generate"}, "").apply_to(base_job())
     assert manifest_problems(doc) == []
-    # options without `enabled` are inert defaults, not contradictions
-    inert = BadSpec("ok", {"rollout.partialRollout": {"overSampling": 3}}, "")
-    assert manifest_problems(inert.apply_to(base_job())) == []
 
 
 @pytest.mark.parametrize(("batch", "over", "extra"),
@@ -206,4 +203,5 @@ def test_eval_settings_are_accepted_and_the_old_data_fields_refused() -> None:
     assert manifest_problems(sampled) == []
     # spec.data.evalDataset/evalInterval moved to spec.eval: the old place is refused
     moved = BadSpec("x", {"data.evalDataset": "builtin:reverse"}, "").apply_to(base_job())
-    assert any(p.field == "spec.data.evalDataset" for p in manifest_problems(moved))
+    assert [(p.field, p.message) for p in manifest_problems(moved)] == [
+        ("spec.data.evalDataset", "moved to spec.eval.dataset; set it there")]
