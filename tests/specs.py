@@ -177,7 +177,7 @@ BAD_SPECS: list[BadSpec] = [
         "eval-interval-without-dataset",
         {"eval.interval": 5},
         "spec.eval",
-        rule_message("has(self.dataset)"),
+        rule_message("self.interval == 0 || has(self.dataset)"),
     ),
     BadSpec(
         "eval-greedy-several-samples",
