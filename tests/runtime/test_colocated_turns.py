@@ -52,7 +52,8 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     job.batches = RolloutPipeline(job.workers.rollout)
     job.pipelined, job.max_staleness, job.engine_version = False, 0, 3  # colocated: sync
     job.spec = SimpleNamespace(
-        algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10),
+        algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10,
+                                  rollout_batch_size=0, n_samples_per_prompt=1),
         eval=SimpleNamespace(dataset=None, interval=0))
     job.last_eval, job.last_eval_read = None, True
     job.checkpoints = SimpleNamespace(check_writer=lambda: None)  # type: ignore[assignment]
