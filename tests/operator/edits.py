@@ -99,6 +99,7 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
                          "stop": ["</answer>"]}}}),
         Edit("partial-rollout", {"rollout": {"partialRollout": {
             "enabled": True, "overSampling": 8, "maskOffPolicyTokens": True}}}),
+        Edit("async-rollout", {"rollout": {"mode": "async", "maxStaleness": 2}}),
         Edit("algorithm", {"algorithm": {
             "rolloutBatchSize": 64, "nSamplesPerPrompt": 4, "globalBatchSize": 128,
             "stepsPerRollout": 2, "microBatchSize": 16, "totalSteps": 200, "lr": 2e-6,
