@@ -49,13 +49,33 @@ def main() -> None:
     parser.add_argument("file", nargs="?", default="examples/tiny-cpu.yaml")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (totalSteps)")
     parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per mode, seeds algorithm.seed, +1, ...: the curves' spread")
     args = parser.parse_args()
     doc, spec = load_job(args.file)
     steps = args.steps or spec.algorithm.total_steps
+    seeds = [spec.algorithm.seed + i for i in range(args.seeds)]
+    per_seed = {seed: one_seed(doc, steps, seed, args.max_staleness) for seed in seeds}
+    print(f"\n{steps} steps of {args.file}, maxStaleness {args.max_staleness}, "
+          f"seeds {', '.join(map(str, seeds))}")
+    for seed, results in per_seed.items():
+        report(seed, results, steps)
+    if len(seeds) > 1:
+        print("\n over all seeds: mean of the last 10 steps, and loop time")
+        for mode in ("sync", "async"):
+            lasts = [mean([r["reward"] for r in per_seed[s][mode][1][-10:]]) for s in seeds]
+            loops = [sum(r["step_seconds"] for r in per_seed[s][mode][1]) for s in seeds]
+            print(f"  {mode:<5} reward {mean(lasts):.3f} (seeds: "
+                  f"{', '.join(f'{x:.3f}' for x in lasts)}), loop {mean(loops):.1f}s")
+
+
+def one_seed(doc: dict[str, Any], steps: int, seed: int, max_staleness: int
+             ) -> dict[str, tuple[float, list[dict[str, Any]]]]:
     modes: dict[str, RLJobSpec] = {}
     for mode in ("sync", "async"):
         edited = copy.deepcopy(doc)
         edited["spec"].setdefault("algorithm", {})["totalSteps"] = steps
+        edited["spec"]["algorithm"]["seed"] = seed
         # One checkpoint, at the end: a save waits for the batch generating ahead, which
         # would hide async generation time outside the steps' own seconds.
         edited["spec"].setdefault("checkpoint", {})["interval"] = steps
@@ -63,14 +83,17 @@ def main() -> None:
         rollout["mode"] = mode
         rollout.pop("maxStaleness", None)
         if mode == "async":
-            rollout["maxStaleness"] = args.max_staleness
+            rollout["maxStaleness"] = max_staleness
         with tempfile.NamedTemporaryFile("w", suffix=".yaml") as fh:
             yaml.safe_dump(edited, fh)
             fh.flush()
             modes[mode] = load_job(fh.name)[1]  # validated as `rljob run` would
-    results = {mode: run(doc["metadata"]["name"], s, steps) for mode, s in modes.items()}
+    return {mode: run(doc["metadata"]["name"], s, steps) for mode, s in modes.items()}
 
-    print(f"\n{steps} steps of {args.file}, maxStaleness {args.max_staleness}")
+
+def report(seed: int, results: dict[str, tuple[float, list[dict[str, Any]]]], steps: int
+           ) -> None:
+    print(f"\n seed {seed}")
     print(" mode   wall s  loop s  waited for batch s  train s  staleness mean/max"
           "   (loop: the steps, start-up and the final save left out)")
     for mode, (wall, rows) in results.items():
