@@ -64,8 +64,10 @@ class Job:
         self.loop_started = False
         self.tracking = Trackers()
         # Async: the next batch generates while the trainer trains (rljob.rollout_pipeline).
-        self.pipelined = spec.rollout.mode == RolloutMode.async_
-        self.max_staleness = (spec.rollout.max_staleness or 1) if self.pipelined else 0
+        # Async: the bound on how many versions a trained sample may lag; None in sync mode.
+        self.max_staleness: int | None = (
+            (spec.rollout.max_staleness or 1) if spec.rollout.mode == RolloutMode.async_
+            else None)
         self.engine_version = 0  # the weight version the engines serve
         # (rollout step, eval reward) of the latest evaluation, reported with every step
         self.last_eval: tuple[int, float] | None = None
@@ -108,22 +110,22 @@ class Job:
         t0 = time.monotonic()
         if w.offload:  # the trainers' parameters, gradients and optimizer state leave
             w.trainers.offload()
-        bound = self.max_staleness if self.pipelined else None
+        bound = self.max_staleness
         # rewarded samples; a batch generated now is trained at the trainer's version now
         algo = self.spec.algorithm
         batch = self.batches.take(state.step, self.engine_version,
                                   None if bound is None else state.weight_version - bound,
                                   algo.rollout_batch_size * algo.n_samples_per_prompt)
         t1 = time.monotonic()
-        if self.pipelined and state.step + 1 < self.spec.algorithm.total_steps:
+        if bound is not None and state.step + 1 < algo.total_steps:
             # The next batch is trained after this step's update (one version on): the
             # engines get the newest weights first if it would lag more than the bound.
-            # Started at the last step of a stopped or --max-steps run too: it is kept in
-            # the checkpoint, and the resumed run trains on it.
-            if state.weight_version + 1 - self.engine_version > self.max_staleness:
+            # Started at the last step of a --max-steps run too: the checkpoint keeps it and
+            # the resumed run trains on it (a stop cancels it instead).
+            if state.weight_version + 1 - self.engine_version > bound:
                 self.publish()
             self.batches.launch(state.step + 1, self.engine_version,
-                                state.weight_version + 1 - self.max_staleness)
+                                state.weight_version + 1 - bound)
         if w.offload:  # the engines' weights and caches leave; the trainers come back
             w.release_engines()
         samples = batch.samples
@@ -137,13 +139,13 @@ class Job:
         state.samples += len(samples)
         if m["optimizer_steps"]:
             state.weight_version += 1
-            if not self.pipelined or state.step == self.spec.algorithm.total_steps:
+            if bound is None or state.step == algo.total_steps:
                 self.publish()  # async: at the start of the next step, if due
         elif not weights_kept:  # SGLang dropped its released weights: the same version again
             self.publish(again=True)
         rollout = {**batch.stats, "rollout_wait_seconds": t1 - t0,
                    "staleness_mean": staleness.mean, "staleness_max": float(staleness.max)}
-        if self.pipelined:
+        if bound is not None:
             rollout["stale_samples"] = float(staleness.over_bound)
         self.report(m, rollout, train_seconds=t2 - t1, step_seconds=time.monotonic() - t0)
         bar.update(state.step, m["reward"], rollout["tokens_per_second"])

@@ -282,9 +282,10 @@ class RolloutWorker(Locatable):
         seconds = time.monotonic() - started
         tokens = sum(s.response_length for s in samples)
         carried_tokens = sum(brought.get(id(g), 0) for g in done)  # generated in earlier steps
-        worker_metrics.record_rollout(len(samples), tokens - carried_tokens)
+        generated = tokens - carried_tokens
+        worker_metrics.record_rollout(len(samples), generated)
         stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
-                 "tokens_per_second": (tokens - carried_tokens) / seconds if seconds > 0 else 0.0,
+                 "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
                  "generation_rounds": float(rounds), "generated_groups": float(attempted)}
         if dynamic.enabled:
             stats["filtered_groups"] = float(len(uniform))

@@ -50,7 +50,7 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     job.state = LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
                           skipped_steps=0, train_step=3, samples=0)
     job.batches = RolloutPipeline(job.workers.rollout)
-    job.pipelined, job.max_staleness, job.engine_version = False, 0, 3  # colocated: sync
+    job.max_staleness, job.engine_version = None, 3  # colocated: sync
     job.spec = SimpleNamespace(
         algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10,
                                   rollout_batch_size=0, n_samples_per_prompt=1),
