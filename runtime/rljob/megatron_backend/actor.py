@@ -50,6 +50,7 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    per_sample,
     policy_settings,
     rewards_of,
     rollout_summary,
@@ -148,14 +149,20 @@ class MegatronTrainerActor(TrainerActor):
             old_logp=old[:, :t], advantages=adv[:, :t], ref_logp=ref[:, :t],
             is_weight=None if is_weight is None else is_weight[:, :t])
 
-    def _infer(self, batches: list[Batch], width: int) -> tuple[Tensor, Tensor]:
-        """Old-policy and reference log-probs `[N, width]` of all samples (every rank)."""
+    def _batches(self, samples: list[Sample]) -> list[Batch]:
+        """All samples of a rollout step in micro-batches, in order."""
+        groups = micro_batches(list(range(len(samples))), self.spec.algorithm.micro_batch_size)
+        return [collate([samples[i] for i in mb], self.pad_id) for mb in groups]
+
+    def _infer(self, batches: list[Batch], width: int,
+               models: tuple[torch.nn.Module | None, ...] = (None,)) -> list[Tensor]:
+        """Log-probs `[N, width]` of all samples under each of `models` (None: the policy),
+        on every rank."""
         zeros = [torch.zeros(len(b.prompt_lengths), width) for b in batches]
         inputs = [self._policy_batch(b, z, z, z) for b, z in zip(batches, zeros, strict=True)]
-        old = self.trainer.logprobs(inputs)
-        ref = self.trainer.logprobs(inputs, model=self.reference)
-        return (torch.cat([widen(t.float().cpu(), width) for t in old]),
-                torch.cat([widen(t.float().cpu(), width) for t in ref]))
+        return [torch.cat([widen(t.float().cpu(), width)
+                           for t in self.trainer.logprobs(inputs, model=model)])
+                for model in models]
 
     def _held_tensors(self) -> Iterator[Tensor]:
         """The DDP model with its contiguous parameter and gradient buffers, the frozen
@@ -173,9 +180,8 @@ class MegatronTrainerActor(TrainerActor):
         algo = self.spec.algorithm
         samples = [Sample.from_json(d) for d in sample_dicts]
         width = max(s.response_length for s in samples)
-        groups = micro_batches(list(range(len(samples))), algo.micro_batch_size)
-        batches = [collate([samples[i] for i in mb], self.pad_id) for mb in groups]
-        old, ref = self._infer(batches, width)
+        batches = self._batches(samples)
+        old, ref = self._infer(batches, width, (None, self.reference))
         mask = torch.cat([widen(b.loss_mask, width) for b in batches])
         rollout_logp = torch.cat([widen(b.rollout_logp, width) for b in batches])
         if check_initial_kl:
@@ -204,6 +210,14 @@ class MegatronTrainerActor(TrainerActor):
                                              skipped=bool(row["skipped"]))
             steps.append(row)
         return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped, tis)
+
+    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+        """The policy's response log-probs, computed as `train` computes the old policy's."""
+        self.on_device()
+        samples = [Sample.from_json(d) for d in sample_dicts]
+        width = max(s.response_length for s in samples)
+        (logp,) = self._infer(self._batches(samples), width)
+        return per_sample(logp, [s.response_length for s in samples])
 
     # ---- weights -----------------------------------------------------------------------
 

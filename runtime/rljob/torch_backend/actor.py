@@ -38,6 +38,7 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    per_sample,
     policy_settings,
     rewards_of,
     rollout_summary,
@@ -177,6 +178,21 @@ class TorchTrainer(TrainerActor):
             values=torch.cat(parts["val"]) if parts["val"] else None,
             rollout_logp=torch.cat(parts["roll"]), mask=torch.cat(parts["mask"]),
         )
+
+    @torch.no_grad()
+    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+        """The policy's response log-probs, computed as `train` computes the old policy's."""
+        self.on_device()
+        algo = self.spec.algorithm
+        temp = self.spec.rollout.sampling.temperature
+        samples = [Sample.from_json(d) for d in sample_dicts]
+        out: list[list[float]] = []
+        for mb in micro_batches(list(range(len(samples))), algo.micro_batch_size):
+            batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
+            with self._autocast():
+                logp, _ = response_logprobs(self.model, batch, algo.logprob_chunk_tokens, temp)
+            out += per_sample(logp, batch.response_lengths)
+        return out
 
     # ---- training ----------------------------------------------------------------------
 

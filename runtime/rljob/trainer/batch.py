@@ -124,6 +124,12 @@ def rollout_summary(
     return out
 
 
+def per_sample(logp: Tensor, response_lengths: list[int]) -> list[list[float]]:
+    """Padded `[N, T]` response log-probs as one list per sample, padding dropped."""
+    rows = logp.detach().float().cpu().tolist()
+    return [row[:n] for row, n in zip(rows, response_lengths, strict=True)]
+
+
 def micro_batches(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)]
 

@@ -38,6 +38,13 @@ class TrainerActor(Locatable, TakesTurns):
         `rljob.trainer.batch.rollout_summary`)."""
 
     @abstractmethod
+    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+        """The current policy's log-prob of each response token of each sample (at the
+        rollout temperature): what `train` takes as the old policy's before its first
+        optimizer step, so a backend can be checked against the engines' log-probs or
+        against another backend. A collective, like `train`."""
+
+    @abstractmethod
     def named_weights(self) -> NamedTensors:
         """The weights the engines serve: HF names, serving dtype."""
 

@@ -39,6 +39,13 @@ class TrainerGroup:
             [t.train.remote(samples, check_initial_kl) for t in self.handles])
         return results[0]
 
+    def logprobs(self, samples: list[dict[str, Any]]) -> list[list[float]]:
+        """The policy's response log-probs on every rank; rank 0's (every rank has the same
+        weights)."""
+        results: list[list[list[float]]] = ray.get(
+            [t.logprobs.remote(samples) for t in self.handles])
+        return results[0]
+
     def offload(self) -> None:
         ray.get([t.offload.remote() for t in self.handles])
 
