@@ -28,7 +28,7 @@ from rljob_api.layout import (
     engine_port,
     engines_per_pod,
     group_resource,
-    pod_slots,
+    group_slots,
     weight_sync_health_port,
 )
 from rljob_api.mutability import Effect, paths_with
@@ -259,7 +259,7 @@ def _engine_ports(engines: int) -> list[Obj]:
 
 def _ray_resources(slot: str, count: int) -> str:
     """rayStartParams `resources` in KubeRay's quoted-JSON form: a custom Ray resource, one
-    unit per placement slot of the pod (a GPU, or the pod itself on CPU), that the runtime
+    unit per placement slot of the pod (`rljob_api.layout.group_slots`), that the runtime
     requests so trainer and rollout actors land on their own group's pods."""
     return json.dumps(json.dumps({slot: count}))
 
@@ -278,7 +278,7 @@ def worker_groups(spec: RLJobSpec) -> dict[str, int]:
 
 def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Obj:
     # Engines per pod: one in a rollout pod, gpusPerReplica / gpusPerEngine in a colocated one.
-    engines = {ROLLOUT: 1, COLOCATED: engines_per_pod(spec)}.get(group, 0)
+    engines = 0 if group == TRAINER else engines_per_pod(spec)
     if group == ROLLOUT:
         gpus = rollout_gpus_per_pod(spec)
         main = _ray_container(job, spec, "ray-worker", group, spec.rollout.image,
@@ -300,7 +300,8 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         "replicas": replicas,
         "minReplicas": replicas,
         "maxReplicas": replicas,
-        "rayStartParams": {"resources": _ray_resources(group_resource(group), pod_slots(gpus))},
+        "rayStartParams": {"resources": _ray_resources(group_resource(group),
+                                                       group_slots(spec, group))},
         "template": template,
     }
 

@@ -76,6 +76,14 @@ def slots_per_pod(spec: RLJobSpec) -> int:
     return pod_slots(spec.trainer.gpus_per_replica)
 
 
+def group_slots(spec: RLJobSpec, group: str) -> int:
+    """Placement slots one pod of worker group `group` offers, so its units of
+    `group_resource(group)`: a trainer or colocated pod `slots_per_pod`, a rollout pod one per
+    slot of its one engine (`gpusPerEngine`, a slot per tensor-parallel rank), on GPUs or, for
+    the hf engine, on CPU: the runtime places every engine on that many slots."""
+    return spec.rollout.gpus_per_engine if group == ROLLOUT else slots_per_pod(spec)
+
+
 def engines_per_pod(spec: RLJobSpec) -> int:
     """Engines (so engine ports and sidecars) in each pod that runs engines."""
     if spec.placement == Placement.colocated:

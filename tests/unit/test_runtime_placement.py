@@ -9,8 +9,9 @@ import pytest
 
 from rljob.engine.slots import SlotDeviceError, engine_gpus
 from rljob.placement import SIDECAR_SHARE, engine_port, plan, port_clashes
-from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, SidecarConfig, parse_args
+from rljob.weightsync.sidecar import SidecarConfig, parse_args
 from rljob.weightsync.wiring import SyncSettings
+from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.layout import slots_per_pod
 from rljob_api.spec import RLJobSpec, RolloutBackend
 from rljob_api.validate import spec_problems
@@ -64,11 +65,19 @@ def test_colocated_shares_slots() -> None:
     assert {k for b in layout.bundles(True, True) for k in b} == {"GPU", "CPU", "rljob_colocated"}
 
 
-@pytest.mark.parametrize(("placement", "rollout_gpus"), [("disaggregated", 4), ("colocated", 8)])
-def test_operator_offers_the_units_the_runtime_asks_for(placement: str, rollout_gpus: int) -> None:
+@pytest.mark.parametrize(("placement", "trainer_gpus", "rollout_gpus", "backend"), [
+    ("disaggregated", 8, 4, RolloutBackend.sglang),
+    ("colocated", 8, 8, RolloutBackend.sglang),
+    # The hf engine runs on CPU: its pods have no GPU, yet a slot per tensor-parallel rank.
+    ("disaggregated", 0, 4, RolloutBackend.hf),
+    ("disaggregated", 8, 4, RolloutBackend.hf),
+])
+def test_operator_offers_the_units_the_runtime_asks_for(
+    placement: str, trainer_gpus: int, rollout_gpus: int, backend: RolloutBackend
+) -> None:
     """Every bundle the runtime requests fits the custom resources the operator's pods offer."""
-    spec = _spec(placement, 8, rollout_gpus, 2)
-    spec.rollout.backend = RolloutBackend.sglang
+    spec = _spec(placement, trainer_gpus, rollout_gpus, 2)
+    spec.rollout.backend = backend
     cluster = build_raycluster(JobRef("j", "ns", "uid"), spec)
     offered: dict[str, float] = {}
     for group in cluster["spec"]["workerGroupSpecs"]:
