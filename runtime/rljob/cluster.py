@@ -34,7 +34,7 @@ from rljob.weightsync.wiring import WeightSyncActors
 from rljob.whereabouts import Placed
 from rljob_api import env
 from rljob_api.layout import COLOCATED, DRIVER, DRIVER_RESOURCE, HEAD, ROLLOUT, TRAINER
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import Placement, RLJobSpec
 
 PLACEMENT_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0  # what each engine and trainer rank gets to stop cleanly
@@ -227,7 +227,7 @@ class Cluster:
                 f"cluster has {have}. Lower trainer/rollout GPU counts or add nodes."))
         w = self.workers
         device = "cuda" if use_gpu else "cpu"
-        w.offload = use_gpu and spec.placement == "colocated"
+        w.offload = use_gpu and spec.placement == Placement.colocated
         res = {"num_gpus": layout.share, "num_cpus": 0} if use_gpu else {
             "num_cpus": layout.share}
 
@@ -301,7 +301,7 @@ class Cluster:
         # Kinds of pod exist on a cluster only; on one machine every actor shares one node.
         checked = self.options.on_cluster
         groups = whereabouts.node_groups(ray.nodes()) if checked else {}
-        colocated = spec.placement == "colocated"
+        colocated = spec.placement == Placement.colocated
         # The rollout worker is pinned next to the driver only when the driver is a node.
         rows = [
             Placed(role, index, fact["node_id"], fact["host"], groups.get(fact["node_id"], ""),

@@ -28,6 +28,7 @@ from typing import Any, Protocol, cast
 
 from rljob_api import GROUP, PLURAL, VERSION, env
 from rljob_api.status import (
+    RUNTIME_CARRIED_FIELDS,
     RUNTIME_MANAGER,
     CheckpointStatus,
     Progress,
@@ -39,10 +40,6 @@ from rljob_api.status import (
 
 ENV_NAME = env.JOB_NAME
 ENV_NAMESPACE = env.JOB_NAMESPACE
-# Fields a restarted runtime carries over from its predecessor (same field manager): an
-# apply without them would remove them. `runtimeFailure` and `stopped` are not: they say how
-# an attempt ended, and a new attempt starts clean.
-CARRIED_OVER = ("progress", "checkpoint", "resumed")
 REQUEST_TIMEOUT_S = 5.0  # one request to the API server, to connect and to answer
 SETTLE_S = 1.0  # the longest a report waits for its write while the API server answers
 BACKOFF_S = (0.5, 15.0)  # first and longest pause between failed writes
@@ -227,7 +224,7 @@ class StatusReporter:
                 GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
             )
             current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
-            self._carried = {k: current[k] for k in CARRIED_OVER if k in current}
+            self._carried = {k: current[k] for k in RUNTIME_CARRIED_FIELDS if k in current}
         apply_status(self.api, self.namespace, self.name, {**self._carried, **fields},
                      RUNTIME_MANAGER, timeout)
 

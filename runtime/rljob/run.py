@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rljob.exit_codes import INVALID as EXIT_INVALID
 from rljob.report import FLUSH_TIMEOUT_S, PrintReporter, Reporter, StatusReporter
+from rljob_api import env
 from rljob_api.validate import InvalidJob, load_job
 
 DEFAULT_WORKDIR = Path("runs")
@@ -34,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     where.add_argument("--join", default=None, metavar="HOST:PORT",
                        help="make this machine a Ray node of the cluster whose head (GCS) is "
                             "at HOST:PORT, run the driver on it, and stop the node at exit "
-                            "(how the operator's driver pod runs; uses $POD_IP when set)")
+                            f"(how the operator's driver pod runs; uses ${env.POD_IP} when set)")
     where.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="use a Ray cluster this machine already is a node of (e.g. auto, "
                             "after `ray start`) instead of starting a local one")

@@ -26,6 +26,10 @@ RUNTIME_MANAGER = "rljob-runtime"
 OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
                    "startedAt", "finishedAt")
 RUNTIME_FIELDS = ("progress", "checkpoint", "resumed", "runtimeFailure", "stopped")
+# The runtime's fields a restarted runtime carries over from its predecessor (the same field
+# manager: an apply without them would remove them). The others say how an attempt ended,
+# and a new attempt starts without them.
+RUNTIME_CARRIED_FIELDS = ("progress", "checkpoint", "resumed")
 
 
 def timestamp(t: datetime | None = None) -> str:

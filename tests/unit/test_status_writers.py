@@ -8,6 +8,7 @@ import pytest
 
 from rljob_api.status import (
     OPERATOR_FIELDS,
+    RUNTIME_CARRIED_FIELDS,
     RUNTIME_FIELDS,
     RLJobStatus,
     parse_timestamp,
@@ -21,6 +22,7 @@ def test_operator_and_runtime_fields_split_the_status() -> None:
     fields = {f.alias for f in RLJobStatus.model_fields.values()}
     assert set(OPERATOR_FIELDS) | set(RUNTIME_FIELDS) == fields
     assert not set(OPERATOR_FIELDS) & set(RUNTIME_FIELDS)
+    assert set(RUNTIME_CARRIED_FIELDS) < set(RUNTIME_FIELDS)
 
 
 def test_timestamps_are_utc_seconds_and_read_back() -> None:

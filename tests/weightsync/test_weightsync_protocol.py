@@ -44,8 +44,9 @@ from rljob.weightsync.protocol import (
     version_digest,
 )
 from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
-from rljob.weightsync.sidecar import ENGINE_INDEX_ENV, Sidecar, SidecarConfig, parse_args
+from rljob.weightsync.sidecar import Sidecar, SidecarConfig, parse_args
 from rljob.weightsync.wiring import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
+from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 from rljob_api.spec import WeightSyncSpec
 

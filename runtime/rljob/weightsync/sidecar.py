@@ -62,9 +62,6 @@ from rljob_api.env import ENGINE_INDEX, ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYN
 
 log = logging.getLogger("rljob.weightsync.sidecar")
 
-# Set by the operator in pods that hold several engines: which of them this sidecar serves.
-ENGINE_INDEX_ENV = ENGINE_INDEX
-
 
 @dataclass(frozen=True)
 class SidecarConfig:
@@ -461,25 +458,25 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     p.add_argument(
         "--trainer",
         default=env.get(WEIGHT_SYNC_TRAINER, ""),
-        help="HOST:PORT of the trainer's weight-sync store (RLJOB_WEIGHT_SYNC_TRAINER)",
+        help=f"HOST:PORT of the trainer's weight-sync store (${WEIGHT_SYNC_TRAINER})",
     )
     p.add_argument(
         "--engine-url",
         default=env.get(ENGINE_URL, f"http://127.0.0.1:{layout.ENGINE_PORT}"),
-        help="base URL of the local engine (RLJOB_ENGINE_URL)",
+        help=f"base URL of the local engine (${ENGINE_URL})",
     )
     p.add_argument(
         "--engine-name",
         default="",
-        help="this engine's name in the group (default: POD_NAME, plus -RLJOB_ENGINE_INDEX "
-        "when a pod holds several engines)",
+        help=f"this engine's name in the group (default: ${POD_NAME}, plus -${ENGINE_INDEX} "
+        "where the operator sets it: in a pod of several engines)",
     )
     p.add_argument("--listen", default=f"0.0.0.0:{layout.WEIGHT_SYNC_HEALTH_PORT}",
                    help="HOST:PORT for /health and /metrics")
     p.add_argument(
         "--advertise-host",
         default=env.get(POD_IP, ""),
-        help="address the trainer uses to probe /health (POD_IP)",
+        help=f"address the trainer uses to probe /health (${POD_IP})",
     )
     p.add_argument(
         "--device",
@@ -492,11 +489,11 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     args = p.parse_args(argv)
     if not args.trainer:
         raise SystemExit(
-            "rljob-weight-sync: --trainer HOST:PORT (or RLJOB_WEIGHT_SYNC_TRAINER) is required"
+            f"rljob-weight-sync: --trainer HOST:PORT (or ${WEIGHT_SYNC_TRAINER}) is required"
         )
-    index = env.get(ENGINE_INDEX_ENV)
+    index = env.get(ENGINE_INDEX)
     if index is not None and not index.isdigit():
-        raise SystemExit(f"rljob-weight-sync: {ENGINE_INDEX_ENV} must be a number, got {index!r}")
+        raise SystemExit(f"rljob-weight-sync: {ENGINE_INDEX} must be a number, got {index!r}")
     engine_name = args.engine_name or layout.engine_name(
         env.get(POD_NAME, socket.gethostname()), None if index is None else int(index)
     )
