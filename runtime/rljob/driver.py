@@ -63,8 +63,8 @@ class Job:
         self.weight_sync = WeightSyncActors(self.sync_settings)
         self.loop_started = False
         self.tracking = Trackers()
-        # Async: the next batch generates while the trainer trains (rljob.rollout_pipeline).
-        # Async: the bound on how many versions a trained sample may lag; None in sync mode.
+        # Async (rljob.rollout_pipeline): the next batch generates while the trainer trains,
+        # and a trained sample may lag the policy by this many versions; None in sync mode.
         self.max_staleness: int | None = (
             (spec.rollout.max_staleness or 1) if spec.rollout.mode == RolloutMode.async_
             else None)

@@ -198,6 +198,10 @@ class WeightPublisher:
             poll_key(self._store, Keys.member(self._members_seen), min(1.0, remaining))
 
     def _probe(self, names: Iterable[str]) -> dict[str, bool]:
+        """Which of these engines' sidecars answer their own /health (the weight-sync
+        sidecar's HTTP server, the address it registered): a lost sidecar is not waited for.
+        No engine is called here; engines are spoken to through `rljob.engine.client`."""
+
         def answers(url: str) -> bool:
             try:
                 with urllib.request.urlopen(url, timeout=self.config.probe_timeout_s) as resp:
