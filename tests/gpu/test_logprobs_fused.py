@@ -224,7 +224,8 @@ def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    model = Qwen2ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    model = Qwen2ForCausalLM(config)
+    torch.nn.Module.to(model, device="cuda", dtype=torch.bfloat16)
     prompts, responses = [5, 3, 7], [9, 12, 4]
     width = max(p + r for p, r in zip(prompts, responses, strict=True))
     ids = torch.randint(0, 1001, (3, width), device="cuda")

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 
-from rljob import driver
 from rljob.cluster import Workers
 from rljob.driver import Job
 from rljob.loop_state import LoopState
@@ -51,7 +51,7 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
                           skipped_steps=0, train_step=3, samples=0)
     job.batches = RolloutPipeline(job.workers.rollout)
     job.max_staleness, job.engine_version = None, 3  # colocated: sync
-    job.spec = SimpleNamespace(
+    job.spec = SimpleNamespace(  # type: ignore[assignment]
         algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10,
                                   rollout_batch_size=0, n_samples_per_prompt=1),
         eval=SimpleNamespace(dataset=None, interval=0))
@@ -67,12 +67,13 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
 
 @pytest.fixture(autouse=True)
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(driver.ray, "get", lambda value: value)
+    monkeypatch.setattr(ray, "get", lambda value: value)
 
 
 def _step(tmp_path: Path, **kw: Any) -> list[str]:
     log: list[str] = []
-    _job(tmp_path, log=log, **kw).one_step(SimpleNamespace(update=lambda *_: None))
+    _job(tmp_path, log=log, **kw).one_step(
+        SimpleNamespace(update=lambda *_: None))  # type: ignore[arg-type]
     return log
 
 

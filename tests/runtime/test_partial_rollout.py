@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
-from rljob import loop_state
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.loop_state import Checkpoints, LoopState
 from rljob.rollout import RolloutWorker
@@ -197,7 +197,7 @@ def test_a_checkpoint_carries_the_cut_groups_to_a_resumed_worker(
             self.state = type("M", (), {"remote": staticmethod(worker.state)})
             self.load = type("M", (), {"remote": staticmethod(worker.load)})
 
-    monkeypatch.setattr(loop_state.ray, "get", lambda value: value)
+    monkeypatch.setattr(ray, "get", lambda value: value)
     first = _worker(engine, data, mask=True)
     _cut_step(first, engine, 0)
     carried = _carried(first)

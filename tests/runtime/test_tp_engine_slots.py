@@ -47,11 +47,11 @@ def test_a_two_slot_engine_holds_both_and_serves_two_ranks(
     try:
         wait_for(lambda: ray.available_resources().get(second) == 1.0, timeout=30,
                  what="slot 1 free before its holder exists")
-        holder = ray.remote(SlotHolder).options(**at(1)).remote()
+        holder: Any = ray.remote(SlotHolder).options(**at(1)).remote()
         further = ray.get(holder.where.remote(), timeout=60)
         wait_for(lambda: ray.available_resources().get(second, 0.0) == 0.0, timeout=30,
                  what="slot 1 held by the engine's SlotHolder")
-        engine = ray.remote(EngineProcess).options(**at(0)).remote(
+        engine: Any = ray.remote(EngineProcess).options(**at(0)).remote(
             "hf", str(model), "float32", "cpu", "0", 2, {}, "127.0.0.1", 0, [further])
         url = ray.get(engine.address.remote(), timeout=120)
         http = EngineClient(url, timeout_s=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib.image
 import pytest
@@ -26,7 +27,7 @@ def test_sparse_eval_rows_keep_their_steps_in_the_curves(tmp_path: Path) -> None
     _write_run(path)
     rows = metrics_log.read(path)
     assert rows[3]["eval_reward"] == "NaN"  # strict JSON on disk
-    curves = metrics_log.reward_curves(rows)
+    curves: dict[str, Any] = metrics_log.reward_curves(rows)  # compared with pytest.approx
     assert curves["train reward"] == ([1, 2, 3, 4, 5], pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5]))
     assert curves["eval reward"] == ([2, 5], [0.25, 0.5])  # the NaN left out, not a 0
     assert curves["eval best-of-n"] == ([2, 4, 5], [0.75, 0.75, 0.75])
