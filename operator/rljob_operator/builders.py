@@ -29,10 +29,11 @@ from rljob_api.layout import (
     engines_per_pod,
     group_resource,
     group_slots,
+    rollout_gpus_per_pod,
     weight_sync_health_port,
 )
 from rljob_api.mutability import Effect, paths_with
-from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec, RolloutBackend
+from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
 from rljob_operator import names
 
 Obj = dict[str, Any]
@@ -262,11 +263,6 @@ def _ray_resources(slot: str, count: int) -> str:
     unit per placement slot of the pod (`rljob_api.layout.group_slots`), that the runtime
     requests so trainer and rollout actors land on their own group's pods."""
     return json.dumps(json.dumps({slot: count}))
-
-
-def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
-    """GPUs each rollout pod requests: one engine per pod; the `hf` backend runs on CPU."""
-    return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
 
 
 def worker_groups(spec: RLJobSpec) -> dict[str, int]:

@@ -23,7 +23,16 @@ from rljob import exit_codes, ray_node, whereabouts
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.slots import SlotHolder
 from rljob.exit_codes import JobError
-from rljob.placement import Layout, engine_port, plan, port_clashes, trainer_world
+from rljob.placement import (
+    DeviceError,
+    Devices,
+    Layout,
+    choose_devices,
+    engine_port,
+    plan,
+    port_clashes,
+    trainer_world,
+)
 from rljob.rollout import RolloutWorker
 from rljob.stop import StopSignals
 from rljob.tasks import DatasetError, load_task
@@ -37,6 +46,8 @@ from rljob_api.layout import COLOCATED, DRIVER, DRIVER_RESOURCE, HEAD, ROLLOUT, 
 from rljob_api.spec import Placement, RLJobSpec
 
 PLACEMENT_TIMEOUT_S = 300.0
+# How long a driver on a cluster waits for Ray to count the GPUs its pods requested.
+GPU_WAIT_S = 60.0
 STOP_TIMEOUT_S = 30.0  # what each engine and trainer rank gets to stop cleanly
 
 
@@ -84,6 +95,14 @@ def expected_group(role: str, colocated: bool) -> str:
             return COLOCATED
         return TRAINER if role == whereabouts.TRAINER else ROLLOUT
     return {whereabouts.ROLLOUT_WORKER: DRIVER, whereabouts.STORE: HEAD}[role]
+
+
+def slot_options(pg: PlacementGroup, layout: Layout, devices: Devices, slot: int
+                 ) -> dict[str, Any]:
+    """Ray options of the trainer rank, engine or slot holder at `slot`: in that slot's
+    bundle, with a share of its GPU (Ray shows the actor that GPU alone) or of its CPU."""
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=slot), **layout.actor_resources(slot, devices)}
 
 
 def rendezvous_address() -> str:
@@ -145,6 +164,8 @@ class Workers:
     urls: list[str] = field(default_factory=list)
     # Colocated on GPUs: trainer and engines take turns on the memory (`Job.one_step`).
     offload: bool = False
+    # Each role's device; weight sync travels GPU to GPU only when both are GPUs.
+    devices: Devices = field(default_factory=lambda: Devices(False, False))
 
     def release_engines(self) -> None:
         """The engines' weights and caches leave the GPUs."""
@@ -209,31 +230,64 @@ class Cluster:
                   f"({node.get('NodeManagerHostname')}, node {node['NodeID']}): a driver left "
                   "behind by a restart", flush=True)
 
+    def choose_devices(self, spec: RLJobSpec) -> Devices:
+        """Each role's device (`placement.choose_devices`) from the GPUs Ray reports. On a
+        cluster the GPUs of pods Ray has not counted yet are waited for, up to GPU_WAIT_S;
+        then, or at once on one machine, a shortfall stops the run with the fields to change
+        (INVALID on one machine, which will not grow; FAILED on a cluster, where replaced
+        pods may bring the GPUs)."""
+        on_cluster = self.options.on_cluster
+        deadline = time.monotonic() + (GPU_WAIT_S if on_cluster else 0.0)
+        while True:
+            gpus = float(ray.cluster_resources().get("GPU", 0.0))
+            try:
+                devices = choose_devices(spec, gpus, on_cluster)
+            except DeviceError as err:
+                if time.monotonic() >= deadline:
+                    code = exit_codes.FAILED if on_cluster else exit_codes.INVALID
+                    raise JobError(code, str(err)) from None
+                time.sleep(2.0)
+                continue
+            if not on_cluster and gpus < 1 and spec.trainer.gpus_per_replica > 0:
+                print("devices: no GPU on this machine: spec.trainer.gpusPerReplica and "
+                      "spec.rollout.gpus count CPU slots here", flush=True)
+            print(devices.describe(), flush=True)
+            return devices
+
+    def reserve(self, layout: Layout, devices: Devices) -> PlacementGroup:
+        """The placement group of `layout`, each slot a GPU or a CPU as `devices` says, once
+        Ray has placed every bundle (JobError after PLACEMENT_TIMEOUT_S)."""
+        pg: PlacementGroup = placement_group(layout.bundles(devices, self.options.on_cluster),
+                                             strategy="PACK")
+        self.pg = pg
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            have = ray.cluster_resources()
+            kind = "colocated" if layout.colocated else "disaggregated"
+            raise JobError(exit_codes.FAILED, (
+                f"placement: {layout.slots} slots ({layout.gpus(devices)} of them GPUs, "
+                f"{kind}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has "
+                f"{have}. Lower trainer/rollout GPU counts or add nodes."))
+        return pg
+
     def place(self, spec: RLJobSpec, model_dir: Path, engine_port_base: int) -> Workers:
         """Every worker of the job on its slot of one placement group; `engine_port_base` is
         0 on one machine (any free port) and the operator's engine port in pods."""
         layout = plan(spec)
         self.start_ray(layout)
-        use_gpu = (spec.trainer.gpus_per_replica > 0
-                   and ray.cluster_resources().get("GPU", 0) >= layout.slots)
-        on_cluster = self.options.on_cluster
-        pg = self.pg = placement_group(layout.bundles(use_gpu, on_cluster), strategy="PACK")
-        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
-            have = ray.cluster_resources()
-            raise JobError(exit_codes.FAILED, (
-                f"placement: {layout.slots} slots of {'GPU' if use_gpu else 'CPU'} "
-                f"({spec.placement}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the "
-                f"cluster has {have}. Lower trainer/rollout GPU counts or add nodes."))
         w = self.workers
-        device = "cuda" if use_gpu else "cpu"
-        w.offload = use_gpu and spec.placement == Placement.colocated
-        res = {"num_gpus": layout.share, "num_cpus": 0} if use_gpu else {
-            "num_cpus": layout.share}
+        devices = w.devices = self.choose_devices(spec)
+        try:
+            actor = trainer_class(spec, devices.trainer_gpu)
+        except ValueError as err:
+            raise JobError(exit_codes.INVALID, str(err)) from None
+        on_cluster = self.options.on_cluster
+        pg = self.reserve(layout, devices)
+        # Colocated on GPUs: trainer and engines take turns on each GPU's memory.
+        w.offload = layout.colocated and devices.trainer_gpu
 
         def at(slot: int) -> dict[str, Any]:
-            return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=slot), **res}
+            return slot_options(pg, layout, devices, slot)
 
         engine_cls = ray.remote(EngineProcess)
         bind = "0.0.0.0" if on_cluster else "127.0.0.1"
@@ -251,7 +305,7 @@ class Cluster:
         w.slot_holders = [h for hs in holders for h in hs]
         w.engines = [
             engine_cls.options(**at(group[0])).remote(
-                spec.rollout.backend, str(model_dir), spec.model.dtype, device, "0",
+                spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
                 spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
                 ray.get([h.where.remote() for h in hs]), w.offload)
             for group, hs, port in zip(groups, holders, ports, strict=True)
@@ -262,13 +316,9 @@ class Cluster:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     pg, placement_group_bundle_index=layout.trainer_slots[0]),
                 num_cpus=0).remote())
-        try:
-            actor = trainer_class(spec, use_gpu)
-        except ValueError as err:
-            raise JobError(exit_codes.INVALID, str(err)) from None
         spec_json = spec.model_dump_json(by_alias=True)
         w.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
-                                        str(model_dir), init, device)
+                                        str(model_dir), init, devices.trainer)
         w.urls = ray.get([e.address.remote() for e in w.engines])
         # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
         # joined cluster it runs next to the driver, on the driver pod's own Ray node.

@@ -196,10 +196,12 @@ class Job:
         store = self.weight_sync.start_store()
         self.weight_sync.start_sidecars(w.engines, w.urls, store,
                                         loopback=not self.options.on_cluster,
-                                        placement=self.cluster.engine_placement(self.spec))
+                                        placement=self.cluster.engine_placement(self.spec),
+                                        sync_on_gpu=w.devices.sync_on_gpu)
         # Every actor exists now: show where, before waiting on anything they must do.
         self.cluster.report_placement(self.spec, self.weight_sync)
-        w.trainers.set_publisher(store, str(self.workdir / "weights"), self.state.weight_version)
+        w.trainers.set_publisher(store, str(self.workdir / "weights"), self.state.weight_version,
+                                 w.devices.sync_on_gpu)
         try:
             w.trainers.wait_for_engines(len(w.engines), ENGINE_JOIN_TIMEOUT_S)
         except ray.exceptions.RayTaskError as err:

@@ -18,7 +18,7 @@ written here once.
 
 from __future__ import annotations
 
-from rljob_api.spec import Placement, RLJobSpec
+from rljob_api.spec import Placement, RLJobSpec, RolloutBackend
 
 # The kinds of pod of a job: the Ray head, the worker groups of the RayCluster (`trainer`
 # and `rollout`, or the one `colocated` group) and the driver pod. The operator labels each
@@ -74,6 +74,14 @@ def pod_slots(gpus: int) -> int:
 def slots_per_pod(spec: RLJobSpec) -> int:
     """Placement slots one trainer or colocated pod offers."""
     return pod_slots(spec.trainer.gpus_per_replica)
+
+
+def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
+    """GPUs each (disaggregated) rollout pod requests: its one engine's `gpusPerEngine` for
+    SGLang, none for the `hf` engine, which then runs on CPU. The operator requests these and
+    the runtime places the engines on GPU slots only when the pods have them, so the two
+    cannot disagree about where an engine runs."""
+    return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
 
 
 def group_slots(spec: RLJobSpec, group: str) -> int:

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rljob.cluster import worker_env
-from rljob.placement import plan
+from rljob.placement import Devices, plan
 from rljob.weightsync.wiring import sidecar_options
 from rljob_api.spec import RLJobSpec
 
@@ -58,7 +58,7 @@ def test_each_sidecar_holds_a_share_of_its_engines_gpu(
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
         "rollout": {"gpus": rollout_gpus, "gpusPerEngine": 1},
     }))
-    pg = placement_group(layout.bundles(use_gpu=True), strategy="PACK")
+    pg = placement_group(layout.bundles(Devices(True, True)), strategy="PACK")
     ray.get(pg.ready(), timeout=60)
     seen: Any = ray.remote(Seen)
 

@@ -66,9 +66,12 @@ class TrainerActor(Locatable, TakesTurns):
         """Leave the weight-sync and trainer process groups."""
 
     def set_publisher(
-        self, store_host: str, store_port: int, disk_dir: str, start_version: int
+        self, store_host: str, store_port: int, disk_dir: str, start_version: int,
+        on_gpu: bool,
     ) -> None:
-        self.sync.join(store_host, store_port, disk_dir, start_version)
+        """Join weight sync as its rank 0; `on_gpu` False when the engines' sidecars stage on
+        the CPU (engines on CPU, `placement.Devices.sync_on_gpu`)."""
+        self.sync.join(store_host, store_port, disk_dir, start_version, on_gpu)
 
     def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
         return self.sync.wait_for_engines(count, timeout_s)

@@ -20,18 +20,23 @@ from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 class TrainerSync:
     def __init__(self, spec: WeightSyncSpec, *, cuda: bool, config_json: str) -> None:
         self.spec = spec
-        self.cuda = cuda
-        self.backend = "nccl" if cuda else "gloo"
+        self.cuda = cuda  # the trainer's weights are on its GPU
         self.config_json = config_json  # written into disk versions, so they load as models
         self.publisher: WeightPublisher | None = None
 
-    def join(self, store_host: str, store_port: int, disk_dir: str, start_version: int) -> None:
-        """Join the weight-sync store as rank 0; versions continue after `start_version`."""
+    def join(self, store_host: str, store_port: int, disk_dir: str, start_version: int,
+             on_gpu: bool) -> None:
+        """Join the weight-sync store as rank 0; versions continue after `start_version`.
+
+        NCCL on this rank's GPU when the trainer is on a GPU and `on_gpu` (the engines'
+        sidecars stage on GPUs); otherwise gloo, the buckets packed on the CPU from wherever
+        the weights are, since an NCCL group cannot reach a sidecar on the CPU."""
+        gpu = self.cuda and on_gpu
         # This rank's GPU, read when joining: by then the backend has chosen its device.
-        device = str(rank_device("cuda")) if self.cuda else "cpu"
+        device = str(rank_device("cuda")) if gpu else "cpu"
         config = PublisherConfig.from_spec(
-            self.spec, port=store_port, store_host=store_host, backend=self.backend,
-            device=device,
+            self.spec, port=store_port, store_host=store_host,
+            backend="nccl" if gpu else "gloo", device=device,
             disk_dir=Path(disk_dir) if self.spec.mode == WeightSyncMode.disk else None,
             config_json=self.config_json,
         )

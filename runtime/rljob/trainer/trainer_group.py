@@ -59,8 +59,10 @@ class TrainerGroup:
     def load(self, directory: str) -> None:
         ray.get([t.load.remote(directory) for t in self.handles])
 
-    def set_publisher(self, store: tuple[str, int], disk_dir: str, start_version: int) -> None:
-        ray.get(self.rank0.set_publisher.remote(*store, disk_dir, start_version))
+    def set_publisher(self, store: tuple[str, int], disk_dir: str, start_version: int,
+                      on_gpu: bool) -> None:
+        """Rank 0 joins weight sync; `on_gpu`: the engines' sidecars stage on GPUs too."""
+        ray.get(self.rank0.set_publisher.remote(*store, disk_dir, start_version, on_gpu))
 
     def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
         joined: list[str] = ray.get(self.rank0.wait_for_engines.remote(count, timeout_s))

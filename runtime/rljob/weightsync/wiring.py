@@ -11,9 +11,12 @@ Sidecars: on a cluster the operator runs one `weight-sync` container per engine 
 that holds engines (`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one
 sidecar per engine as an actor on the engine's node (the handoff to the engine goes through
 that node's shared memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a
-crash. A GPU engine's sidecar asks Ray for `placement.SIDECAR_SHARE` of the placement-group
-bundle of the engine's first slot: Ray then shows it exactly that GPU, where it joins the
-NCCL group (or reads the trainer's buckets by CUDA IPC) and stages what the engine loads.
+crash. When weights travel GPU to GPU (trainer and engines on GPUs,
+`placement.Devices.sync_on_gpu`) a GPU engine's sidecar asks Ray for
+`placement.SIDECAR_SHARE` of the placement-group bundle of the engine's first slot: Ray then
+shows it exactly that GPU, where it joins the NCCL group (or reads the trainer's buckets by
+CUDA IPC) and stages what the engine loads. Otherwise (a CPU engine, or a CPU trainer, whose
+group is gloo) it stages on the CPU next to its engine and holds no GPU.
 """
 
 from __future__ import annotations
@@ -127,6 +130,13 @@ def sidecar_options(
     }
 
 
+def sidecar_device(engine_cuda_visible: str, sync_on_gpu: bool) -> str:
+    """Where the sidecar of an engine that sees `engine_cuda_visible` stages: that engine's
+    GPU when weights travel GPU to GPU (Ray shows the sidecar's share that GPU alone, as
+    index 0), else the CPU (a CPU engine, or a gloo group, which takes CPU buffers only)."""
+    return "cuda:0" if sync_on_gpu and engine_cuda_visible else "cpu"
+
+
 class WeightSyncActors:
     """The store actor and (for local runs) the sidecar actors of one driver."""
 
@@ -152,17 +162,20 @@ class WeightSyncActors:
         store: tuple[str, int],
         loopback: bool,
         placement: tuple[PlacementGroup, list[int]],
+        sync_on_gpu: bool,
     ) -> None:
         """One sidecar per engine, named `engine-<i>` (not on pods): on the engine's node,
-        and for a GPU engine in the bundle of its first slot (`placement`: the group and
-        each engine's first slot) holding a share of that GPU."""
+        and when it stages on its GPU engine's GPU (`sidecar_device`) in the bundle of the
+        engine's first slot (`placement`: the group and each engine's first slot) holding a
+        share of that GPU."""
         if self.settings.pod_sidecars:
             return
         where = ray.get([e.locality.remote() for e in engines])
         cls = ray.remote(SidecarActor)
         pg, slots = placement
         for i, (url, loc, slot) in enumerate(zip(urls, where, slots, strict=True)):
-            on_gpu = bool(loc["cuda_visible_devices"])
+            device = sidecar_device(loc["cuda_visible_devices"], sync_on_gpu)
+            on_gpu = device != "cpu"
             config = SidecarConfig(
                 engine_name=f"engine-{i}",
                 engine_url=url,
@@ -171,8 +184,7 @@ class WeightSyncActors:
                 listen_host="127.0.0.1" if loopback else "0.0.0.0",
                 listen_port=0,
                 advertise_host="127.0.0.1" if loopback else "",
-                # Ray shows a GPU actor the GPU of its share alone: index 0 is the engine's.
-                device="cuda:0" if on_gpu else "cpu",
+                device=device,
             )
             self.sidecars.append(cls.options(**sidecar_options(pg, slot, loc["node_id"], on_gpu))
                                  .remote(config))
