@@ -5,9 +5,10 @@ bf16 hidden states and weight). Every method runs in this one process on the sam
 forward-only and forward+backward (gradients of hidden states and weight for a random
 per-token upstream gradient; the entropy variants also get one for the entropy). Times are
 CUDA-event medians of `--repeat` rounds after two warm-up rounds, every method timed once per
-round in a rotating order (timed back to back, the fused row right after the tiled one ran
-about 4 ms slower than the same call timed elsewhere in the run); peaks are the caching
-allocator's peak above the inputs, including the 1.25 GiB of gradients every method returns.
+round in an order shuffled anew each round (seeded): what a call follows changes its time by a
+few percent (the GPU's clock under the power limit), so no call may always follow the same
+other one, as a fixed or rotated order does; peaks are the caching allocator's peak above the
+inputs, including the 1.25 GiB of gradients every method returns.
 Errors are against a float64 reference computed from the same bf16 inputs: max |log-prob -
 ref|, and the relative norm error of each gradient (`floor` prints what rounding the exact
 gradient to bf16 alone costs, the least any bf16 gradient can show).
@@ -21,16 +22,27 @@ Methods:
   cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
   cce-default     cut-cross-entropy 25.1.1, reduction="none", default gradient filtering
 
-Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep]
+`--idle` times each phase of one forward+backward (CUDA events, host issue time), reads one
+profiled call's kernel timeline (kernel time, busy time, the GPU's idle gaps between kernels
+and where the largest lie) and prints the host's first steps of one fused call. `--variants`
+times the backward's logit pieces (`_GRAD_Z_PARTS`) in shuffled rounds beside the naive path,
+then ours beside `--baseline FILE` (another copy of `logprobs_fused.py`, say the last
+commit's). `--set NAME=VALUE` sets a knob of `rljob.logprobs_fused` for the whole run.
+
+Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep] [--idle] [--variants]
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
+import random
 import statistics
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -201,21 +213,33 @@ def time_interleaved(
     timing every method's step once in turn (rotated by one per round), after two such
     warm-up rounds."""
     calls = [(row, label, step) for row, steps in timed for label, step in steps.items()]
-    times: list[list[float]] = [[] for _ in calls]
+    times = shuffled_times([step for _, _, step in calls], repeat)
+    for (row, label, _), ts in zip(calls, times, strict=True):
+        row[f"{label}_ms"] = statistics.median(ts)
+
+
+def shuffled_times(
+    steps: list[Callable[[], object]], repeat: int, seed: int = 0
+) -> list[list[float]]:
+    """CUDA-event times of each step over `repeat` rounds after two warm-up rounds, each round
+    calling every step once in an order shuffled anew (seeded): a call's time depends on what
+    ran just before it (the clock under the power limit), so no step may always follow the
+    same other one."""
+    order = list(range(len(steps)))
+    rng = random.Random(seed)
+    times: list[list[float]] = [[] for _ in steps]
     for r in range(2 + repeat):
-        # Each round starts one call later, so no call always follows the same other one.
-        for i in [(r + j) % len(calls) for j in range(len(calls))]:
-            step = calls[i][2]
+        rng.shuffle(order)
+        for i in order:
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
             a.record()
-            step()
+            steps[i]()
             b.record()
             torch.cuda.synchronize()
             if r >= 2:
                 times[i].append(float(a.elapsed_time(b)))
-    for (row, label, _), ts in zip(calls, times, strict=True):
-        row[f"{label}_ms"] = statistics.median(ts)
+    return times
 
 
 def profile(fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor) -> None:
@@ -232,6 +256,242 @@ def profile(fn: Fn, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
                                     max_name_column_width=70))
+
+
+def sm_clock_mhz() -> int | None:
+    """The GPU's current SM clock (NVML), or None where it cannot be read."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:  # no NVML there: the clock is simply not reported
+        return None
+
+
+def kernel_timeline(run: Callable[[], object]) -> dict[str, Any]:
+    """One profiled call of `run`: CUDA-event wall time, kernel time summed, busy time (the
+    union of kernel intervals), idle time inside the kernels' span and outside it (before the
+    first kernel starts and after the last ends), the gaps by size, the five largest with the
+    kernels either side, and kernel time by family."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+    kinds = ("kernel", "gpu_memset", "gpu_memcpy")
+    ks = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), str(e.get("name", "")))
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in kinds
+    )
+    out: dict[str, Any] = {"wall_ms": float(a.elapsed_time(b)), "kernels": len(ks)}
+    if not ks:
+        return out
+    out["kernel_sum_ms"] = sum(e - s for s, e, _ in ks) / 1e3
+    busy, end, gaps = 0.0, ks[0][0], []
+    prev = ks[0][2]
+    for s, e, name in ks:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        busy += max(0.0, e - max(s, end))
+        if e >= end:
+            end, prev = e, name
+    span = (end - ks[0][0]) / 1e3
+    out["busy_ms"] = busy / 1e3
+    out["idle_inside_ms"] = span - busy / 1e3
+    out["idle_outside_ms"] = out["wall_ms"] - span
+    buckets = [(0, 2), (2, 5), (5, 20), (20, 100), (100, float("inf"))]
+    out["gaps_us"] = {
+        f"{lo}-{hi}": [len(sel := [g for g, _, _ in gaps if lo <= g < hi]), round(sum(sel), 1)]
+        for lo, hi in buckets
+    }
+    out["largest_gaps_us"] = [
+        [round(g, 1), p[:48], n[:48]] for g, p, n in sorted(gaps, reverse=True)[:5]
+    ]
+    fam: dict[str, float] = {}
+    for s, e, name in ks:
+        low = name.lower()
+        key = (
+            "triton-stats" if "_chunk_stats" in low
+            else "triton-grad" if "_chunk_grad" in low
+            else "memset" if "memset" in low
+            else "memcpy" if "memcpy" in low
+            else "gemm" if any(k in low for k in ("gemm", "cutlass", "nvjet", "sm90", "xmma"))
+            else "other"
+        )
+        fam[key] = fam.get(key, 0.0) + (e - s) / 1e3
+    out["by_family_ms"] = {k: round(v, 3) for k, v in sorted(fam.items())}
+    return out
+
+
+def idle(
+    methods: list[tuple[str, Fn]], h: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+    g: torch.Tensor, g_ent: torch.Tensor, repeat: int,
+) -> list[dict[str, Any]]:
+    """Where one forward+backward's wall time goes, per method: CUDA-event time of each phase
+    and the host's time to issue it (medians of `repeat`), then one profiled call's timeline
+    (`kernel_timeline`). A host that issues a phase well before the GPU ends it is not what
+    keeps the GPU waiting."""
+    rows = []
+    for name, fn in methods:
+        hl = h.detach().requires_grad_(True)
+        wl = w.detach().requires_grad_(True)
+        with_ent = name.endswith("+entropy")
+
+        def step(fn: Fn = fn, hl: torch.Tensor = hl, wl: torch.Tensor = wl,
+                 with_ent: bool = with_ent) -> tuple[float, ...]:
+            hl.grad, wl.grad = None, None
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            t0 = time.perf_counter()
+            lp, ent = fn(hl, wl, t)
+            t1 = time.perf_counter()
+            e1.record()
+            if with_ent and ent is not None:
+                torch.autograd.backward((lp, ent), (g, g_ent))
+            else:
+                torch.autograd.backward(lp, g)
+            t2 = time.perf_counter()
+            e2.record()
+            torch.cuda.synchronize()
+            return (float(e0.elapsed_time(e1)), float(e1.elapsed_time(e2)),
+                    float(e0.elapsed_time(e2)), 1e3 * (t1 - t0), 1e3 * (t2 - t1))
+
+        for _ in range(2):
+            step()
+        samples = [step() for _ in range(repeat)]
+        med = [statistics.median(col) for col in zip(*samples, strict=True)]
+        step()  # the profiler's own first-call costs stay out of the timeline
+        timeline = kernel_timeline(step)
+        row = {"method": name, "fwd_ms": med[0], "bwd_ms": med[1], "wall_ms": med[2],
+               "host_fwd_ms": med[3], "host_bwd_ms": med[4], "sm_mhz": sm_clock_mhz(),
+               "profiled": timeline}
+        print("idle " + json.dumps(row), flush=True)
+        rows.append(row)
+        hl.grad, wl.grad = None, None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def variants(
+    h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, g_ent: torch.Tensor,
+    repeat: int, baseline: Any | None,
+) -> None:
+    """Forward+backward time (shuffled rounds, beside the naive path) and peak of the fused
+    path over `_GRAD_Z_PARTS`, then the module as set beside `baseline` (another copy of
+    `logprobs_fused.py`): forward and forward+backward, with and without the entropy."""
+    import rljob.logprobs_fused as lf
+
+    hl = h.detach().requires_grad_(True)
+    wl = w.detach().requires_grad_(True)
+
+    def fwd(mod: Any, ent: bool) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return mod.fused_logprobs(h, w, t, with_entropy=ent)
+        return run
+
+    def fwd_bwd(mod: Any, ent: bool, parts: int | None = None) -> Callable[[], object]:
+        def run() -> object:
+            old = lf._GRAD_Z_PARTS
+            lf._GRAD_Z_PARTS = parts or old
+            try:
+                hl.grad, wl.grad = None, None
+                lp, e = mod.fused_logprobs(hl, wl, t, with_entropy=ent)
+                if ent:
+                    torch.autograd.backward((lp, e), (g, g_ent))
+                else:
+                    torch.autograd.backward(lp, g)
+                return lp
+            finally:
+                lf._GRAD_Z_PARTS = old
+        return run
+
+    def naive_fwd_bwd() -> object:
+        hl.grad, wl.grad = None, None
+        torch.autograd.backward(naive_bf16(hl, wl, t)[0], g)
+        return None
+
+    def peak(run: Callable[[], object]) -> float:
+        hl.grad, wl.grad = None, None
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def med(ts: list[float]) -> float:
+        return round(statistics.median(ts), 2)
+
+    all_parts = (3, 4, 5, 6)
+    steps = [fwd_bwd(lf, False, p) for p in all_parts] + [naive_fwd_bwd]
+    times = shuffled_times(steps, repeat, seed=2)
+    naive_ms = med(times[-1])
+    for p, ts in zip(all_parts, times, strict=False):
+        print(f"variant fwd+bwd _GRAD_Z_PARTS={p}: {med(ts)} ms ({med(ts) / naive_ms:.3f}x "
+              f"naive {naive_ms}), peak {peak(fwd_bwd(lf, False, p)):.3f} GiB", flush=True)
+    cands = [("ours", lf)] + ([("baseline", baseline)] if baseline is not None else [])
+    steps, labels = [], []
+    for name, mod in cands:
+        for ent in (False, True):
+            tag = f"{name}{'+entropy' if ent else ''}"
+            steps += [fwd(mod, ent), fwd_bwd(mod, ent)]
+            labels += [f"{tag} fwd", f"{tag} fwd+bwd"]
+    steps.append(naive_fwd_bwd)
+    labels.append("naive fwd+bwd")
+    res = {k: med(ts) for k, ts in zip(labels, shuffled_times(steps, repeat, seed=3), strict=True)}
+    for name, _ in cands:
+        print(f"variant {name}: fwd {res[f'{name} fwd']} ms, fwd+bwd {res[f'{name} fwd+bwd']} ms "
+              f"= {res[f'{name} fwd+bwd'] / res['naive fwd+bwd']:.3f}x naive "
+              f"{res['naive fwd+bwd']}; +entropy fwd {res[f'{name}+entropy fwd']} ms "
+              f"({res[f'{name}+entropy fwd'] / res[f'{name} fwd']:.3f}x), fwd+bwd "
+              f"{res[f'{name}+entropy fwd+bwd']} ms", flush=True)
+    hl.grad, wl.grad = None, None
+    torch.cuda.empty_cache()
+
+
+def host_timeline(run: Callable[[], object], first: int = 40) -> None:
+    """The first `first` host and device events of one profiled call, in time order (offset
+    from the first, duration, in microseconds): what the host does before each launch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        trace = json.loads(Path(path).read_text())
+    evs = sorted(
+        (float(e["ts"]), float(e.get("dur", 0)), str(e.get("cat")), str(e.get("name", "")))
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in (
+            "cpu_op", "cuda_runtime", "cuda_driver", "kernel", "gpu_memset", "python_function",
+            "user_annotation",
+        )
+    )
+    if not evs:
+        return
+    t0 = evs[0][0]
+    for ts, dur, cat, name in evs[:first]:
+        print(f"host {ts - t0:9.1f} {dur:9.1f} {cat:<14} {name[:70]}", flush=True)
+
+
+def load_module(path: Path) -> Any:
+    """Another copy of `logprobs_fused.py` (say the last commit's), for a same-run comparison."""
+    spec = importlib.util.spec_from_file_location(f"baseline_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        sys.exit(f"--baseline: cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, repeat: int) -> None:
@@ -358,7 +618,32 @@ def main() -> None:
         "--sweep", action="store_true",
         help="first time the fused path over its statistics split and backward logit pieces",
     )
+    parser.add_argument(
+        "--idle", action="store_true",
+        help="first time each phase and read the GPU's idle gaps from one profiled call",
+    )
+    parser.add_argument(
+        "--variants", action="store_true",
+        help="first time the backward's logit pieces, and ours beside --baseline",
+    )
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="another copy of logprobs_fused.py timed beside ours by --variants and --idle",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE",
+        help="set a knob of rljob.logprobs_fused (say _GRAD_Z_PARTS=5) for the whole run",
+    )
     args = parser.parse_args()
+    import rljob.logprobs_fused as lf
+
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if not hasattr(lf, name) or not name.startswith("_"):
+            sys.exit(f"--set {item}: rljob.logprobs_fused has no knob {name!r}")
+        setattr(lf, name, json.loads(value.lower()) if value.lower() in ("true", "false")
+                else int(value))
+    baseline = load_module(args.baseline) if args.baseline else None
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -376,6 +661,23 @@ def main() -> None:
     if args.sweep:
         gemm_shapes(h, w, args.repeat)
         sweep(h, w, t, g, args.repeat)
+    if args.variants:
+        variants(h, w, t, g, g_ent, args.repeat, baseline)
+    knobs = {k: v for k, v in sorted(vars(lf).items())
+             if k.startswith("_") and k.isupper() and isinstance(v, int)}
+    print(f"knobs: {json.dumps(knobs)}", flush=True)
+    if args.idle:
+        idle_methods: list[tuple[str, Fn]] = [("naive-bf16", naive_bf16)]
+        if baseline is not None:
+            idle_methods.append(
+                ("baseline", lambda h, w, t: baseline.fused_logprobs(h, w, t))
+            )
+        idle_methods += [("fused", fused), ("fused+entropy", fused_entropy)]
+        idle(idle_methods, h, w, t, g, g_ent, args.repeat)
+        hl = h.detach().requires_grad_(True)
+        wl = w.detach().requires_grad_(True)
+        host_timeline(lambda: torch.autograd.backward(fused(hl, wl, t)[0], g))
+        del hl, wl
 
     methods: list[tuple[str, Fn]] = [
         ("naive-bf16", naive_bf16),
@@ -417,6 +719,7 @@ def main() -> None:
         "vocab": args.vocab,
         "hidden": args.hidden,
         "bf16_rounding_floor": floor,
+        "knobs": knobs,
     }
     # The matmul ceiling of this run: one [tokens x hidden] @ [hidden x vocab] product.
     mm_ms = time_ms(lambda: torch.mm(h, w.t()), args.repeat)

@@ -17,10 +17,11 @@ accumulation, no 16-bit rounding of the logits) and one Triton pass over its log
   `g_lp * (onehot - p) - g_ent * p * (z - E_p[z])` (over the temperature), written once in the
   inputs' 16-bit dtype; two cuBLAS matmuls then give the hidden-state gradient (accumulated
   over chunks in fp32) and the chunk's weight-gradient rows (one matmul over all tokens, fp32
-  accumulation, rounded once). Holding only a piece of fp32 logits makes the chunk wider for
-  the same bytes (3,456 columns instead of 1,920 at 11,600 tokens), and the fp32-accumulating
-  hidden-gradient matmul pays its accumulator's read and write 44 times instead of 79 (on an
-  H200: 22.9 ms instead of 25.1 ms over the vocabulary, against 20.8 ms for the weight
+  accumulation, rounded once; the first chunk's overwrites the accumulator, so it needs no
+  zero fill). Holding only a piece of fp32 logits makes the chunk wider for the same bytes
+  (3,840 columns instead of 1,920 at 11,600 tokens), and the fp32-accumulating
+  hidden-gradient matmul pays its accumulator's read and write 40 times instead of 79 (on an
+  H200: 22.3 ms instead of 25.1 ms over the vocabulary, against 20.8 ms for the weight
   gradient's plain matmul).
 
 Why cuBLAS computes the logits: Triton matmul kernels that kept the logits in registers (no
@@ -49,9 +50,9 @@ from rljob.logprobs_stats import Stats, all_reduce_stats, finish
 DEFAULT_CHUNK_BYTES = 1 << 27
 """Working bytes of one vocabulary chunk (128 MiB): the forward's fp32 logits, or the
 backward's 16-bit logit gradient plus the fp32 logits of one of its pieces. At 11,600 tokens
-that is 2,816 columns forward and 3,456 backward (three pieces of 1,152); with the returned
+that is 2,816 columns forward and 3,840 backward (five pieces of 768); with the returned
 gradients (1.25 GiB for a 152k x 4,096 head) and the fp32 hidden-state gradient the backward
-peak stays under 1.5 GiB (1.46 measured)."""
+peak stays under 1.5 GiB (1.453 measured)."""
 
 _STATS_BLOCK_M = 8
 _STATS_BLOCK_N = 256
@@ -59,8 +60,10 @@ _STATS_WARPS = 4
 _STATS_SPLIT = 4096
 """Logit columns per statistics program: a chunk is split across programs when it is wider
 (few tokens, wide chunks); at 11,600 tokens each chunk is one piece."""
-_GRAD_Z_PARTS = 3
-"""fp32 logit pieces per backward chunk (1: the whole chunk's logits at once)."""
+_GRAD_Z_PARTS = 5
+"""fp32 logit pieces per backward chunk (1: the whole chunk's logits at once). On the H200 3,
+4, 5 and 6 pieces timed within 1% of one another (4 the slowest); 5 gives the widest chunk
+(fewest accumulator passes) and the lowest peak (1.453 GiB against 1.461 with 3)."""
 _GRAD_BLOCK_M = 16
 _GRAD_BLOCK_N = 256
 
@@ -177,12 +180,13 @@ def _logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden.float() @ weight.float().t()
 
 
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """`acc += a @ b` with fp32 `acc` and 16-bit operands, accumulated in fp32 in place."""
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
+    """`acc = beta * acc + a @ b` with fp32 `acc` and 16-bit operands, accumulated in fp32 in
+    place; `beta=0` ignores what `acc` held (uninitialised memory: no zero fill first)."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
-        acc.addmm_(a.float(), b.float())
+        acc.addmm_(a.float(), b.float(), beta=beta)
 
 
 def _stats(
@@ -239,13 +243,18 @@ def _grads(
     fp32 logits of one piece, so for the same working bytes the chunk is wider (more columns
     per fp32-accumulating hidden-gradient matmul, fewer passes over that accumulator)."""
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
-    grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    grad_weight = torch.zeros_like(weight) if n_tokens == 0 else torch.empty_like(weight)
     parts = _GRAD_Z_PARTS
     # Per piece column: `parts` columns of the 16-bit gradient plus one of fp32 logits.
     sub = chunk_columns(n_tokens, 4 + parts * weight.element_size(), chunk_bytes)
     cols = sub * parts
-    for v0 in range(0, v_local if n_tokens else 0, cols):
+    starts = range(0, v_local if n_tokens else 0, cols)
+    # The first chunk's matmul overwrites the fp32 accumulator (beta = 0): no zero fill,
+    # unless no chunk runs at all.
+    grad_hidden = (torch.empty if len(starts) else torch.zeros)(
+        hidden.shape, dtype=torch.float32, device=hidden.device
+    )
+    grad_weight = torch.zeros_like(weight) if n_tokens == 0 else torch.empty_like(weight)
+    for v0 in starts:
         w = weight[v0 : v0 + cols]
         g = torch.empty((n_tokens, w.shape[0]), dtype=weight.dtype, device=hidden.device)
         for p0 in range(0, w.shape[0], sub):
@@ -258,7 +267,7 @@ def _grads(
                 WITH_ENTROPY=with_entropy, BLOCK_M=_GRAD_BLOCK_M, BLOCK_N=_GRAD_BLOCK_N,
             )
             del z, gp  # a view keeps the whole chunk alive
-        _addmm_fp32_(grad_hidden, g, w)
+        _addmm_fp32_(grad_hidden, g, w, beta=0.0 if v0 == 0 else 1.0)
         # One matmul over all tokens: fp32 accumulation, rounded once to the weight dtype.
         torch.mm(g.t(), hidden, out=grad_weight[v0 : v0 + cols])
         del g
