@@ -34,7 +34,7 @@ from rljob_api.layout import (
     rollout_gpus_per_pod,
     slots_per_pod,
 )
-from rljob_api.spec import Placement, RLJobSpec, RolloutBackend, TrainerBackend
+from rljob_api.spec import Placement, RLJobSpec, RolloutBackend, TrainerBackend, WeightSyncMode
 
 # What a weight-sync sidecar asks of its engine's first slot. It stages each version on
 # that GPU, so it must hold a share of that very GPU (Ray then shows it that GPU alone);
@@ -117,11 +117,15 @@ class Devices:
         member on the CPU, a gloo group one on a GPU."""
         return self.trainer_gpu and self.engine_gpu
 
-    def describe(self) -> str:
-        """One line for the log: where each role runs and how weights travel."""
-        sync = "NCCL between GPUs" if self.sync_on_gpu else "gloo, staged on the CPU"
+    def describe(self, sync_mode: WeightSyncMode) -> str:
+        """One line for the log: where each role runs and how weights travel (a `disk` job
+        sends versions as files, whatever the devices)."""
+        if sync_mode == WeightSyncMode.disk:
+            sync = "by disk versions"
+        else:
+            sync = "over NCCL between GPUs" if self.sync_on_gpu else "over gloo, staged on the CPU"
         return (f"devices: trainer ranks on {self.trainer.upper()}, engines on "
-                f"{self.engine.upper()}; weight sync over {sync}")
+                f"{self.engine.upper()}; weight sync {sync}")
 
 
 class DeviceError(ValueError):

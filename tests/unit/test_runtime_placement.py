@@ -22,7 +22,7 @@ from rljob.weightsync.sidecar import SidecarConfig, parse_args
 from rljob.weightsync.wiring import SyncSettings, sidecar_device
 from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.layout import slots_per_pod
-from rljob_api.spec import RLJobSpec, RolloutBackend
+from rljob_api.spec import RLJobSpec, RolloutBackend, WeightSyncMode
 from rljob_api.validate import spec_problems
 from rljob_operator.builders import JobRef, build_driver, build_raycluster
 
@@ -303,3 +303,18 @@ def test_port_clashes_name_the_engines_ray_put_together() -> None:
     assert port_clashes(["a", "a", "b"], [30000, 30001, 30000]) == []
     assert port_clashes(["a", "b", "a"], [30000, 30000, 30000]) == [
         "engines 0 and 2 on node a both need port 30000"]
+
+
+@pytest.mark.parametrize(("devices", "mode", "said"), [
+    (Devices(True, True), WeightSyncMode.nccl_broadcast, "weight sync over NCCL between GPUs"),
+    (Devices(True, False), WeightSyncMode.nccl_broadcast,
+     "weight sync over gloo, staged on the CPU"),
+    (Devices(True, True), WeightSyncMode.disk, "weight sync by disk versions"),
+])
+def test_the_devices_line_names_the_transport_the_job_uses(
+        devices: Devices, mode: WeightSyncMode, said: str) -> None:
+    # A disk job on GPUs was logged as syncing over NCCL (seen on the H200 with
+    # examples/tiny-megatron-gpu.yaml).
+    line = devices.describe(mode)
+    assert line.startswith("devices: trainer ranks on CUDA")
+    assert line.endswith(said)
