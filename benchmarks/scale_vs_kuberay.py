@@ -91,9 +91,9 @@ class BenchControlPlane(ControlPlane):
 
 def bench_manifest(name: str) -> dict[str, Any]:
     doc = job_manifest(name)
-    # No restart backoff in the failure figures, and no start-up deadline: at hundreds of
-    # jobs on a small machine a start can take longer than the default 600 s, and a job
-    # failed for it would never have its pods Running.
+    # No restart backoff in the failure figures, and a start-up deadline of 2 hours instead
+    # of the default 600 s: at hundreds of jobs on a small machine a start can take longer,
+    # and a job failed for it would never have its pods Running.
     doc["spec"]["recovery"] = {"maxRestarts": 100, "backoffSeconds": 0,
                                "maxBackoffSeconds": 0, "startupTimeoutSeconds": 7200}
     return doc
@@ -153,7 +153,9 @@ class Seen:
         labels = meta.get("labels") or {}
         with self.lock:
             if kind == "DELETED":
-                self.gone.setdefault((ns, name), at)
+                # The latest deletion (a watch opened again lists, it never repeats one): the
+                # driver's name is reused by every new driver.
+                self.gone[(ns, name)] = at
                 return
             if labels.get(names.LABEL_COMPONENT) == DRIVER:
                 job = labels[names.LABEL_JOB]
