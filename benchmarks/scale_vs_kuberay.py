@@ -20,10 +20,10 @@ received), from just before each create call:
 - create → all the RayCluster's pods Running (head and workers: the same pods on both
   sides; an RLJob's driver pod, which a RayJob in this mode does not have, is reported on
   its own line);
-then `--idle-seconds` with nothing changing, then the control-plane part of a failure: a
-trainer pod of each of `--failures` RLJobs is deleted (grace 0) and the time from this
-script's watch seeing it gone to it seeing the new driver pod is printed (the jobs have
-`backoffSeconds: 0`, so no restart backoff is in it).
+then, once every RLJob's status says Running, `--idle-seconds` with nothing changing, then
+the control-plane part of a failure: a trainer pod of each of `--failures` RLJobs is
+deleted (grace 0) and the time from this script's watch seeing it gone to it seeing the new
+driver pod is printed (the jobs have `backoffSeconds: 0`, so no restart backoff is in it).
 
 API requests per job come from the audit log, by namespace and client (operator: kopf's and
 the kubernetes client's user agents; KubeRay: `kuberay-operator/`), during the ramp and per
@@ -91,9 +91,9 @@ class BenchControlPlane(ControlPlane):
 
 def bench_manifest(name: str) -> dict[str, Any]:
     doc = job_manifest(name)
-    # No restart backoff in the failure figures, and no start-up deadline: at hundreds of
-    # jobs on a small machine a start can take longer than the default 600 s, and a job
-    # failed for it would never have its pods Running.
+    # No restart backoff in the failure figures, and a start-up deadline of 2 hours instead
+    # of the default 600 s: at hundreds of jobs on a small machine a start can take longer,
+    # and a job failed for it would never have its pods Running.
     doc["spec"]["recovery"] = {"maxRestarts": 100, "backoffSeconds": 0,
                                "maxBackoffSeconds": 0, "startupTimeoutSeconds": 7200}
     return doc
@@ -153,7 +153,9 @@ class Seen:
         labels = meta.get("labels") or {}
         with self.lock:
             if kind == "DELETED":
-                self.gone.setdefault((ns, name), at)
+                # The latest deletion (a watch opened again lists, it never repeats one): the
+                # driver's name is reused by every new driver.
+                self.gone[(ns, name)] = at
                 return
             if labels.get(names.LABEL_COMPONENT) == DRIVER:
                 job = labels[names.LABEL_JOB]
@@ -303,6 +305,18 @@ def main() -> int:
                  what="every job's pods Running",
                  describe=lambda: f"{len(done)} of {len(created)} jobs' pods running; "
                                   f"operator log:\n{operator.tail(20) if operator else ''}")
+
+        def not_running() -> list[str]:
+            listed: Any = custom.list_namespaced_custom_object("rljob.io", "v1alpha1",
+                                                               RLJOB_NS, "rljobs")
+            return [j["metadata"]["name"] for j in listed["items"]
+                    if (j.get("status") or {}).get("phase") != "Running"]
+
+        # The ramp ends when the operator has said so too: its last jobs' Running status and
+        # event, written just after their driver runs, belong to the ramp, not the idle window.
+        wait_for(lambda: not not_running(), timeout=args.timeout, interval=0.5,
+                 what="every RLJob's phase Running",
+                 describe=lambda: f"not Running: {not_running()}")
         ramp_end = datetime.now(UTC)
         wall = max(done.values()) - t0
         ramp_op, ramp_ray = proc_stats(op_pid), proc_stats(ray_pid)

@@ -16,8 +16,10 @@ integers where both are integers (etcd's revisions, which every API server in us
 else the later arrival wins.
 
 A watch that restarts after 410 Gone lists again, and a deletion in the gap has no event:
-the store notices the relist (an object it has heard of before delivered as listed again)
-and every job is then read fresh once, which drops what vanished in the gap.
+the store notices the relist (an object delivered as listed that it has heard of before, or
+any object delivered as listed after that kind's watch in that namespace has delivered
+events: every object of the gap may be gone, and what is listed all new) and every job is
+then read fresh once, which drops what vanished in the gap.
 
 Nodes are not watched (their status changes every few seconds on every node and the
 operator needs one bit of each): `NodeCache` lists them at most once per `ttl` for all jobs
@@ -96,8 +98,12 @@ class Store:
         # that arrives after the watch told of the deletion (a pod deleted at once, say)
         # must not bring the object back. Bounded: the oldest go first.
         self._tombstones: dict[tuple[str, str, str], int] = {}
-        # UIDs a watch has told of (and not of their deletion): one listed again is a relist.
+        # UIDs of objects kept that a watch has told of (and not of their deletion): one
+        # listed again is a relist.
         self._heard: set[str] = set()
+        # (kind, namespace) whose watch has delivered an event past its listing: an object
+        # listed there again is a relist, whether or not it was heard of before.
+        self._streaming: set[tuple[str, str]] = set()
         self.relisted_at: float | None = None  # monotonic time the last relist was noticed
         # UIDs a delete removed without showing the object: until their deletion event, an
         # event of them that does not show them terminating is a late one, never a revival.
@@ -133,39 +139,48 @@ class Store:
     def watched(self, kind: str, event_type: str | None, obj: Obj) -> None:
         """One watch event. kopf delivers listed objects with no event type: at start-up
         that is every object's first event; later it means the watch listed again (after
-        410 Gone) and may have missed deletions, which `relisted_at` tells the reconciler."""
+        410 Gone) and may have missed deletions, which `relisted_at` tells the reconciler.
+        A relist is told by a listed object heard of before, or by any listed object once
+        the kind's watch in that namespace has delivered events (the gap may have taken
+        every object heard of: a job's pods all gone with a node, and KubeRay's new ones
+        listed, none heard of before)."""
         uid = _uid(obj)
+        stream = (kind, (obj.get("metadata") or {}).get("namespace") or "")
+        if event_type is not None:
+            self._streaming.add(stream)
         if event_type == "DELETED":
             self.remove(kind, obj)
             self._heard.discard(uid)
             return
-        if event_type is None and uid in self._heard:
+        if event_type is None and (uid in self._heard or stream in self._streaming):
             self.relisted_at = self._clock()
-        if uid:
+        if self.put(kind, obj) and uid:
             self._heard.add(uid)
-        self.put(kind, obj)
 
-    def put(self, kind: str, obj: Obj) -> None:
-        """An object as a watch event or a write's response shows it."""
+    def put(self, kind: str, obj: Obj) -> bool:
+        """An object as a watch event or a write's response shows it. Returns whether the
+        store keeps objects of it (not one buried, or a child of a job not held): only
+        those are heard of, so that the UIDs of what is dropped are not remembered."""
         obj = slim(obj)
         meta = obj["metadata"]
         with self._lock:
             if self._buried(kind, obj):
-                return
+                return False
             if kind == RLJOB:
                 key = (meta.get("namespace") or "", meta["name"])
                 if newer_or_same(obj, self._jobs.get(key)):
                     self._jobs[key] = obj
-                return
+                return True
             job = self.job_of(obj)
             if job is None or job not in self._jobs:
                 # Not of a job held (gone, or not seen yet): a deleted job's children would
                 # stay for good if their deletion events were missed, and a new job's are
                 # read with it on its first reconcile.
-                return
+                return False
             per_job = self._children(kind).setdefault(job, {})
             if newer_or_same(obj, per_job.get(meta["name"])):
                 per_job[meta["name"]] = obj
+            return True
 
     def remove(self, kind: str, obj: Obj) -> None:
         """A deletion seen on a watch: forgets the object unless a newer one (made again since,

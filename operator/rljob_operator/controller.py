@@ -1,10 +1,12 @@
 """Schedules reconciles: a deduplicating work queue with a periodic resync per job.
 
-Watch events only *kick* a job; the reconcile itself reads everything fresh, so a missed or
-repeated event costs at most one interval, never correctness. A job is never reconciled by
-two workers at once (a kick during a reconcile queues exactly one more). Errors back off
-exponentially per job, capped, and the next resync retries: a broken child cannot wedge
-the loop, and no handler retries forever against the same stale state.
+Watch events only *kick* a job; the reconcile reads the job's current state (from the watch
+cache, fresh from the API server when the cache may be behind: see reconciler.py), so a
+repeated event costs one reconcile from the cache and a lost kick at most one interval. A
+job is never reconciled by two workers at once (a kick during a reconcile queues exactly
+one more). Errors back off exponentially per job, capped, and the next resync retries: a
+broken child cannot wedge the loop, and no handler retries forever against the same stale
+state.
 """
 
 from __future__ import annotations

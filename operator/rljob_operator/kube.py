@@ -87,7 +87,7 @@ class Kube:
         self._owned: set[tuple[str, str, str, str]] = set()
         # Told of each object as a write's response shows it (kind, object): the watch cache
         # then holds the operator's own writes before their watch events arrive.
-        self.written: Callable[[str, Obj], None] = lambda kind, obj: None
+        self.written: Callable[[str, Obj], object] = lambda kind, obj: None
         # Told of each object a delete removed at once (kind, its last state).
         self.removed: Callable[[str, Obj], None] = lambda kind, obj: None
         # Told of an object a delete removed when the response does not show it (kind,

@@ -256,8 +256,11 @@ class Reconciler:
 
     def _claim_modes(self, namespace: str, job: str, claim: str) -> tuple[str, ...] | None:
         """The access modes of the job's checkpoint claim. A claim's modes cannot change, so
-        ones found are remembered (until the job is forgotten or names another claim); a
-        missing claim is looked for again at every reconcile (the job waits for it)."""
+        ones found are remembered while the job runs; a claim deleted and made again under
+        the same name may have others, and matters only to pods that start, so they are
+        read again whenever the job's support objects are checked (`_support_due`: when it
+        starts waiting, then ever less often while it waits). A missing claim is looked for
+        at every reconcile (the job waits for it)."""
         key = (namespace, job)
         with self._lock:
             known = self._claims.get(key)
@@ -376,7 +379,8 @@ class Reconciler:
         waiting or its spec changes, then after SUPPORT_RECHECK_SECONDS, twice as long each
         time, up to SUPPORT_RECHECK_MAX_SECONDS, while it waits (not on every watch event of
         its pods, each of which would cost six no-op writes: hundreds of jobs waiting on a
-        busy cluster would otherwise send hundreds of no-op creates a second)."""
+        busy cluster would otherwise send hundreds of no-op creates a second). A check due
+        also drops the checkpoint claim's remembered access modes, read again next."""
         key = (ref.namespace, ref.name)
         now = self.monotonic()
         with self._lock:
@@ -390,6 +394,8 @@ class Reconciler:
             wait = min(2 * wait, SUPPORT_RECHECK_MAX_SECONDS) if seen == version \
                 else SUPPORT_RECHECK_SECONDS
             self._support_at[key] = (version, now, wait)
+            # The claim the pods mount is looked at again too (at the next reconcile).
+            self._claims.pop(key, None)
             return True
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:

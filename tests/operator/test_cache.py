@@ -212,14 +212,53 @@ def test_a_relist_is_noticed_and_the_start_up_listing_is_not() -> None:
     start-up, and, after 410 Gone, objects the store has heard of already (a relist)."""
     store = with_jobs(Store())
     store.watched(POD, None, _uid(pod("a", "5"), "u-a"))
-    store.watched(POD, "ADDED", _uid(pod("b", "6"), "u-b"))
-    assert store.relisted_at is None
-    store.watched(POD, "DELETED", _uid(pod("b", "7"), "u-b"))
-    store.watched(POD, None, _uid(pod("c", "8"), "u-c"))  # new since: a first event
-    assert store.relisted_at is None
+    store.watched(POD, None, _uid(pod("c", "6"), "u-c"))
+    store.watched(RAYCLUSTER, None, _uid(pod("j", "6"), "u-rc"))
+    assert store.relisted_at is None  # the start-up listing
+    store.watched(POD, "ADDED", _uid(pod("b", "7"), "u-b"))
+    store.watched(POD, "DELETED", _uid(pod("b", "8"), "u-b"))
+    store.watched(RAYCLUSTER, None, _uid(pod("k", "9", job="other"), "u-rc2"))
+    assert store.relisted_at is None  # another kind's watch may still be listing
     store.watched(POD, None, _uid(pod("a", "9"), "u-a"))
     assert store.relisted_at is not None
     assert sorted(p["metadata"]["name"] for p in store.pods("ns", "j")) == ["a", "c"]
+
+
+def test_a_relist_of_objects_none_of_which_was_heard_of_is_noticed() -> None:
+    """A watch gap took every pod the store had heard of (a job's node went away with all
+    its pods) and the relist after 410 Gone shows only KubeRay's new ones: still a relist,
+    once that watch has delivered events; the job is read fresh and the pods whose deletion
+    fell in the gap go (else the store would show the old driver running until the safety
+    resync, and the lost pods would bring no recovery until then)."""
+    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
+    now = [100.0]
+    store = Store(clock=lambda: now[0])
+    store.watched(RLJOB, None, job)
+    driver = _uid(pod("driver", "5"), "u-d")
+    store.watched(POD, None, driver)
+    api = _FakeApi(job, [driver], "6")
+    rec = _reconciler(api, store, now)
+    rec._read("ns", "j")  # the first sight reads fresh
+    store.watched(POD, "MODIFIED", _uid(pod("driver", "7"), "u-d"))
+    now[0] = 101.0
+    rec._read("ns", "j")
+    assert len(api.reads) == 3 and store.relisted_at is None
+    replacement = _uid(pod("worker-new", "30"), "u-new")
+    api.pod_list, api.list_rv = [replacement], "31"  # the driver went in the gap
+    now[0] = 102.0
+    store.watched(POD, None, replacement)  # the relist shows only a pod never heard of
+    assert store.relisted_at == 102.0
+    assert [p["metadata"]["name"] for p in rec._read("ns", "j")[2]] == ["worker-new"]
+    assert len(api.reads) == 6
+
+
+def test_uids_of_objects_the_store_does_not_keep_are_not_remembered() -> None:
+    """Pods of a job not held (a deleted job's, collected) are not kept, and neither are
+    their UIDs: one whose deletion event a watch gap took would be remembered for good."""
+    store = with_jobs(Store(), "j")
+    store.watched(POD, "ADDED", _uid(pod("a", "5", job="gone"), "u-a"))
+    store.watched(POD, "ADDED", _uid(pod("b", "5"), "u-b"))
+    assert store._heard == {"u-b"}
 
 
 def test_managed_fields_are_not_kept() -> None:
@@ -487,6 +526,40 @@ def test_a_checkpoint_claims_modes_are_read_until_found_then_remembered() -> Non
     rec.forget("ns", "j")
     rec._claim_modes("ns", "j", "other")
     assert len(api.reads) == 5
+
+
+def test_a_checkpoint_claims_modes_are_read_again_when_the_job_waits_for_pods() -> None:
+    """A claim deleted and made again under the same name may have other access modes; pods
+    that start mount the new one, so its modes are read again whenever the job's support
+    objects are checked (the job starts waiting, then ever less often), never while it
+    runs: a claim made again without ReadWriteMany fails the job with the reason instead
+    of leaving its pods waiting on a volume they cannot share."""
+    from rljob_operator.builders import JobRef
+
+    class Claims(_FakeApi):
+        modes: tuple[str, ...] | None = ("ReadWriteMany",)
+
+        def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+            self.reads.append(f"get claim {name}")
+            return self.modes
+
+    api = Claims(None, [], "1")
+    now = [0.0]
+    rec = _reconciler(api, Store(), now)
+    ref = JobRef("j", "ns", "u-1")
+    assert rec._support_due(ref, 1, waiting=True)  # the job starts
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
+    assert not rec._support_due(ref, 1, waiting=False)  # it runs
+    api.modes = ("ReadWriteOnce",)  # deleted and made again behind its back
+    for t in (20.0, 400.0):
+        now[0] = t
+        assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
+        assert not rec._support_due(ref, 1, waiting=False)
+    assert len(api.reads) == 1  # running: never read again
+    assert rec._support_due(ref, 1, waiting=True)  # a restart: pods start again
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteOnce",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteOnce",)
+    assert len(api.reads) == 2  # once per support check
 
 
 def test_children_of_a_job_not_held_are_not_kept() -> None:
