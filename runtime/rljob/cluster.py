@@ -35,8 +35,6 @@ from rljob.placement import (
 )
 from rljob.rollout import RolloutWorker
 from rljob.stop import StopSignals
-from rljob.tasks import DatasetError, load_task
-from rljob.tiny_model import BUILTIN_TINY, write_tiny
 from rljob.trainer.trainer_group import TrainerGroup
 from rljob.trainer_backend import trainer_class
 from rljob.weightsync.wiring import WeightSyncActors
@@ -111,30 +109,6 @@ def rendezvous_address() -> str:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
     return f"tcp://{ray.util.get_node_ip_address()}:{port}"
-
-
-def prepare_model(spec: RLJobSpec, workdir: Path) -> Path:
-    """The HF model directory every worker loads: the spec's, or the built-in tiny model
-    written for the task's alphabet."""
-    if spec.model.source != BUILTIN_TINY:
-        source = Path(spec.model.source)
-        if not (source / "config.json").is_file():
-            raise JobError(exit_codes.INVALID, f"spec.model.source: {source} is not an HF "
-                           "model directory (no config.json); give one or use builtin:tiny")
-        return source
-    data = spec.data
-    try:
-        alphabet = load_task(data.dataset, data.prompt_key, data.label_key).alphabet
-        if spec.eval.dataset:
-            alphabet += load_task(spec.eval.dataset, data.prompt_key, data.label_key,
-                                  field="spec.eval.dataset").alphabet
-    except DatasetError as err:
-        raise JobError(exit_codes.INVALID, str(err)) from None
-    try:
-        return write_tiny(workdir / "model", spec.model.tiny, alphabet, spec.algorithm.seed,
-                          spec.model.dtype)
-    except ValueError as err:
-        raise JobError(exit_codes.INVALID, str(err)) from None
 
 
 def _ray_nodes(timeout_s: float) -> list[dict[str, Any]] | None:

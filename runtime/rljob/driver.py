@@ -20,9 +20,10 @@ import ray
 
 from rljob import exit_codes, metrics_log
 from rljob.checkpoint import CheckpointConflict, LeaseLost, Verified
-from rljob.cluster import Cluster, RunOptions, attempt_number, prepare_model
+from rljob.cluster import Cluster, RunOptions, attempt_number
 from rljob.exit_codes import JobError
 from rljob.loop_state import Checkpoints, LoopState
+from rljob.model_files import prepare_model
 from rljob.placement import plan
 from rljob.progress_bar import ProgressBar
 from rljob.report import Reporter

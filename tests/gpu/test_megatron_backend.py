@@ -247,3 +247,43 @@ def test_old_logprobs_match_training_forward() -> None:
     ref = naive_logprobs(logits[:, :-1], tokens[:, 1:])
     for i, (p, r) in enumerate(zip(b.prompt_lengths, b.response_lengths, strict=True)):
         torch.testing.assert_close(logp[i, :r], ref[i, p - 1 : p - 1 + r], atol=1e-4, rtol=0)
+
+
+def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Path) -> None:
+    """`MegatronTrainerActor.logprobs` (the TrainerActor call the driver makes through
+    TrainerGroup): equal to a float64 forward of the model files at the rollout temperature,
+    no gap against the old-policy log-probs `train` computes, and moved by its steps."""
+    from transformers import AutoModelForCausalLM
+
+    from rljob.megatron_backend.actor import MegatronTrainerActor
+    from rljob.model_files import prepare_model
+    from tests.logprob_samples import TEMPERATURE, float64_logprobs, samples_of
+    from tests.runtime.jobs import job_spec
+
+    spec = job_spec(tmp_path, {
+        "trainer": {"backend": "megatron", "gpusPerReplica": 1},
+        "rollout": {"sampling": {"temperature": TEMPERATURE}},
+        "algorithm": {"estimator": "grpo", "rolloutBatchSize": 2, "nSamplesPerPrompt": 4,
+                      "globalBatchSize": 4, "stepsPerRollout": 2, "microBatchSize": 2},
+    })
+    model_dir = prepare_model(spec, tmp_path)
+    vocab = int(AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size)
+    samples = samples_of(vocab)
+    # One rank: the actor finds the module's process group and parallel state and keeps
+    # them (no shutdown here, which would end them for the tests after this one).
+    actor = MegatronTrainerActor(spec.model_dump_json(by_alias=True), str(model_dir), 0, 1,
+                                 "", "cuda")
+    before = actor.logprobs(samples)
+    assert [len(lp) for lp in before] == [s["response_length"] for s in samples]
+    for got, want in zip(before, float64_logprobs(model_dir, samples), strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+    for s, lp in zip(samples, before, strict=True):
+        s["rollout_log_probs"] = lp
+    metrics = actor.train(samples, check_initial_kl=True)
+    assert metrics["optimizer_steps"] == 2
+    assert metrics["logprob_gap_max"] < 1e-6
+    after = actor.logprobs(samples)
+    moved = max(abs(a - b) for ra, rb in zip(after, before, strict=True)
+                for a, b in zip(ra, rb, strict=True))
+    assert moved > 1e-4
+    actor.sync.close()

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from rljob import metrics_log
-from rljob.cluster import RunOptions, prepare_model
+from rljob.cluster import RunOptions
 from rljob.driver import run_job
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.exit_codes import OK as EXIT_OK
+from rljob.model_files import prepare_model
 from rljob.rollout import EvalResult, RolloutWorker, sample_seed
 from rljob.sample import Sample
 from rljob_api.spec import RLJobSpec

@@ -6,51 +6,19 @@ moved by its optimizer steps."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
-import torch
 from transformers import AutoModelForCausalLM
 
-from rljob.cluster import prepare_model, rendezvous_address
-from rljob.sample import Sample, Status
+from rljob.cluster import rendezvous_address
+from rljob.model_files import prepare_model
 from rljob.torch_backend.actor import TorchTrainer
 from rljob.trainer.trainer_group import TrainerGroup
+from tests.logprob_samples import TEMPERATURE, float64_logprobs, samples_of
 from tests.runtime.jobs import job_spec
 
 pytestmark = pytest.mark.runtime
-
-TEMPERATURE = 0.7
-
-
-def _samples(vocab: int) -> list[dict[str, Any]]:
-    """Eight prompt+response token sequences of different lengths, rewards 0 and 1 in each
-    group of four (so the group-normalised advantages are not all zero)."""
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for i in range(8):
-        prompt, response = 3 + i % 3, 2 + i % 4
-        tokens = torch.randint(3, vocab, (prompt + response,), generator=gen).tolist()
-        out.append(Sample(prompt=f"p{i // 4}", group_index=i // 4, index=i % 4,
-                          prompt_tokens=tokens[:prompt], tokens=tokens,
-                          response_length=response, loss_mask=[1] * response,
-                          reward=float(i % 2), status=Status.completed).to_json())
-    return out
-
-
-def _float64_logprobs(model_dir: Path, samples: list[dict[str, Any]]) -> list[list[float]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s["tokens"]])
-            logits = model(input_ids=ids).logits[0] / TEMPERATURE
-            start = len(s["tokens"]) - s["response_length"]
-            logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
-            out.append(logp.gather(1, ids[0, start:, None])[:, 0].tolist())
-    return out
-
 
 def test_both_ranks_give_the_policys_logprobs_that_train_starts_from(
     ray_local: None, tmp_path: Path
@@ -63,7 +31,7 @@ def test_both_ranks_give_the_policys_logprobs_that_train_starts_from(
     })
     model_dir = prepare_model(spec, tmp_path)
     vocab = int(AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size)
-    samples = _samples(vocab)
+    samples = samples_of(vocab)
     init = ray.get(ray.remote(rendezvous_address).remote())
     group = TrainerGroup.start(TorchTrainer, lambda slot: {"num_cpus": 1}, [0, 1],
                                spec.model_dump_json(by_alias=True), str(model_dir), init, "cpu")
@@ -72,7 +40,7 @@ def test_both_ranks_give_the_policys_logprobs_that_train_starts_from(
         before = group.logprobs(samples)
         assert per_rank[0] == per_rank[1] == before
         assert [len(lp) for lp in before] == [s["response_length"] for s in samples]
-        expected = _float64_logprobs(model_dir, samples)
+        expected = float64_logprobs(model_dir, samples)
         for got, want in zip(before, expected, strict=True):
             assert got == pytest.approx(want, abs=1e-4)
         # The engines' log-probs set to these: train sees no gap between them and its own

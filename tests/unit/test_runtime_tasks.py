@@ -74,8 +74,8 @@ def test_buffered_prompts_are_served_first_and_persisted() -> None:
 
 
 def test_a_bad_eval_dataset_is_named_as_spec_eval_dataset(tmp_path: Path) -> None:
-    from rljob.cluster import prepare_model
     from rljob.exit_codes import INVALID, JobError
+    from rljob.model_files import prepare_model
     from rljob_api.spec import RLJobSpec
 
     spec = RLJobSpec.model_validate(

@@ -1,0 +1,43 @@
+"""Samples and their float64 reference log-probs for the trainers' `logprobs` tests (torch
+ranks in Ray, the Megatron actor on a GPU); no Ray import, so a GPU machine without Ray can
+use it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rljob.sample import Sample, Status
+
+TEMPERATURE = 0.7
+
+
+def samples_of(vocab: int) -> list[dict[str, Any]]:
+    """Eight prompt+response token sequences of different lengths, rewards 0 and 1 in each
+    group of four (so the group-normalised advantages are not all zero)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(8):
+        prompt, response = 3 + i % 3, 2 + i % 4
+        tokens = torch.randint(3, vocab, (prompt + response,), generator=gen).tolist()
+        out.append(Sample(prompt=f"p{i // 4}", group_index=i // 4, index=i % 4,
+                          prompt_tokens=tokens[:prompt], tokens=tokens,
+                          response_length=response, loss_mask=[1] * response,
+                          reward=float(i % 2), status=Status.completed).to_json())
+    return out
+
+
+def float64_logprobs(model_dir: Path, samples: list[dict[str, Any]]) -> list[list[float]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s["tokens"]])
+            logits = model(input_ids=ids).logits[0] / TEMPERATURE
+            start = len(s["tokens"]) - s["response_length"]
+            logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
+            out.append(logp.gather(1, ids[0, start:, None])[:, 0].tolist())
+    return out
