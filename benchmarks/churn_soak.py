@@ -9,7 +9,8 @@ pace (the operator tests' small job: a head, 1 trainer × 2 GPUs, 2 engines × 1
 driver), deletes each after a random lifetime in [`--min-life`, `--max-life`] seconds, and
 every `--kill-every` seconds deletes (grace 0) a random pod of a random live job. The first
 `--survivors` jobs are kept through the churn and past it: they live through all of its
-kills (each kill a restart: Recovering, a new driver, Running; no restart limit). Then:
+kills (each kill a restart: Recovering, a new driver, Running; maxRestarts 1,000, more
+than a run can use). Then:
 
 - stuck phases: every survivor must be Running within `--settle` seconds of the last kill,
   else it is stuck (the survivors' restarts and the kills that hit them are printed);
@@ -50,8 +51,8 @@ from tests.polling import Timeout, wait_for
 NAMESPACE = "churn"
 POOL = "churn"
 GPUS_PER_JOB = 4
-# No restart limit: a survivor lives through the whole churn and may lose many pods; the
-# harness's short backoff keeps recoveries within the churn.
+# maxRestarts 1,000, beyond any run's kills: a survivor lives through the whole churn and
+# may lose many pods; the harness's short backoff keeps recoveries within the churn.
 RECOVERY = {"maxRestarts": 1000, "backoffSeconds": 1, "maxBackoffSeconds": 2}
 CHILD_KINDS = ("pods", "rayclusters.ray.io", "configmaps", "secrets", "serviceaccounts",
                "roles.rbac.authorization.k8s.io", "rolebindings.rbac.authorization.k8s.io",

@@ -31,6 +31,7 @@ from rljob_api.layout import (
     group_slots,
     rollout_gpus_per_pod,
     weight_sync_health_port,
+    weights_cross_gpus,
 )
 from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
@@ -231,6 +232,8 @@ def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int)
         # Registers as `<pod>-<index>`. Staged on CPU: which GPU Ray gave this sidecar's
         # engine is not known here, and a CUDA IPC handle only opens on the engine's own GPU.
         identity = [{"name": env.ENGINE_INDEX, "value": str(index)}]
+    if engines > 1 or not weights_cross_gpus(spec):
+        # Without GPUs on both sides the trainer's group is gloo, whose members stage on CPU.
         command += ["--device", "cpu"]
     return {
         "name": names.per_engine(names.WEIGHT_SYNC, index, engines),

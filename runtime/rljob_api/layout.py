@@ -84,6 +84,16 @@ def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
     return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
 
 
+def weights_cross_gpus(spec: RLJobSpec) -> bool:
+    """On a cluster, whether weight versions travel GPU to GPU (NCCL, or CUDA IPC on a shared
+    GPU): only when the trainer's pods and the engines' pods both have GPUs. Otherwise the
+    trainer's group is gloo and every sidecar must stage on the CPU, even where its container
+    sees a GPU (a gloo group refuses GPU buffers). The runtime's device choice on a cluster and
+    the operator's sidecar flags both follow this."""
+    engines_on_gpu = spec.placement == Placement.colocated or rollout_gpus_per_pod(spec) > 0
+    return spec.trainer.gpus_per_replica > 0 and engines_on_gpu
+
+
 def group_slots(spec: RLJobSpec, group: str) -> int:
     """Placement slots one pod of worker group `group` offers, so its units of
     `group_resource(group)`: a trainer or colocated pod `slots_per_pod`, a rollout pod one per

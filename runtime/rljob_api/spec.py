@@ -173,7 +173,7 @@ class TrainerSpec(ApiModel):
     )
     replicas: int = Field(1, ge=1, le=4096, description="Trainer pods.")
     gpus_per_replica: int = Field(
-        1, ge=0, le=16, description="GPUs per trainer pod (CPU slots when running locally)."
+        1, ge=0, le=16, description="GPUs per trainer pod (CPU slots on a machine without GPUs)."
     )
     image: Image = Field("ghcr.io/rljob/trainer:0.1.0", description="Trainer container image.")
     resources: ResourceRequirements = Field(
@@ -250,10 +250,13 @@ class RolloutSpec(ApiModel):
 
     backend: RolloutBackend = Field(
         RolloutBackend.sglang,
-        description="`sglang` (SGLang server) or `hf` (built-in transformers server, CPU).",
+        description="`sglang` (SGLang server) or `hf` (built-in transformers server; its pods "
+        "request no GPUs).",
     )
     gpus: int = Field(
-        1, ge=1, le=65536, description="Total GPUs of all engines (CPU slots when local)."
+        1, ge=1, le=65536,
+        description="Total GPUs of all engines (CPU slots for hf pods and on a machine "
+        "without GPUs).",
     )
     gpus_per_engine: int = Field(1, ge=1, le=64, description="GPUs per engine (its TP size).")
     image: Image = Field("ghcr.io/rljob/rollout:0.1.0", description="Rollout container image.")

@@ -250,9 +250,10 @@ def test_old_logprobs_match_training_forward() -> None:
 
 
 def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Path) -> None:
-    """`MegatronTrainerActor.logprobs` (the TrainerActor call the driver makes through
-    TrainerGroup): equal to a float64 forward of the model files at the rollout temperature,
-    no gap against the old-policy log-probs `train` computes, and moved by its steps."""
+    """`MegatronTrainerActor.logprobs` (the TrainerActor call for checking a backend against
+    the engines or another backend): equal to a float64 forward of the model files at the
+    rollout temperature, no gap against the old-policy log-probs `train` computes, and moved
+    by its steps."""
     from transformers import AutoModelForCausalLM
 
     from rljob.megatron_backend.actor import MegatronTrainerActor

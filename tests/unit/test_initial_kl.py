@@ -13,6 +13,9 @@ def test_rounding_between_two_copies_of_the_same_weights_passes() -> None:
     # The gap measured on an H200 between Megatron's policy and reference in float32.
     verify_initial_kl(old, old + 4.8e-7)
     verify_initial_kl(old, old.clone())
+    # A token both give no probability at all (-inf in both) is no gap.
+    old[0, 1] = float("-inf")
+    verify_initial_kl(old, old.clone())
 
 
 @pytest.mark.parametrize("gap", [10 * INITIAL_KL_TOLERANCE, 0.3, float("nan")])

@@ -318,3 +318,35 @@ def test_the_devices_line_names_the_transport_the_job_uses(
     line = devices.describe(mode)
     assert line.startswith("devices: trainer ranks on CUDA")
     assert line.endswith(said)
+
+
+@pytest.mark.parametrize(("placement", "trainer_gpus", "rollout_gpus", "per_engine", "backend"), [
+    ("disaggregated", 0, 2, 1, "sglang"),  # CPU trainer, SGLang on GPUs: gloo
+    ("disaggregated", 1, 2, 1, "hf"),      # GPU trainer, hf engines on CPU: gloo
+    ("disaggregated", 0, 2, 1, "hf"),      # all CPU: gloo
+    ("disaggregated", 1, 2, 2, "sglang"),  # GPUs on both sides: NCCL
+    ("colocated", 1, 1, 1, "hf"),          # one engine on the trainer's GPU: CUDA IPC
+    ("colocated", 2, 2, 1, "sglang"),      # two engines a pod: staged on CPU
+])
+def test_operator_sidecars_stage_where_the_runtimes_group_needs_them(
+    placement: str, trainer_gpus: int, rollout_gpus: int, per_engine: int, backend: str,
+) -> None:
+    # A sidecar that stages on a GPU it can see while the trainer's group is gloo refuses
+    # every version (a gloo group takes CPU buffers only): the operator's flag and the
+    # runtime's device choice on a cluster follow one rule.
+    raw = {
+        "placement": placement,
+        "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
+        "rollout": {"backend": backend, "gpus": rollout_gpus, "gpusPerEngine": per_engine},
+    }
+    assert spec_problems(raw) == []
+    spec = RLJobSpec.model_validate(raw)
+    devices = choose_devices(spec, 16, on_cluster=True)
+    group = build_raycluster(JobRef("j", "ns", "uid"), spec)["spec"]["workerGroupSpecs"][-1]
+    sidecars = [c for c in group["template"]["spec"]["containers"]
+                if c["name"].startswith("weight-sync")]
+    assert sidecars
+    many = len(sidecars) > 1
+    for sidecar in sidecars:
+        on_cpu = sidecar["command"][-2:] == ["--device", "cpu"]
+        assert on_cpu == (many or not devices.sync_on_gpu), sidecar["command"]

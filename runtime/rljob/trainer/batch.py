@@ -156,7 +156,9 @@ into DDP's contiguous buffer) and its plain reference module gave float32 log-pr
 def verify_initial_kl(old: Tensor, ref: Tensor) -> None:
     """At step 0 the reference must be the policy itself: a gap beyond rounding means the
     two differ."""
-    gap = float((ref - old).abs().max()) if ref.numel() else 0.0
+    # Equal entries (a -inf in both included) are no gap.
+    diff = torch.where(ref == old, torch.zeros_like(ref), ref - old)
+    gap = float(diff.abs().max()) if ref.numel() else 0.0
     if not gap <= INITIAL_KL_TOLERANCE:  # a NaN gap fails too
         raise InitialKLMismatch(
             f"reference and actor log-probs differ at step 0 (max |Δ| = {gap:.3e}); "
