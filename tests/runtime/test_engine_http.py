@@ -105,6 +105,40 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
     assert refused.value.code == 400 and b"abort_all" in refused.value.read()
 
 
+def _post_raw(url: str, body: bytes) -> tuple[int, dict[str, str]]:
+    """POST `body` as it is; the status and the JSON answer, also of an error status."""
+    request = urllib.request.Request(url, method="POST", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        text = err.read().decode(errors="replace")
+        try:
+            return err.code, json.loads(text)
+        except ValueError:  # aiohttp's own error page, e.g. of a 500
+            return err.code, {"error": text}
+
+
+def test_a_body_that_is_not_json_is_refused_with_the_expected_body(
+        server: ServerThread) -> None:
+    """A malformed body is the caller's mistake: 400 naming the body to send, not a 500."""
+    for body in (b"abort everything", b'{"abort_all": tru', b"\xff\xfe"):
+        code, answer = _post_raw(server.url + "/abort_request", body)
+        assert code == 400, (body, code, answer)
+        assert '{"abort_all": true}' in answer["error"] and '{"rid": ...}' in answer["error"]
+        assert "not JSON" in answer["error"]
+    code, answer = _post_raw(server.url + "/generate", b"[4, 5")
+    assert code == 400 and '"input_ids"' in answer["error"], answer
+    code, answer = _post_raw(server.url + "/generate", b"[4, 5, 6]")
+    assert code == 400 and "JSON object" in answer["error"], answer
+    # the engine still serves a well-formed abort and generation afterwards
+    assert _post_raw(server.url + "/abort_request", b'{"abort_all": true}')[0] == 200
+    code, answer = _post_raw(server.url + "/generate", json.dumps(
+        {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}}).encode())
+    assert code == 200 and len(answer["output_ids"]) >= 1
+
+
 def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: Path) -> None:
     state = server.engine.model.state_dict()
     halved = [(k, v.detach().clone() * 0.5) for k, v in state.items()]

@@ -329,9 +329,25 @@ def build_app(engine: HFEngine) -> web.Application:
     async def weight_version(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": engine.weight_version})
 
+    async def json_body(request: web.Request, expected: str) -> Any:
+        """The request's JSON body ({} when it has none), or a 400 answer naming what was
+        expected: a body that does not parse is the caller's mistake, not the engine's."""
+        if not request.can_read_body:
+            return {}
+        try:
+            return await request.json()
+        except ValueError as err:  # json.JSONDecodeError, or a body that is not UTF-8
+            return web.json_response(
+                {"error": f"the body is not JSON ({err}): send {expected}"}, status=400)
+
     async def generate(request: web.Request) -> web.Response:
         epoch = engine.abort_epoch  # an abort_all from now on stops this request
-        body = await request.json()
+        body = await json_body(request, '{"input_ids": [...], "sampling_params": {...}}')
+        if isinstance(body, web.Response):
+            return body
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object with input_ids"},
+                                     status=400)
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
             return web.json_response({"error": "input_ids must be a non-empty list"}, status=400)
@@ -354,10 +370,14 @@ def build_app(engine: HFEngine) -> web.Application:
         # SGLang 0.5.3's contract: AbortReq {rid, abort_all}, answered 200 with no body.
         # This engine names no requests, so only abort_all is served. Not on the executor:
         # the generation it stops holds it.
-        body = await request.json() if request.can_read_body else {}
+        expected = ('SGLang\'s AbortReq, {"abort_all": true} or {"rid": ...}; this engine '
+                    'names no requests, so send {"abort_all": true}')
+        body = await json_body(request, expected)
+        if isinstance(body, web.Response):
+            return body
         if not isinstance(body, dict) or body.get("abort_all") is not True:
             return web.json_response(
-                {"error": 'this engine aborts all requests only: send {"abort_all": true}'},
+                {"error": f"this engine aborts all requests only: send {expected}"},
                 status=400)
         engine.abort_all()
         return web.Response(status=200)
