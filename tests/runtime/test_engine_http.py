@@ -20,6 +20,7 @@ from rljob.engine.tensor_payload import encode_named_tensors, flat_span
 from rljob.tiny_model import MAX_POSITIONS, write_tiny
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob_api.spec import TinyModel
+from tests.runtime.engine_progress import GenerationProgress
 
 pytestmark = pytest.mark.runtime
 
@@ -56,10 +57,11 @@ def test_generate_shape_seeding_and_stop(server: ServerThread) -> None:
     asyncio.run(go())
 
 
-async def _until_generating(engine: HFEngine, task: asyncio.Task[object], tokens: int) -> None:
+async def _until_generating(progress: GenerationProgress, task: asyncio.Task[object],
+                            tokens: int) -> None:
     """Poll (deadline 30 s) until the engine's running generation has `tokens` tokens."""
     deadline = time.monotonic() + 30
-    while engine.tokens_in_flight < tokens:
+    while progress.tokens < tokens:
         assert not task.done(), f"the generation ended before {tokens} tokens: {task.result()}"
         assert time.monotonic() < deadline, "the engine never started generating"
         await asyncio.sleep(0.005)
@@ -69,6 +71,7 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
     """SGLang's `/abort_request` with abort_all: the running generation answers at once with
     the tokens it has and finish_reason abort; a request after the abort runs normally."""
     longest = MAX_POSITIONS - 8
+    progress = GenerationProgress(server.engine)
     params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
               "ignore_eos": True}
 
@@ -76,7 +79,7 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
         async with EngineClient(server.url) as c:
             c.wait_healthy(30)
             running = asyncio.create_task(c.generate([4, 5, 6], params))
-            await _until_generating(server.engine, running, 3)
+            await _until_generating(progress, running, 3)
             await c.abort_all()
             cut = await running
             meta = cut["meta_info"]

@@ -30,12 +30,14 @@ from rljob.tiny_model import write_tiny
 from rljob_api.spec import RLJobSpec, TinyModel
 from tests.runtime import hooks_for_tests
 from tests.runtime.conftest import RecordingReporter
+from tests.runtime.engine_progress import GenerationProgress
 
 pytestmark = pytest.mark.runtime
 
 HOOKS = "tests.runtime.hooks_for_tests"
 MAX_NEW = 256  # long enough that the cut lands mid-generation on a loaded machine
 Key = tuple[str, int]  # (prompt, sample index)
+PROGRESS: dict[str, GenerationProgress] = {}  # by engine URL: its running generation's tokens
 
 
 @pytest.fixture
@@ -51,10 +53,12 @@ def engine(tmp_path: Path, data: Path) -> Iterator[ServerThread]:
     alphabet = load_task(str(data), "prompt", "label").alphabet
     model = write_tiny(tmp_path / "model", TinyModel(), alphabet, 0, "float32")
     server = ServerThread(HFEngine(str(model), "float32", "cpu", "0"))
+    PROGRESS[server.url] = GenerationProgress(server.engine)
     try:
         yield server
     finally:
         hooks_for_tests.REWARD_GATE = None
+        del PROGRESS[server.url]
         server.stop()
 
 
@@ -78,7 +82,8 @@ def _worker(server: ServerThread, data: Path, mask: bool) -> RolloutWorker:
 def _cut_step(worker: RolloutWorker, server: ServerThread, step: int
               ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """A step whose cut waits until the engine has generated 3 tokens of another request."""
-    hooks_for_tests.REWARD_GATE = lambda: server.engine.tokens_in_flight >= 3
+    progress = PROGRESS[server.url]
+    hooks_for_tests.REWARD_GATE = lambda: progress.tokens >= 3
     try:
         return asyncio.run(worker.generate(step))
     finally:

@@ -83,9 +83,6 @@ class HFEngine:
         self.weight_version = weight_version
         self.lock = threading.Lock()
         self.generated_tokens = 0
-        # Tokens the generation now running has produced (0 between generations): progress
-        # a caller can watch, e.g. to abort a request that is surely mid-generation.
-        self.tokens_in_flight = 0
         # Bumped by every abort_all; a request remembers the epoch it arrived in and stops
         # when the epoch moves on.
         self.abort_epoch = 0
@@ -143,15 +140,12 @@ class HFEngine:
             by_length: dict[int, list[int]] = {}
             for i, row in enumerate(rows):
                 by_length.setdefault(len(row), []).append(i)
-            try:
-                for indices in by_length.values():
-                    results = self._generate_same_length([rows[i] for i in indices],
-                                                         [params[i] for i in indices], arrived)
-                    for i, result in zip(indices, results, strict=True):
-                        result["meta_info"]["weight_version"] = version
-                        out[i] = result
-            finally:
-                self.tokens_in_flight = 0
+            for indices in by_length.values():
+                results = self._generate_same_length([rows[i] for i in indices],
+                                                     [params[i] for i in indices], arrived)
+                for i, result in zip(indices, results, strict=True):
+                    result["meta_info"]["weight_version"] = version
+                    out[i] = result
             return out
 
     def _generate_same_length(
@@ -201,7 +195,6 @@ class HFEngine:
                     continue
                 outputs[i].append(token)
                 logps[i].append(float(logp_all[i, token]))
-                self.tokens_in_flight += 1
                 if token in stop_ids:
                     finish[i] = {"type": "stop", "matched": token}
                 elif stops:
