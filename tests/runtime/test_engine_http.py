@@ -20,6 +20,7 @@ from rljob.engine.tensor_payload import encode_named_tensors, flat_span
 from rljob.tiny_model import MAX_POSITIONS, write_tiny
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob_api.spec import TinyModel
+from tests.runtime.engine_progress import GenerationProgress
 
 pytestmark = pytest.mark.runtime
 
@@ -56,10 +57,11 @@ def test_generate_shape_seeding_and_stop(server: ServerThread) -> None:
     asyncio.run(go())
 
 
-async def _until_generating(engine: HFEngine, task: asyncio.Task[object], tokens: int) -> None:
+async def _until_generating(progress: GenerationProgress, task: asyncio.Task[object],
+                            tokens: int) -> None:
     """Poll (deadline 30 s) until the engine's running generation has `tokens` tokens."""
     deadline = time.monotonic() + 30
-    while engine.tokens_in_flight < tokens:
+    while progress.tokens < tokens:
         assert not task.done(), f"the generation ended before {tokens} tokens: {task.result()}"
         assert time.monotonic() < deadline, "the engine never started generating"
         await asyncio.sleep(0.005)
@@ -69,6 +71,7 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
     """SGLang's `/abort_request` with abort_all: the running generation answers at once with
     the tokens it has and finish_reason abort; a request after the abort runs normally."""
     longest = MAX_POSITIONS - 8
+    progress = GenerationProgress(server.engine)
     params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
               "ignore_eos": True}
 
@@ -76,7 +79,7 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
         async with EngineClient(server.url) as c:
             c.wait_healthy(30)
             running = asyncio.create_task(c.generate([4, 5, 6], params))
-            await _until_generating(server.engine, running, 3)
+            await _until_generating(progress, running, 3)
             await c.abort_all()
             cut = await running
             meta = cut["meta_info"]
@@ -103,6 +106,40 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
     with pytest.raises(urllib.error.HTTPError) as refused:  # no request ids in this engine
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 400 and b"abort_all" in refused.value.read()
+
+
+def _post_raw(url: str, body: bytes) -> tuple[int, dict[str, str]]:
+    """POST `body` as it is; the status and the JSON answer, also of an error status."""
+    request = urllib.request.Request(url, method="POST", data=body,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        text = err.read().decode(errors="replace")
+        try:
+            return err.code, json.loads(text)
+        except ValueError:  # aiohttp's own error page, e.g. of a 500
+            return err.code, {"error": text}
+
+
+def test_a_body_that_is_not_json_is_refused_with_the_expected_body(
+        server: ServerThread) -> None:
+    """A malformed body is the caller's mistake: 400 naming the body to send, not a 500."""
+    for body in (b"abort everything", b'{"abort_all": tru', b"\xff\xfe"):
+        code, answer = _post_raw(server.url + "/abort_request", body)
+        assert code == 400, (body, code, answer)
+        assert '{"abort_all": true}' in answer["error"] and '{"rid": ...}' in answer["error"]
+        assert "not JSON" in answer["error"]
+    code, answer = _post_raw(server.url + "/generate", b"[4, 5")
+    assert code == 400 and '"input_ids"' in answer["error"], answer
+    code, answer = _post_raw(server.url + "/generate", b"[4, 5, 6]")
+    assert code == 400 and "JSON object" in answer["error"], answer
+    # the engine still serves a well-formed abort and generation afterwards
+    assert _post_raw(server.url + "/abort_request", b'{"abort_all": true}')[0] == 200
+    code, answer = _post_raw(server.url + "/generate", json.dumps(
+        {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}}).encode())
+    assert code == 200 and len(answer["output_ids"]) >= 1
 
 
 def test_weight_updates_are_checked_and_atomic(server: ServerThread, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Partial rollout on a real hf engine: a step's cut aborts the generations in flight, the
 unfinished groups are carried with their partial responses, the next step continues them
 (under the engine's new weight version, the old tokens masked when asked), and a
-checkpoint carries them across a resume.
+checkpoint carries them across a resume, also of a whole `rljob run` split in two.
 
 The rollout worker runs in-process against the engine's HTTP server. Its generate function
 is the built-in one with end-of-sequence ignored, so only the step's cut ends a generation
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,22 +22,28 @@ from typing import Any
 import pytest
 import ray
 
+from rljob import loop_state, metrics_log
 from rljob.engine.hf_server import HFEngine, ServerThread
+from rljob.exit_codes import OK as EXIT_OK
 from rljob.loop_state import Checkpoints, LoopState
 from rljob.rollout import RolloutWorker
 from rljob.rollout_pipeline import RolloutPipeline
-from rljob.sample import Sample
+from rljob.sample import Sample, Status
 from rljob.tasks import load_task
 from rljob.tiny_model import write_tiny
 from rljob_api.spec import RLJobSpec, TinyModel
 from tests.runtime import hooks_for_tests
 from tests.runtime.conftest import RecordingReporter
+from tests.runtime.engine_progress import GenerationProgress
+from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.runtime
 
 HOOKS = "tests.runtime.hooks_for_tests"
+RLJOB = [sys.executable, "-m", "rljob.cli"]
 MAX_NEW = 256  # long enough that the cut lands mid-generation on a loaded machine
 Key = tuple[str, int]  # (prompt, sample index)
+PROGRESS: dict[str, GenerationProgress] = {}  # by engine URL: its running generation's tokens
 
 
 @pytest.fixture
@@ -51,10 +59,12 @@ def engine(tmp_path: Path, data: Path) -> Iterator[ServerThread]:
     alphabet = load_task(str(data), "prompt", "label").alphabet
     model = write_tiny(tmp_path / "model", TinyModel(), alphabet, 0, "float32")
     server = ServerThread(HFEngine(str(model), "float32", "cpu", "0"))
+    PROGRESS[server.url] = GenerationProgress(server.engine)
     try:
         yield server
     finally:
         hooks_for_tests.REWARD_GATE = None
+        del PROGRESS[server.url]
         server.stop()
 
 
@@ -78,7 +88,8 @@ def _worker(server: ServerThread, data: Path, mask: bool) -> RolloutWorker:
 def _cut_step(worker: RolloutWorker, server: ServerThread, step: int
               ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """A step whose cut waits until the engine has generated 3 tokens of another request."""
-    hooks_for_tests.REWARD_GATE = lambda: server.engine.tokens_in_flight >= 3
+    progress = PROGRESS[server.url]
+    hooks_for_tests.REWARD_GATE = lambda: progress.tokens >= 3
     try:
         return asyncio.run(worker.generate(step))
     finally:
@@ -246,3 +257,41 @@ def test_carried_groups_are_generated_again_when_partial_rollout_is_turned_off(
     without.load(saved)
     state = without.state()
     assert "partial_groups" not in state and state["buffer"] == saved["buffer"] + prompts
+
+
+def test_a_run_split_by_a_resume_continues_the_carried_groups(tmp_path: Path) -> None:
+    """`rljob run` with partial rollout, stopped by --max-steps at a checkpoint while groups
+    are carried, then run again: the resumed process takes up exactly the groups the first
+    one saved. Every figure here is one the two processes wrote: the checkpoint's carried
+    groups and both runs' metrics rows."""
+    path = job_file(tmp_path, {"rollout": {"partialRollout": {"enabled": True,
+                                                               "overSampling": 8}}})
+    workdir = tmp_path / "w"
+    for args in (["--max-steps", "2"], []):
+        out = subprocess.run([*RLJOB, "run", str(path), "--workdir", str(workdir), *args],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == EXIT_OK, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resumed from" in out.stdout + out.stderr
+
+    saved = json.loads((workdir / "checkpoints" / "step_00000002" / loop_state.ROLLOUT_FILE)
+                       .read_text())["partial_groups"]
+    carried = [[Sample.from_json(d) for d in g] for g in saved]
+    rows = metrics_log.read(workdir / metrics_log.METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # The first run's step 2 cut its round (8 groups over the batch's 8 were started) and
+    # carried what had not made the batch; its checkpoint holds exactly those groups.
+    assert len(carried) == rows[1]["partial_groups_carried"] > 0
+    for group in carried:
+        for s in group:
+            assert len(s.rollout_log_probs) == s.response_length == len(s.loss_mask)
+    # The resumed process's first step started from those groups (a fresh worker carries
+    # none): all of them fit its round of 8 + 8 groups, carried groups going first.
+    assert rows[2]["partial_groups_resumed"] == len(carried)
+    # Their tokens were continued, not generated again: a carried group that had finished
+    # after the cut makes the batch as it is, with every token it brought counted as
+    # resumed; no more than the checkpoint held can be.
+    done = (Status.completed, Status.truncated)
+    complete = sum(s.response_length for g in carried
+                   if all(s.status in done for s in g) for s in g)
+    assert complete <= rows[2]["partial_tokens_resumed"] <= sum(
+        s.response_length for g in carried for s in g)

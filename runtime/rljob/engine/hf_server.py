@@ -83,9 +83,6 @@ class HFEngine:
         self.weight_version = weight_version
         self.lock = threading.Lock()
         self.generated_tokens = 0
-        # Tokens the generation now running has produced (0 between generations): progress
-        # a caller can watch, e.g. to abort a request that is surely mid-generation.
-        self.tokens_in_flight = 0
         # Bumped by every abort_all; a request remembers the epoch it arrived in and stops
         # when the epoch moves on.
         self.abort_epoch = 0
@@ -143,15 +140,12 @@ class HFEngine:
             by_length: dict[int, list[int]] = {}
             for i, row in enumerate(rows):
                 by_length.setdefault(len(row), []).append(i)
-            try:
-                for indices in by_length.values():
-                    results = self._generate_same_length([rows[i] for i in indices],
-                                                         [params[i] for i in indices], arrived)
-                    for i, result in zip(indices, results, strict=True):
-                        result["meta_info"]["weight_version"] = version
-                        out[i] = result
-            finally:
-                self.tokens_in_flight = 0
+            for indices in by_length.values():
+                results = self._generate_same_length([rows[i] for i in indices],
+                                                     [params[i] for i in indices], arrived)
+                for i, result in zip(indices, results, strict=True):
+                    result["meta_info"]["weight_version"] = version
+                    out[i] = result
             return out
 
     def _generate_same_length(
@@ -201,7 +195,6 @@ class HFEngine:
                     continue
                 outputs[i].append(token)
                 logps[i].append(float(logp_all[i, token]))
-                self.tokens_in_flight += 1
                 if token in stop_ids:
                     finish[i] = {"type": "stop", "matched": token}
                 elif stops:
@@ -329,9 +322,25 @@ def build_app(engine: HFEngine) -> web.Application:
     async def weight_version(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": engine.weight_version})
 
+    async def json_body(request: web.Request, expected: str) -> Any:
+        """The request's JSON body ({} when it has none), or a 400 answer naming what was
+        expected: a body that does not parse is the caller's mistake, not the engine's."""
+        if not request.can_read_body:
+            return {}
+        try:
+            return await request.json()
+        except ValueError as err:  # json.JSONDecodeError, or a body that is not UTF-8
+            return web.json_response(
+                {"error": f"the body is not JSON ({err}): send {expected}"}, status=400)
+
     async def generate(request: web.Request) -> web.Response:
         epoch = engine.abort_epoch  # an abort_all from now on stops this request
-        body = await request.json()
+        body = await json_body(request, '{"input_ids": [...], "sampling_params": {...}}')
+        if isinstance(body, web.Response):
+            return body
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object with input_ids"},
+                                     status=400)
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids:
             return web.json_response({"error": "input_ids must be a non-empty list"}, status=400)
@@ -354,10 +363,14 @@ def build_app(engine: HFEngine) -> web.Application:
         # SGLang 0.5.3's contract: AbortReq {rid, abort_all}, answered 200 with no body.
         # This engine names no requests, so only abort_all is served. Not on the executor:
         # the generation it stops holds it.
-        body = await request.json() if request.can_read_body else {}
+        expected = ('SGLang\'s AbortReq, {"abort_all": true} or {"rid": ...}; this engine '
+                    'names no requests, so send {"abort_all": true}')
+        body = await json_body(request, expected)
+        if isinstance(body, web.Response):
+            return body
         if not isinstance(body, dict) or body.get("abort_all") is not True:
             return web.json_response(
-                {"error": 'this engine aborts all requests only: send {"abort_all": true}'},
+                {"error": f"this engine aborts all requests only: send {expected}"},
                 status=400)
         engine.abort_all()
         return web.Response(status=200)
