@@ -4,9 +4,11 @@ use it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -41,3 +43,28 @@ def float64_logprobs(model_dir: Path, samples: list[dict[str, Any]]) -> list[lis
             logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
             out.append(logp.gather(1, ids[0, start:, None])[:, 0].tolist())
     return out
+
+
+def check_policy_logprobs(
+    logprobs: Callable[[list[dict[str, Any]]], list[list[float]]],
+    train: Callable[[list[dict[str, Any]], bool], dict[str, Any]],
+    model_dir: Path, samples: list[dict[str, Any]],
+) -> list[list[float]]:
+    """A trainer's `logprobs` before any step: one per response token, equal to a float64
+    forward of the model files; given to `train` as the engines' log-probs, no gap against
+    the old-policy log-probs it computes itself; then moved by its two optimizer steps.
+    Returns the log-probs from before the steps."""
+    before = logprobs(samples)
+    assert [len(lp) for lp in before] == [s["response_length"] for s in samples]
+    for got, want in zip(before, float64_logprobs(model_dir, samples), strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+    for s, lp in zip(samples, before, strict=True):
+        s["rollout_log_probs"] = lp
+    metrics = train(samples, True)
+    assert metrics["optimizer_steps"] == 2
+    assert metrics["logprob_gap_max"] < 1e-6
+    after = logprobs(samples)
+    moved = max(abs(a - b) for ra, rb in zip(after, before, strict=True)
+                for a, b in zip(ra, rb, strict=True))
+    assert moved > 1e-4
+    return before

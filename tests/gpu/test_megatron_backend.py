@@ -258,7 +258,7 @@ def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Pat
 
     from rljob.megatron_backend.actor import MegatronTrainerActor
     from rljob.model_files import prepare_model
-    from tests.logprob_samples import TEMPERATURE, float64_logprobs, samples_of
+    from tests.logprob_samples import TEMPERATURE, check_policy_logprobs, samples_of
     from tests.runtime.jobs import job_spec
 
     spec = job_spec(tmp_path, {
@@ -274,17 +274,5 @@ def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Pat
     # them (no shutdown here, which would end them for the tests after this one).
     actor = MegatronTrainerActor(spec.model_dump_json(by_alias=True), str(model_dir), 0, 1,
                                  "", "cuda")
-    before = actor.logprobs(samples)
-    assert [len(lp) for lp in before] == [s["response_length"] for s in samples]
-    for got, want in zip(before, float64_logprobs(model_dir, samples), strict=True):
-        assert got == pytest.approx(want, abs=1e-4)
-    for s, lp in zip(samples, before, strict=True):
-        s["rollout_log_probs"] = lp
-    metrics = actor.train(samples, check_initial_kl=True)
-    assert metrics["optimizer_steps"] == 2
-    assert metrics["logprob_gap_max"] < 1e-6
-    after = actor.logprobs(samples)
-    moved = max(abs(a - b) for ra, rb in zip(after, before, strict=True)
-                for a, b in zip(ra, rb, strict=True))
-    assert moved > 1e-4
+    check_policy_logprobs(actor.logprobs, actor.train, model_dir, samples)
     actor.sync.close()

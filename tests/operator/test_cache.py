@@ -230,15 +230,7 @@ def test_a_relist_of_objects_none_of_which_was_heard_of_is_noticed() -> None:
     once that watch has delivered events; the job is read fresh and the pods whose deletion
     fell in the gap go (else the store would show the old driver running until the safety
     resync, and the lost pods would bring no recovery until then)."""
-    job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
-    now = [100.0]
-    store = Store(clock=lambda: now[0])
-    store.watched(RLJOB, None, job)
-    driver = _uid(pod("driver", "5"), "u-d")
-    store.watched(POD, None, driver)
-    api = _FakeApi(job, [driver], "6")
-    rec = _reconciler(api, store, now)
-    rec._read("ns", "j")  # the first sight reads fresh
+    _, store, now, api, rec = _job_and_driver_read_once()
     store.watched(POD, "MODIFIED", _uid(pod("driver", "7"), "u-d"))
     now[0] = 101.0
     rec._read("ns", "j")
@@ -305,7 +297,10 @@ def _reconciler(api: _FakeApi, store: Store, now: list[float]) -> Any:
                       + timedelta(seconds=now[0]))
 
 
-def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap_goes() -> None:
+
+def _job_and_driver_read_once() -> tuple[Obj, Store, list[float], _FakeApi, Any]:
+    """A job and its driver pod as the watches delivered them, and a reconciler that has read
+    the job once: the first sight of a job reads fresh."""
     job = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "4"}}, "u-j")
     now = [100.0]
     store = Store(clock=lambda: now[0])
@@ -314,7 +309,11 @@ def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap
     store.watched(POD, None, driver)
     api = _FakeApi(job, [driver], "6")
     rec = _reconciler(api, store, now)
-    rec._read("ns", "j")  # the first sight of a job reads fresh
+    rec._read("ns", "j")
+    return job, store, now, api, rec
+
+def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap_goes() -> None:
+    job, store, now, api, rec = _job_and_driver_read_once()
     assert len(api.reads) == 3
     now[0] = 100.5
     assert rec._read("ns", "j")[2] != [] and len(api.reads) == 3  # then the cache
