@@ -16,7 +16,9 @@ gradient to bf16 alone costs, the least any bf16 gradient can show).
 Methods:
   naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
   tiled           rljob.logprobs_vocab_parallel.vocab_parallel_logprobs (CPU path, reference)
-  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU)
+  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU; on
+                  Hopper its logits matmuls are rljob.logprobs_tma's kernels)
+  fused-cublas    the same with those kernels off: cuBLAS logits, then a Triton pass
   fused+entropy   the same, with the entropy and its gradient
   liger           Liger 0.8.5 fused linear cross-entropy, reduction="none" (when installed)
   cce-exact       cut-cross-entropy 25.1.1, reduction="none", filter_eps=None (when installed)
@@ -73,6 +75,17 @@ def fused(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
 
 def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     return fused_logprobs(h, w, t, with_entropy=True)
+
+
+def fused_cublas(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    """The fused function with the TMA kernels off (the call's backward follows its forward)."""
+    import rljob.logprobs_fused as lf
+
+    kept, lf._USE_TMA = lf._USE_TMA, False
+    try:
+        return fused_logprobs(h, w, t)
+    finally:
+        lf._USE_TMA = kept
 
 
 
@@ -157,6 +170,19 @@ def time_ms(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
+def peak_gib(run: Callable[[], object], *leaves: torch.Tensor) -> float:
+    """GiB allocated at the peak of `run` above what was allocated before it; the leaves'
+    gradients are dropped first, so the ones `run` makes count as its own."""
+    for leaf in leaves:
+        leaf.grad = None
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm())
 
@@ -185,14 +211,7 @@ def measure(
     row: dict[str, Any] = {"method": name}
     steps: dict[str, Callable[[], object]] = {}
     for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-        hl.grad, wl.grad = None, None
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        result = step()
-        torch.cuda.synchronize()
-        row[f"{label}_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        del result
+        row[f"{label}_peak_gib"] = peak_gib(step, hl, wl)
         steps[label] = step
     lp, ent = fwd_bwd()
     assert hl.grad is not None and wl.grad is not None
@@ -418,15 +437,6 @@ def variants(
         torch.autograd.backward(naive_bf16(hl, wl, t)[0], g)
         return None
 
-    def peak(run: Callable[[], object]) -> float:
-        hl.grad, wl.grad = None, None
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**30
-
     def med(ts: list[float]) -> float:
         return round(statistics.median(ts), 2)
 
@@ -435,8 +445,9 @@ def variants(
     times = shuffled_times(steps, repeat, seed=2)
     naive_ms = med(times[-1])
     for p, ts in zip(all_parts, times, strict=False):
+        peak = peak_gib(fwd_bwd(lf, False, p), hl, wl)
         print(f"variant fwd+bwd _GRAD_Z_PARTS={p}: {med(ts)} ms ({med(ts) / naive_ms:.3f}x "
-              f"naive {naive_ms}), peak {peak(fwd_bwd(lf, False, p)):.3f} GiB", flush=True)
+              f"naive {naive_ms}), peak {peak:.3f} GiB", flush=True)
     cands = [("ours", lf)] + ([("baseline", baseline)] if baseline is not None else [])
     steps, labels = [], []
     for name, mod in cands:
@@ -553,13 +564,7 @@ def sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, re
     lf._STATS_WARPS = defaults[3]
     for parts in (1, 3):
         lf._GRAD_Z_PARTS = parts
-        hl.grad, wl.grad = None, None
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        peak = peak_gib(fwd_bwd, hl, wl)
         print(f"sweep fwd+bwd parts={parts}: {time_ms(fwd_bwd, repeat):.2f} ms, "
               f"peak {peak:.3f} GiB", flush=True)
     lf._STATS_SPLIT, lf._GRAD_Z_PARTS, lf._STATS_BLOCK_M, lf._STATS_WARPS = defaults
@@ -684,6 +689,7 @@ def main() -> None:
         ("tiled", tiled),
         ("fused", fused),
         ("fused+entropy", fused_entropy),
+        ("fused-cublas", fused_cublas),
     ]
     versions = {d: version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy")}
     if versions["liger-kernel"]:

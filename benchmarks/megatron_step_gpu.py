@@ -1,7 +1,9 @@
 """A few real RL steps of a ~1B-parameter Llama-style policy on one GPU with the megatron backend.
 
-Each RL step = old-policy log-probs (forward only) + one optimizer step (forward, backward,
-distributed Adam) with the shared clipped policy loss, GRPO advantages from random rewards.
+Each RL step = old-policy log-probs and the frozen reference policy's log-probs (two forward
+passes; `--kl-coef 0` leaves the reference out) + one optimizer step (forward, backward,
+distributed Adam) with the shared clipped policy loss and its KL term, GRPO advantages from
+random rewards.
 Prints the step time and model FLOPs utilisation against `--peak-tflops` (bf16 dense matmul
 rate measured on an H200 here: ~790 TFLOP/s). Model FLOPs count the matmuls of the model once
 (3x forward for a training pass), causal attention at half the square, and the output
@@ -95,11 +97,19 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=1792)
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument("--kl-coef", type=float, default=0.01,
+                        help="KL to the frozen reference (0: no reference forward)")
+    parser.add_argument("--cublas-logits", action="store_true",
+                        help="the log-prob head's cuBLAS path instead of its TMA kernels")
     parser.add_argument("--megatron-arg", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    if args.cublas_logits:
+        import rljob.logprobs_fused as lf
+
+        lf._USE_TMA = False
     init_parallel(1, 1, 1, seed=0)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,9 +127,11 @@ def main() -> None:
         lr=1e-6,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.0, entropy_coef=0.0),
+        loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, kl_coef=args.kl_coef,
+                              entropy_coef=0.0),
         megatron_args=args.megatron_arg,
     )
+    reference = trainer.frozen_copy(weights) if args.kl_coef > 0 else None
     del hf, weights
     torch.cuda.empty_cache()
 
@@ -135,19 +147,24 @@ def main() -> None:
         old = trainer.logprobs(batches)
         for mb, lp in zip(batches, old, strict=True):
             mb.old_logp = lp.cpu()
+        if reference is not None:
+            for mb, lp in zip(batches, trainer.logprobs(batches, model=reference), strict=True):
+                mb.ref_logp = lp.cpu()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         metrics = trainer.train_step(batches)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         flops = train_flops(shape, batches)
+        forwards = 1 if reference is None else 2  # old policy, reference
         rec = {
             "step": step,
             "logprob_s": t1 - t0,
             "train_s": t2 - t1,
             "rl_step_s": t2 - t0,
             "train_mfu": flops / (t2 - t1) / (args.peak_tflops * 1e12),
-            "rl_step_mfu": (flops + flops / 3) / (t2 - t0) / (args.peak_tflops * 1e12),
+            "rl_step_mfu": (flops + forwards * flops / 3) / (t2 - t0)
+            / (args.peak_tflops * 1e12),
             "tokens": sum(mb.tokens.numel() for mb in batches),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
             **metrics,
@@ -176,7 +193,8 @@ def main() -> None:
         f"{summary['tokens_per_step']} tokens/step, "
         f"train step {summary['train_step_s_median']:.3f} s "
         f"(MFU {summary['train_mfu_median']:.1%}), "
-        f"RL step incl. old log-probs {summary['rl_step_s_median']:.3f} s "
+        f"RL step incl. old{' and reference' if reference is not None else ''} log-probs "
+        f"{summary['rl_step_s_median']:.3f} s "
         f"(MFU {summary['rl_step_mfu_median']:.1%}) vs {args.peak_tflops:.0f} TFLOP/s"
     )
     if args.out:

@@ -446,8 +446,17 @@ class ControlPlane:
             describe=proc.tail,
         )
 
-    def start_kwok(self, nodes: int = 2, gpus_per_node: int = 8, prefix: str = "gpu-node") -> None:
-        """kwok managing `nodes` fake nodes that advertise `gpus_per_node` nvidia.com/gpu."""
+    def start_kwok(
+        self,
+        nodes: int = 2,
+        gpus_per_node: int = 8,
+        prefix: str = "gpu-node",
+        lease_seconds: int = 40,
+    ) -> None:
+        """kwok managing `nodes` fake nodes that advertise `gpus_per_node` nvidia.com/gpu.
+
+        kwok renews each node's Lease every `lease_seconds` / 4; the controller-manager's
+        node-monitor grace period must not be shorter than `lease_seconds`."""
         proc = self._spawn(
             "kwok",
             [
@@ -462,7 +471,7 @@ class ControlPlane:
                 # Heartbeat through Leases: kwok's status refresh alone (about once a
                 # minute) is slower than the node controller's 50 s grace period, so nodes
                 # would flap NotReady every minute and jobs be restarted as NodeLost.
-                "--node-lease-duration-seconds=40",
+                f"--node-lease-duration-seconds={lease_seconds}",
             ],
         )
         self.add_fake_nodes(nodes, gpus_per_node, prefix)

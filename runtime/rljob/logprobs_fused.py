@@ -24,10 +24,14 @@ accumulation, no 16-bit rounding of the logits) and one Triton pass over its log
   H200: 22.3 ms instead of 25.1 ms over the vocabulary, against 20.8 ms for the weight
   gradient's plain matmul).
 
-Why cuBLAS computes the logits: Triton matmul kernels that kept the logits in registers (no
-fp32 chunk at all; commit 1481f7e, `matmul="triton"`) were measured on an H200: their forward
-took 29.5 ms against 24.4 ms here, and their fp32-accumulating hidden-gradient kernel ran at
-~46 TFLOP/s; their logit-gradient kernel only matched cuBLAS plus `_chunk_grad_kernel`.
+On Hopper and later GPUs with 16-bit operands TMA can address, the logits matmul and its
+epilogue are one kernel instead (`rljob.logprobs_tma`: persistent, TMA loads, warp-specialised;
+the fp32 logits stay in registers): forward 21.1 ms against 24.1 ms for cuBLAS plus
+`_chunk_stats_kernel` on an H200 at 11,600 x 151,936 x 4,096. The backward's logit gradient
+comes from the same matmul, so its chunk holds only the 16-bit gradient and is wider. The
+gradient matmuls stay cuBLAS: earlier Triton matmuls without TMA (commit 1481f7e) ran the
+fp32-accumulating hidden-gradient product at ~46 TFLOP/s. Elsewhere (older GPUs, fp32
+inputs, Triton's CPU interpreter) the cuBLAS path below runs.
 
 Vocabulary parallelism: the weight is this rank's rows `[vocab_start, vocab_start + local)`;
 the statistics are combined over `group` with one MAX and one SUM all-reduce, then the
@@ -45,7 +49,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from rljob.logprobs_stats import Stats, all_reduce_stats, finish
+from rljob import logprobs_tma
+from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge
 
 DEFAULT_CHUNK_BYTES = 1 << 27
 """Working bytes of one vocabulary chunk (128 MiB): the forward's fp32 logits, or the
@@ -66,6 +71,9 @@ _GRAD_Z_PARTS = 5
 (fewest accumulator passes) and the lowest peak (1.453 GiB against 1.461 with 3)."""
 _GRAD_BLOCK_M = 16
 _GRAD_BLOCK_N = 256
+_USE_TMA = True
+"""Take `rljob.logprobs_tma` where it can run (off: the cuBLAS path everywhere; tests and the
+benchmark compare the two)."""
 
 
 @triton.jit
@@ -191,19 +199,30 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: floa
 
 def _stats(
     hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_t: float,
-    with_entropy: bool, chunk_bytes: int,
+    with_entropy: bool, chunk_bytes: int, tma: bool,
 ) -> Stats:
     """Per-token statistics of this rank's vocabulary, one fp32 logits chunk at a time.
 
     Each chunk is split into `_STATS_SPLIT`-column pieces across programs (enough of them to
     keep the reads in flight), whose partial statistics are merged once at the end."""
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
-    cols = chunk_columns(n_tokens, 4, chunk_bytes)
+    cols = (logprobs_tma.range_columns(n_tokens, chunk_bytes) if tma
+            else chunk_columns(n_tokens, 4, chunk_bytes))
     starts = list(range(0, v_local if n_tokens else 0, cols))
     if not starts:
         inf = torch.full((n_tokens,), float("-inf"), dtype=torch.float32, device=hidden.device)
         zero = torch.zeros(n_tokens, dtype=torch.float32, device=hidden.device)
         return Stats(inf, zero, zero.clone(), zero.clone())
+    if tma:
+        # Each range's partials (one per tile of columns) merge before the next range's are
+        # made: `chunk_bytes` bounds them.
+        out: Stats | None = None
+        for v0 in starts:
+            got = logprobs_tma.stats(
+                hidden, weight[v0 : v0 + cols], local_targets, v0, inv_t, with_entropy)
+            out = got if out is None else merge(out, got)
+        assert out is not None
+        return out
     splits = [triton.cdiv(min(cols, v_local - v0), _STATS_SPLIT) for v0 in starts]
     part = torch.empty(4 * sum(splits), n_tokens, dtype=torch.float32, device=hidden.device)
     split0 = 0
@@ -235,7 +254,7 @@ def _merge_parts(part: torch.Tensor) -> Stats:
 def _grads(
     hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor,
     lse: torch.Tensor, mean_logit: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
-    with_entropy: bool, inv_t: float, chunk_bytes: int,
+    with_entropy: bool, inv_t: float, chunk_bytes: int, tma: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 hidden-state gradient and 16-bit weight gradient, one vocabulary chunk at a time.
 
@@ -244,9 +263,10 @@ def _grads(
     per fp32-accumulating hidden-gradient matmul, fewer passes over that accumulator)."""
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     parts = _GRAD_Z_PARTS
-    # Per piece column: `parts` columns of the 16-bit gradient plus one of fp32 logits.
+    # Per piece column: `parts` columns of the 16-bit gradient plus one of fp32 logits (with
+    # TMA, the 16-bit gradient alone).
     sub = chunk_columns(n_tokens, 4 + parts * weight.element_size(), chunk_bytes)
-    cols = sub * parts
+    cols = chunk_columns(n_tokens, weight.element_size(), chunk_bytes) if tma else sub * parts
     starts = range(0, v_local if n_tokens else 0, cols)
     # The first chunk's matmul overwrites the fp32 accumulator (beta = 0): no zero fill,
     # unless no chunk runs at all.
@@ -256,22 +276,39 @@ def _grads(
     grad_weight = torch.zeros_like(weight) if n_tokens == 0 else torch.empty_like(weight)
     for v0 in starts:
         w = weight[v0 : v0 + cols]
-        g = torch.empty((n_tokens, w.shape[0]), dtype=weight.dtype, device=hidden.device)
-        for p0 in range(0, w.shape[0], sub):
-            z = _logits_fp32(hidden, w[p0 : p0 + sub])
-            gp = g[:, p0 : p0 + sub]
-            grid = (triton.cdiv(n_tokens, _GRAD_BLOCK_M), triton.cdiv(z.shape[1], _GRAD_BLOCK_N))
-            _chunk_grad_kernel[grid](
-                z, z.stride(0), gp, gp.stride(0), n_tokens, z.shape[1], local_targets,
-                v0 + p0, lse, mean_logit, g_lp, g_ent, inv_t,
-                WITH_ENTROPY=with_entropy, BLOCK_M=_GRAD_BLOCK_M, BLOCK_N=_GRAD_BLOCK_N,
-            )
-            del z, gp  # a view keeps the whole chunk alive
+        if tma:
+            g = logprobs_tma.logit_grad(hidden, w, local_targets, v0, lse, mean_logit, g_lp,
+                                        g_ent, with_entropy, inv_t)
+        else:
+            g = _logit_grad_pieces(hidden, w, local_targets, v0, lse, mean_logit, g_lp, g_ent,
+                                   with_entropy, inv_t, sub)
         _addmm_fp32_(grad_hidden, g, w, beta=0.0 if v0 == 0 else 1.0)
         # One matmul over all tokens: fp32 accumulation, rounded once to the weight dtype.
         torch.mm(g.t(), hidden, out=grad_weight[v0 : v0 + cols])
         del g
     return grad_hidden, grad_weight
+
+
+def _logit_grad_pieces(
+    hidden: torch.Tensor, w: torch.Tensor, local_targets: torch.Tensor, v0: int,
+    lse: torch.Tensor, mean_logit: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor,
+    with_entropy: bool, inv_t: float, sub: int,
+) -> torch.Tensor:
+    """The 16-bit logit gradient of the chunk `w` (columns from `v0`), `sub` columns of fp32
+    logits at a time (cuBLAS, then `_chunk_grad_kernel`)."""
+    n_tokens = hidden.shape[0]
+    g = torch.empty((n_tokens, w.shape[0]), dtype=w.dtype, device=hidden.device)
+    for p0 in range(0, w.shape[0], sub):
+        z = _logits_fp32(hidden, w[p0 : p0 + sub])
+        gp = g[:, p0 : p0 + sub]
+        grid = (triton.cdiv(n_tokens, _GRAD_BLOCK_M), triton.cdiv(z.shape[1], _GRAD_BLOCK_N))
+        _chunk_grad_kernel[grid](
+            z, z.stride(0), gp, gp.stride(0), n_tokens, z.shape[1], local_targets,
+            v0 + p0, lse, mean_logit, g_lp, g_ent, inv_t,
+            WITH_ENTROPY=with_entropy, BLOCK_M=_GRAD_BLOCK_M, BLOCK_N=_GRAD_BLOCK_N,
+        )
+        del z, gp  # a view keeps the whole chunk alive
+    return g
 
 
 class _FusedLogProbs(torch.autograd.Function):
@@ -290,13 +327,16 @@ class _FusedLogProbs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = 1.0 / temperature
         local_targets = (targets - vocab_start).contiguous()
-        stats = _stats(hidden, weight, local_targets, inv_t, with_entropy, chunk_bytes)
+        # One choice of path per call, so the backward takes the forward's.
+        tma = _USE_TMA and logprobs_tma.usable(hidden, weight)
+        stats = _stats(hidden, weight, local_targets, inv_t, with_entropy, chunk_bytes, tma)
         res = finish(all_reduce_stats(stats, group))
         ctx.save_for_backward(hidden, weight, local_targets, res.lse, res.mean_logit)
         ctx.inv_t = inv_t
         ctx.with_entropy = with_entropy
         ctx.group = group
         ctx.chunk_bytes = chunk_bytes
+        ctx.tma = tma
         ctx.reduce_hidden_grad = reduce_hidden_grad
         entropy = res.entropy if with_entropy else torch.zeros_like(res.entropy)
         if not with_entropy:
@@ -318,7 +358,7 @@ class _FusedLogProbs(torch.autograd.Function):
         g_ent = g_lp if g_ent is None else g_ent.float().contiguous()
         grad_hidden, grad_weight = _grads(
             hidden, weight, local_targets, lse, mean_logit, g_lp, g_ent, with_entropy,
-            ctx.inv_t, ctx.chunk_bytes,
+            ctx.inv_t, ctx.chunk_bytes, ctx.tma,
         )
         if ctx.reduce_hidden_grad and ctx.group is not None and dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)

@@ -30,8 +30,8 @@ from rljob_api.layout import (
     TRAINER,
     engine_count,
     engine_local_index,
+    engine_pods_have_gpus,
     group_resource,
-    rollout_gpus_per_pod,
     slots_per_pod,
 )
 from rljob_api.spec import Placement, RLJobSpec, RolloutBackend, TrainerBackend, WeightSyncMode
@@ -142,7 +142,7 @@ def choose_devices(spec: RLJobSpec, gpus: float, on_cluster: bool) -> Devices:
     for GPUs that are not there.
 
     The trainer runs on GPUs when `gpusPerReplica` > 0; the engines when they run on GPUs:
-    SGLang always, the `hf` engine on a cluster as its pods do (`rollout_gpus_per_pod`: none)
+    SGLang always, the `hf` engine on a cluster as its pods do (`engine_pods_have_gpus`: none)
     and on one machine when the trainer is on GPUs and enough are left after its own (a CPU
     trainer keeps a CPU job on the CPU). Colocated engines take the trainer's device. On one
     machine without any GPU every slot is a CPU: there `gpusPerReplica` and `rollout.gpus`
@@ -172,7 +172,7 @@ def choose_devices(spec: RLJobSpec, gpus: float, on_cluster: bool) -> Devices:
             raise DeviceError(_engine_short(spec, trainer_need, gpus, on_cluster))
         return Devices(trainer_wants, True)
     if on_cluster:
-        return Devices(trainer_wants, rollout_gpus_per_pod(spec) > 0)
+        return Devices(trainer_wants, engine_pods_have_gpus(spec))
     return Devices(trainer_wants, trainer_wants and left >= spec.rollout.gpus)
 
 

@@ -90,8 +90,14 @@ def weights_cross_gpus(spec: RLJobSpec) -> bool:
     trainer's group is gloo and every sidecar must stage on the CPU, even where its container
     sees a GPU (a gloo group refuses GPU buffers). The runtime's device choice on a cluster and
     the operator's sidecar flags both follow this."""
-    engines_on_gpu = spec.placement == Placement.colocated or rollout_gpus_per_pod(spec) > 0
-    return spec.trainer.gpus_per_replica > 0 and engines_on_gpu
+    return spec.trainer.gpus_per_replica > 0 and engine_pods_have_gpus(spec)
+
+
+def engine_pods_have_gpus(spec: RLJobSpec) -> bool:
+    """On a cluster, whether the pods that run engines have GPUs (colocated pods do: they are
+    the trainer's; rollout pods request `rollout_gpus_per_pod`, none for the `hf` engine).
+    Engines run on GPUs exactly there."""
+    return spec.placement == Placement.colocated or rollout_gpus_per_pod(spec) > 0
 
 
 def group_slots(spec: RLJobSpec, group: str) -> int:

@@ -43,6 +43,28 @@ def _exact_fp32_matmuls() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def _tma_runs() -> bool:
+    """Whether `rljob.logprobs_tma` serves bf16 inputs on this machine (Hopper or later)."""
+    if not HAS_CUDA:
+        return False
+    from rljob import logprobs_tma
+
+    probe = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
+    return logprobs_tma.usable(probe, probe)
+
+
+@pytest.fixture(params=["tma", "cublas"])
+def logits_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each 16-bit case on both logits paths: the TMA kernels with their epilogues in
+    registers (skipped where they cannot run) and cuBLAS logits with a Triton pass."""
+    import rljob.logprobs_fused as lf
+
+    if request.param == "tma" and not _tma_runs():
+        pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
+    monkeypatch.setattr(lf, "_USE_TMA", request.param == "tma")
+    return str(request.param)
+
+
 def _inputs(
     n: int, v: int, h: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, ...]:
@@ -151,7 +173,7 @@ def test_fp32_inputs_match_float64(
 
 @pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"), SHAPES, ids=IDS)
 def test_bf16_inputs_match_float64(
-    n: int, v: int, h: int, temp: float, ent: bool, chunk: int | None
+    n: int, v: int, h: int, temp: float, ent: bool, chunk: int | None, logits_path: str
 ) -> None:
     """bf16 inputs, as the trainers pass them: logits stay fp32 (log-prob error at fp32
     rounding); the gradients carry only the 16-bit rounding of the logit gradient and of the
@@ -187,7 +209,7 @@ def test_statistics_pieces_and_gradient_pieces(
     assert _rel(ours["gw"], ref["gw"]) < 1e-5
 
 
-def test_backward_ignores_stale_memory() -> None:
+def test_backward_ignores_stale_memory(logits_path: str) -> None:
     """The hidden-gradient accumulator is not zero-filled (the first chunk's matmul overwrites
     it): NaNs left in the memory it reuses must not reach the gradients."""
     n, v, h = 300, 2053, 64
@@ -203,8 +225,37 @@ def test_backward_ignores_stale_memory() -> None:
         assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
 
 
+@pytest.mark.parametrize("ent", [True, False])
+def test_tma_forward_ranges_merge(ent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial statistics bounded to one tile of columns per launch: the vocabulary takes nine
+    launches (the last ragged) whose statistics merge, and the backward's chunks are as
+    narrow; the TMA path must really run (its kernels are what is checked)."""
+    if not _tma_runs():
+        pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
+    from rljob import logprobs_tma
+
+    launches: list[int] = []
+    real = logprobs_tma.stats
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs_tma, "stats", counted)
+    n = 300
+    ours, ref = _run(n, 2053, 64, dtype=torch.bfloat16, temperature=0.8, with_entropy=ent,
+                     chunk_bytes=16 * n)
+    assert len(launches) == 9
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=2e-5, rtol=0)
+    if ent:
+        torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
+    for key in ("gh", "gw"):
+        floor = _rel(ref[key].to(torch.bfloat16), ref[key])
+        assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
+
+
 @too_large_for_interpreter
-def test_tokens_times_vocab_over_2_pow_31() -> None:
+def test_tokens_times_vocab_over_2_pow_31(logits_path: str) -> None:
     """16,500 tokens x 131,075 columns = 2.16e9 logits: no index may wrap at 32 bits."""
     n, v = 16_500, 131_075
     assert n * v > 2**31

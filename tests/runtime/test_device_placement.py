@@ -1,6 +1,6 @@
 """The driver's device decision against a Ray that has GPUs: `Cluster.choose_devices` reads
 what Ray reports, `Cluster.reserve` asks for each role's slots on its own device, and every
-actor placed with `slot_options` (trainer ranks, engines, slot holders) or `sidecar_options`
+actor placed with `slot_options` (trainer ranks, engines, slot holders) or `sidecar_placement`
 gets the device of its slot.
 
 Ray's GPU accounting needs no real GPU: a local Ray told it has one schedules and sets each
@@ -22,7 +22,7 @@ from rljob.engine.slots import SlotHolder
 from rljob.exit_codes import JobError
 from rljob.placement import Devices, plan
 from rljob.stop import StopSignals
-from rljob.weightsync.wiring import sidecar_device, sidecar_options
+from rljob.weightsync.wiring import sidecar_placement
 from rljob_api.spec import RLJobSpec
 
 pytestmark = pytest.mark.runtime
@@ -79,12 +79,14 @@ def test_each_actor_gets_the_device_of_its_slot(
         trainer_ids, engine_ids = _gpu_ids(started)
         assert trainer_ids == ["0"]
         assert engine_ids == (["0"] if colocated else [])
-        # The sidecar, as `WeightSyncActors.start_sidecars` places it beside that engine.
-        node = str(ray.get_runtime_context().get_node_id())
-        device = sidecar_device(",".join(engine_ids), devices.sync_on_gpu)
+        # The sidecar, placed as `WeightSyncActors.start_sidecars` places it from what the
+        # engine reports of itself.
+        locality = {"node_id": str(ray.get_runtime_context().get_node_id()),
+                    "cuda_visible_devices": ",".join(engine_ids)}
+        device, options = sidecar_placement(pg, layout.engine_slots[0], locality,
+                                            devices.sync_on_gpu)
         assert device == ("cuda:0" if colocated else "cpu")
-        started.append(holder.options(**sidecar_options(
-            pg, layout.engine_slots[0], node, on_gpu=device != "cpu")).remote())
+        started.append(holder.options(**options).remote())
         assert _gpu_ids(started[-1:]) == [engine_ids]
     finally:
         for handle in started:

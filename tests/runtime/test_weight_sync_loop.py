@@ -30,9 +30,10 @@ STEPS = 3
 
 
 @contextmanager
-def local_ray(env: dict[str, str]) -> Iterator[None]:
-    # Every worker (the sidecars among them) installs the faults `env` asks for.
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+def local_ray(env: dict[str, str], num_gpus: int | None = None) -> Iterator[None]:
+    """Ray on this machine (`num_gpus`: how many GPUs it may hand out; None: all it finds).
+    Every worker (the sidecars among them) installs the faults `env` asks for."""
+    ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {**worker_env(), **env},
                           "worker_process_setup_hook": SETUP_HOOK})
     try:

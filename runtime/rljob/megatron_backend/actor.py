@@ -16,7 +16,6 @@ over several GPUs is fine). Checkpoints are Megatron distributed checkpoints in 
 
 from __future__ import annotations
 
-import copy
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,6 @@ from transformers import AutoModelForCausalLM
 
 from rljob import worker_metrics
 from rljob.engine.tensor_payload import NamedTensors
-from rljob.megatron_backend.model import build_model, load_hf_weights
 from rljob.megatron_backend.shape import ModelShape
 from rljob.megatron_backend.training import (
     MegatronTrainer,
@@ -126,15 +124,8 @@ class MegatronTrainerActor(TrainerActor):
                 temperature=self.spec.rollout.sampling.temperature),
             megatron_args=self.spec.trainer.megatron_args,
         )
-        # The reference policy: the initial weights, frozen, same forward as the policy
-        # (forward only: no gradient hooks in its config).
-        ref_config = copy.copy(self.trainer.config)
-        ref_config.no_sync_func = None
-        ref_config.finalize_model_grads_func = None
-        reference = build_model(shape, ref_config)
-        reference = reference.to(device="cuda", dtype=dtype)
-        load_hf_weights(reference, weights, shape)
-        self.reference = reference.eval().requires_grad_(False)
+        # The reference policy: the initial weights, frozen, same forward as the policy.
+        self.reference = self.trainer.frozen_copy(weights)
         del hf, weights
         self.metrics_port = worker_metrics.serve()
 

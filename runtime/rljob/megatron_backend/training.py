@@ -12,6 +12,7 @@ gradient.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -134,6 +135,7 @@ class MegatronTrainer:
             },
         )
         self.shape = shape
+        self.dtype = dtype
         self.loss_config = loss
         self.config = transformer_config(
             shape, dtype, {"calculate_per_token_loss": True, **routed["transformer"]}
@@ -180,6 +182,18 @@ class MegatronTrainer:
             group["lr"] = opt_config.lr
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
+
+    def frozen_copy(self, hf_weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        """A forward-only GPTModel of this trainer's shape, config and dtype holding
+        `hf_weights` (the frozen reference policy): no gradient hooks, no optimizer."""
+        config = copy.copy(self.config)
+        config.no_sync_func = None
+        config.finalize_model_grads_func = None
+        model: torch.nn.Module = build_model(self.shape, config).to(device="cuda",
+                                                                    dtype=self.dtype)
+        load_hf_weights(model, hf_weights, self.shape)
+        model.eval().requires_grad_(False)
+        return model
 
     # -- forward ---------------------------------------------------------------------------
 

@@ -137,6 +137,16 @@ def sidecar_device(engine_cuda_visible: str, sync_on_gpu: bool) -> str:
     return "cuda:0" if sync_on_gpu and engine_cuda_visible else "cpu"
 
 
+def sidecar_placement(
+    pg: PlacementGroup, slot: int, locality: dict[str, str], sync_on_gpu: bool
+) -> tuple[str, dict[str, Any]]:
+    """The device the sidecar of an engine stages on, and the Ray options that start it
+    there: `slot` is the engine's first slot, `locality` what the engine reports of itself
+    (`node_id`, `cuda_visible_devices`)."""
+    device = sidecar_device(locality["cuda_visible_devices"], sync_on_gpu)
+    return device, sidecar_options(pg, slot, locality["node_id"], on_gpu=device != "cpu")
+
+
 class WeightSyncActors:
     """The store actor and (for local runs) the sidecar actors of one driver."""
 
@@ -165,7 +175,7 @@ class WeightSyncActors:
         sync_on_gpu: bool,
     ) -> None:
         """One sidecar per engine, named `engine-<i>` (not on pods): on the engine's node,
-        and when it stages on its GPU engine's GPU (`sidecar_device`) in the bundle of the
+        and when it stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the
         engine's first slot (`placement`: the group and each engine's first slot) holding a
         share of that GPU."""
         if self.settings.pod_sidecars:
@@ -174,8 +184,7 @@ class WeightSyncActors:
         cls = ray.remote(SidecarActor)
         pg, slots = placement
         for i, (url, loc, slot) in enumerate(zip(urls, where, slots, strict=True)):
-            device = sidecar_device(loc["cuda_visible_devices"], sync_on_gpu)
-            on_gpu = device != "cpu"
+            device, options = sidecar_placement(pg, slot, loc, sync_on_gpu)
             config = SidecarConfig(
                 engine_name=f"engine-{i}",
                 engine_url=url,
@@ -186,8 +195,7 @@ class WeightSyncActors:
                 advertise_host="127.0.0.1" if loopback else "",
                 device=device,
             )
-            self.sidecars.append(cls.options(**sidecar_options(pg, slot, loc["node_id"], on_gpu))
-                                 .remote(config))
+            self.sidecars.append(cls.options(**options).remote(config))
 
     def health(self) -> list[dict[str, Any]]:
         """Each local sidecar's `/health` answer (empty when the pods run them)."""

@@ -1,0 +1,53 @@
+"""A trainer on the GPU beside `hf` engines on the CPU, on one machine: the layout a one-GPU
+machine gets when the trainer takes the GPU and no GPU is left for the engines.
+
+Weights then leave the GPU for a gloo group staged on the CPU (an NCCL group refuses a member
+on the CPU). The job runs the way `rljob run` does; the engines must end bit-equal to the
+trainer's GPU weights, serving the last version.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rljob.cluster import RunOptions
+from rljob.driver import Job
+from rljob.engine.client import EngineClient
+from rljob.exit_codes import OK as EXIT_OK
+from rljob.placement import Devices
+from tests.runtime.conftest import RecordingReporter
+from tests.runtime.jobs import job_spec
+from tests.runtime.test_weight_sync_loop import engine_weights, local_ray
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+STEPS = 2
+
+
+def test_a_gpu_trainer_feeds_cpu_engines_over_gloo(tmp_path: Path) -> None:
+    # Ray hands out one GPU: the trainer takes it and the engines find none left.
+    spec = job_spec(tmp_path, {"trainer": {"gpusPerReplica": 1},
+                               "algorithm": {"totalSteps": STEPS},
+                               "checkpoint": {"interval": STEPS}})
+    with local_ray({}, num_gpus=1):
+        job = Job("job", spec, RunOptions(tmp_path / "w"), RecordingReporter())
+        try:
+            assert job.run() == EXIT_OK
+            assert job.workers.devices == Devices(trainer_gpu=True, engine_gpu=False)
+            trainer = dict(ray.get(job.workers.trainers.rank0.named_weights.remote()))
+            assert {t.device.type for t in trainer.values()} == {"cuda"}
+            on_cpu = {n: t.cpu() for n, t in trainer.items()}
+            for url in job.workers.urls:
+                got = engine_weights(url, on_cpu)
+                differing = [n for n, t in on_cpu.items() if not torch.equal(got[n], t)]
+                assert not differing, f"engine {url} differs from the trainer in {differing}"
+                assert EngineClient(url).weight_version() == str(STEPS)
+        finally:
+            job.shutdown(EXIT_OK)
