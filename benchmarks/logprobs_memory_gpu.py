@@ -27,8 +27,8 @@ Methods:
 `--idle` times each phase of one forward+backward (CUDA events, host issue time), reads one
 profiled call's kernel timeline (kernel time, busy time, the GPU's idle gaps between kernels
 and where the largest lie) and prints the host's first steps of one fused call. `--variants`
-times the backward's logit pieces (`_GRAD_Z_PARTS`) in shuffled rounds beside the naive path,
-then ours beside `--baseline FILE` (another copy of `logprobs_fused.py`, say the last
+times the cuBLAS path's backward logit pieces (`_GRAD_Z_PARTS`) in shuffled rounds beside the
+naive path, then ours beside `--baseline FILE` (another copy of `logprobs_fused.py`, say the last
 commit's). `--set NAME=VALUE` sets a knob of `rljob.logprobs_fused` for the whole run.
 
 Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep] [--idle] [--variants]
@@ -37,6 +37,7 @@ Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep] [--idle] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,23 @@ def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
     return fused_logprobs(h, w, t, with_entropy=True)
 
 
-def fused_cublas(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
-    """The fused function with the TMA kernels off (the call's backward follows its forward)."""
+@contextlib.contextmanager
+def cublas_path() -> Iterator[None]:
+    """`rljob.logprobs_fused` with the TMA kernels off inside (a call's backward follows
+    the path of its forward)."""
     import rljob.logprobs_fused as lf
 
     kept, lf._USE_TMA = lf._USE_TMA, False
     try:
-        return fused_logprobs(h, w, t)
+        yield
     finally:
         lf._USE_TMA = kept
+
+
+def fused_cublas(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
+    """The fused function with the TMA kernels off."""
+    with cublas_path():
+        return fused_logprobs(h, w, t)
 
 
 
@@ -417,17 +426,20 @@ def variants(
         return run
 
     def fwd_bwd(mod: Any, ent: bool, parts: int | None = None) -> Callable[[], object]:
+        """`parts` set: the cuBLAS path (the only one with logit pieces) with that many."""
         def run() -> object:
             old = lf._GRAD_Z_PARTS
             lf._GRAD_Z_PARTS = parts or old
+            path = cublas_path() if parts is not None else contextlib.nullcontext()
             try:
-                hl.grad, wl.grad = None, None
-                lp, e = mod.fused_logprobs(hl, wl, t, with_entropy=ent)
-                if ent:
-                    torch.autograd.backward((lp, e), (g, g_ent))
-                else:
-                    torch.autograd.backward(lp, g)
-                return lp
+                with path:
+                    hl.grad, wl.grad = None, None
+                    lp, e = mod.fused_logprobs(hl, wl, t, with_entropy=ent)
+                    if ent:
+                        torch.autograd.backward((lp, e), (g, g_ent))
+                    else:
+                        torch.autograd.backward(lp, g)
+                    return lp
             finally:
                 lf._GRAD_Z_PARTS = old
         return run
@@ -506,8 +518,14 @@ def load_module(path: Path) -> Any:
 
 
 def sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, repeat: int) -> None:
-    """Forward time over `_STATS_SPLIT`, forward+backward time and peak over `_GRAD_Z_PARTS`;
-    the module's defaults are restored afterwards."""
+    """The cuBLAS path's forward time over `_STATS_SPLIT`, forward+backward time and peak
+    over `_GRAD_Z_PARTS`; the module's defaults are restored afterwards."""
+    with cublas_path():
+        _sweep(h, w, t, g, repeat)
+
+
+def _sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor,
+           repeat: int) -> None:
     import rljob.logprobs_fused as lf
 
     defaults = (lf._STATS_SPLIT, lf._GRAD_Z_PARTS, lf._STATS_BLOCK_M, lf._STATS_WARPS)

@@ -1,6 +1,7 @@
 # Triton kernels take untyped pointer and block arguments (their annotations drive Triton).
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
-"""Token log-probs and entropy from hidden states on CUDA: cuBLAS matmuls, Triton epilogues.
+"""Token log-probs and entropy from hidden states on CUDA: the logits matmul fused with its
+epilogue on Hopper (`rljob.logprobs_tma`), cuBLAS matmuls and Triton passes elsewhere.
 
 The tiled torch function (`rljob.logprobs_vocab_parallel`) is exact and lean but slow: after
 each logits matmul it makes about ten elementwise passes over an fp32 `[tokens x chunk]` tile
@@ -42,6 +43,7 @@ uses it only for CUDA tensors.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -53,11 +55,13 @@ from rljob import logprobs_tma
 from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge
 
 DEFAULT_CHUNK_BYTES = 1 << 27
-"""Working bytes of one vocabulary chunk (128 MiB): the forward's fp32 logits, or the
-backward's 16-bit logit gradient plus the fp32 logits of one of its pieces. At 11,600 tokens
-that is 2,816 columns forward and 3,840 backward (five pieces of 768); with the returned
-gradients (1.25 GiB for a 152k x 4,096 head) and the fp32 hidden-state gradient the backward
-peak stays under 1.5 GiB (1.453 measured)."""
+"""Working bytes of one vocabulary chunk (128 MiB). TMA path: the forward's partial
+statistics of one launch (the whole 151,936 vocabulary at 11,600 tokens) and the backward's
+16-bit logit gradient (5,632 columns); cuBLAS path: the forward's fp32 logits (2,816 columns)
+or the backward's 16-bit logit gradient plus the fp32 logits of one of its pieces (3,840
+columns, five pieces of 768). With the returned gradients (1.25 GiB for a 152k x 4,096 head)
+and the fp32 hidden-state gradient the backward peak stays under 1.5 GiB (1.462 and 1.454
+measured on an H200)."""
 
 _STATS_BLOCK_M = 8
 _STATS_BLOCK_N = 256
@@ -201,12 +205,12 @@ def _stats(
     hidden: torch.Tensor, weight: torch.Tensor, local_targets: torch.Tensor, inv_t: float,
     with_entropy: bool, chunk_bytes: int, tma: bool,
 ) -> Stats:
-    """Per-token statistics of this rank's vocabulary, one fp32 logits chunk at a time.
-
-    Each chunk is split into `_STATS_SPLIT`-column pieces across programs (enough of them to
-    keep the reads in flight), whose partial statistics are merged once at the end."""
+    """Per-token statistics of this rank's vocabulary: TMA launches over ranges of it
+    (`tma`), merged one after another; else one fp32 logits chunk at a time, each split into
+    `_STATS_SPLIT`-column pieces across programs (enough of them to keep the reads in
+    flight), whose partial statistics are merged once at the end."""
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
-    cols = (logprobs_tma.range_columns(n_tokens, chunk_bytes) if tma
+    cols = (logprobs_tma.range_columns(n_tokens, v_local, chunk_bytes) if tma
             else chunk_columns(n_tokens, 4, chunk_bytes))
     starts = list(range(0, v_local if n_tokens else 0, cols))
     if not starts:
@@ -258,15 +262,17 @@ def _grads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 hidden-state gradient and 16-bit weight gradient, one vocabulary chunk at a time.
 
-    A chunk's 16-bit logit gradient is filled `_GRAD_Z_PARTS` column pieces at a time from
-    fp32 logits of one piece, so for the same working bytes the chunk is wider (more columns
-    per fp32-accumulating hidden-gradient matmul, fewer passes over that accumulator)."""
+    A chunk's 16-bit logit gradient comes from one TMA launch (`tma`), or is filled
+    `_GRAD_Z_PARTS` column pieces at a time from fp32 logits of one piece, so for the same
+    working bytes the chunk is wider (more columns per fp32-accumulating hidden-gradient
+    matmul, fewer passes over that accumulator)."""
     n_tokens, v_local = hidden.shape[0], weight.shape[0]
     parts = _GRAD_Z_PARTS
     # Per piece column: `parts` columns of the 16-bit gradient plus one of fp32 logits (with
     # TMA, the 16-bit gradient alone).
     sub = chunk_columns(n_tokens, 4 + parts * weight.element_size(), chunk_bytes)
-    cols = chunk_columns(n_tokens, weight.element_size(), chunk_bytes) if tma else sub * parts
+    cols = (logprobs_tma.grad_columns(n_tokens, weight.element_size(), chunk_bytes) if tma
+            else sub * parts)
     starts = range(0, v_local if n_tokens else 0, cols)
     # The first chunk's matmul overwrites the fp32 accumulator (beta = 0): no zero fill,
     # unless no chunk runs at all.
@@ -311,6 +317,26 @@ def _logit_grad_pieces(
     return g
 
 
+_TOLD: set[str] = set()
+
+
+def _say_why_not_tma(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Log once per process and reason why 16-bit inputs take the slower cuBLAS path, so a
+    misaligned or non-contiguous head is seen rather than silently slow."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return  # fp32 inputs: the TMA kernels would multiply in TF32; cuBLAS is the path
+    if not logprobs_tma.gpu_fits(hidden.device, hidden.element_size()):
+        why = f"{torch.cuda.get_device_name(hidden.device)} lacks TMA or its shared memory"
+    else:
+        why = (f"operands TMA cannot address (hidden {tuple(hidden.shape)} contiguous="
+               f"{hidden.is_contiguous()}, weight {tuple(weight.shape)} contiguous="
+               f"{weight.is_contiguous()}, dtypes {hidden.dtype}/{weight.dtype}, rows of a "
+               "multiple of 16 bytes and 16-byte alignment needed)")
+    if why not in _TOLD:
+        _TOLD.add(why)
+        logging.getLogger(__name__).warning("fused log-probs take the cuBLAS path: %s", why)
+
+
 class _FusedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -329,6 +355,8 @@ class _FusedLogProbs(torch.autograd.Function):
         local_targets = (targets - vocab_start).contiguous()
         # One choice of path per call, so the backward takes the forward's.
         tma = _USE_TMA and logprobs_tma.usable(hidden, weight)
+        if _USE_TMA and not tma:
+            _say_why_not_tma(hidden, weight)
         stats = _stats(hidden, weight, local_targets, inv_t, with_entropy, chunk_bytes, tma)
         res = finish(all_reduce_stats(stats, group))
         ctx.save_for_backward(hidden, weight, local_targets, res.lse, res.mean_logit)

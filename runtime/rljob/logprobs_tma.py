@@ -27,13 +27,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rljob.logprobs_stats import Stats
-
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # Triton before 3.4: no host-side TMA descriptors
-    TensorDescriptor = None
 
 BLOCK_M = 128
 BLOCK_N = 256
@@ -46,14 +42,27 @@ three stages and eight warps, warp-specialised, took 21.1 ms; without warp speci
 21.5, 128 x 128 tiles 22.8-22.9, 64 x 256 25.8, and four warps 167."""
 
 
+def shared_memory_bytes(element_size: int) -> int:
+    """Shared memory the kernels' pipeline holds: STAGES tiles of both operands."""
+    return STAGES * (BLOCK_M + BLOCK_N) * BLOCK_K * element_size
+
+
+def gpu_fits(device: torch.device, element_size: int = 2) -> bool:
+    """Whether this GPU runs the kernels: TMA (compute capability 9.0 or later) and room for
+    their shared memory (a GPU of capability 12, with about 99 KiB a block, has not)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major >= 9 and props.shared_memory_per_block_optin >= shared_memory_bytes(
+        element_size)
+
+
 def usable(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the TMA kernels can take these operands: 16-bit, on a GPU of compute
-    capability 9.0 or later, contiguous rows of a multiple of 16 bytes, 16-byte aligned."""
-    if TensorDescriptor is None or not hidden.is_cuda:
+    """Whether the TMA kernels can take these operands: 16-bit, on a GPU that fits them
+    (`gpu_fits`), contiguous rows of a multiple of 16 bytes, 16-byte aligned."""
+    if not hidden.is_cuda:
         return False
     if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
         return False
-    if torch.cuda.get_device_capability(hidden.device)[0] < 9:
+    if not gpu_fits(hidden.device, hidden.element_size()):
         return False
     k = hidden.shape[1]
     return (
@@ -207,11 +216,21 @@ def _grid(n_rows: int, n_cols: int, sms: int) -> tuple[int]:
     return (max(1, min(sms, triton.cdiv(n_rows, BLOCK_M) * triton.cdiv(n_cols, BLOCK_N))),)
 
 
-def range_columns(n_tokens: int, chunk_bytes: int) -> int:
+def range_columns(n_tokens: int, vocab: int, chunk_bytes: int) -> int:
     """Vocabulary columns per forward launch: whole tiles whose partial statistics (16 bytes
-    a token a tile) fit `chunk_bytes`, at least one tile."""
-    tiles = max(1, chunk_bytes // max(1, 16 * n_tokens))
-    return tiles * BLOCK_N
+    a token a tile) fit `chunk_bytes`, at least one tile, the tiles spread evenly over the
+    launches (no short last launch that reads all the hidden states for a few columns)."""
+    most = max(1, chunk_bytes // max(1, 16 * n_tokens))
+    tiles = triton.cdiv(vocab, BLOCK_N)
+    launches = triton.cdiv(tiles, most)
+    return int(triton.cdiv(tiles, launches)) * BLOCK_N
+
+
+def grad_columns(n_tokens: int, element_size: int, chunk_bytes: int) -> int:
+    """Vocabulary columns per backward chunk: as many 16-bit logit-gradient columns as fit
+    `chunk_bytes`, whole tiles once one fits (a part-empty last tile wastes its matmul)."""
+    cols = max(1, chunk_bytes // max(1, element_size * n_tokens))
+    return cols - cols % BLOCK_N if cols >= BLOCK_N else cols
 
 
 def stats(
@@ -230,7 +249,14 @@ def stats(
         WITH_ENTROPY=with_entropy, NUM_SMS=sms, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_stages=STAGES, num_warps=WARPS,
     )
-    out = torch.empty(4, n_tokens, dtype=torch.float32, device=hidden.device)
+    return merge_partials(part.view(tiles, 4, n_tokens))
+
+
+def merge_partials(part: torch.Tensor) -> Stats:
+    """Fold contiguous partial statistics `[tiles, 4, tokens]` (each tile's over at least one
+    column) into each token's, on the GPU."""
+    tiles, _, n_tokens = part.shape
+    out = torch.empty(4, n_tokens, dtype=torch.float32, device=part.device)
     _merge_kernel[(triton.cdiv(n_tokens, _MERGE_BLOCK),)](
         part, tiles, n_tokens, out, BLOCK=_MERGE_BLOCK)
     return Stats(*out.unbind(0))

@@ -227,8 +227,9 @@ def token_logprobs(
     """`vocab_parallel_logprobs`, on CUDA through the fused kernels of `rljob.logprobs_fused`.
 
     The trainers call this. CUDA tensors take the fused path (same values to fp32 rounding,
-    about 3x faster: cuBLAS matmuls with Triton epilogues); CPU tensors, or a CUDA machine
-    without Triton, take the tiled torch function above, which stays the reference.
+    about 3x faster: on Hopper the logits matmul fused with its epilogue, elsewhere cuBLAS
+    matmuls with Triton passes); CPU tensors, or a CUDA machine without Triton, take the
+    tiled torch function above, which stays the reference.
     """
     _check_args(hidden, weight, targets, temperature)
     if hidden.is_cuda and importlib.util.find_spec("triton") is not None:

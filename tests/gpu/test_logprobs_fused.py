@@ -10,6 +10,7 @@ import importlib.util
 import os
 import socket
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,25 +45,43 @@ def _exact_fp32_matmuls() -> None:
 
 
 def _tma_runs() -> bool:
-    """Whether `rljob.logprobs_tma` serves bf16 inputs on this machine (Hopper or later)."""
+    """Whether `rljob.logprobs_tma` can run on this GPU (Hopper or later, with the shared
+    memory its pipeline holds)."""
     if not HAS_CUDA:
         return False
     from rljob import logprobs_tma
 
-    probe = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEVICE)
-    return logprobs_tma.usable(probe, probe)
+    return logprobs_tma.gpu_fits(torch.device(DEVICE))
 
 
 @pytest.fixture(params=["tma", "cublas"])
-def logits_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def logits_path(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
     """Each 16-bit case on both logits paths: the TMA kernels with their epilogues in
-    registers (skipped where they cannot run) and cuBLAS logits with a Triton pass."""
+    registers (skipped on GPUs that cannot run them) and cuBLAS logits with a Triton pass.
+    The test fails if the path it names did not run, forward and backward."""
     import rljob.logprobs_fused as lf
+    from rljob import logprobs_tma
 
-    if request.param == "tma" and not _tma_runs():
+    tma = request.param == "tma"
+    if tma and not _tma_runs():
         pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
-    monkeypatch.setattr(lf, "_USE_TMA", request.param == "tma")
-    return str(request.param)
+    monkeypatch.setattr(lf, "_USE_TMA", tma)
+    calls: list[str] = []
+    for name in ("stats", "logit_grad"):
+        real = getattr(logprobs_tma, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(logprobs_tma, name, spy)
+    yield str(request.param)
+    if tma:
+        assert {"stats", "logit_grad"} <= set(calls), f"the TMA path did not run: {calls}"
+    else:
+        assert not calls, f"the TMA path ran with _USE_TMA off: {calls}"
 
 
 def _inputs(
@@ -142,18 +161,22 @@ def _run(
 
 
 # (tokens, vocab, hidden, temperature, entropy, chunk bytes): vocabularies that no tile divides,
-# one token, temperatures either side of 1, chunks so small that the vocabulary takes many
+# hidden sizes over several K tiles of the matmul (200: a ragged last one), one token,
+# temperatures either side of 1, chunks so small that the vocabulary takes many
 # ragged chunks (the running statistics cross chunk boundaries), and more tokens than the
 # kernels' row blocks divide.
 SHAPES = [
     (37, 1000, 64, 1.0, True, None),
+    (300, 2053, 200, 1.0, True, None),
+    (257, 3001, 1024, 0.9, False, None),
     (1, 517, 32, 1.0, True, None),
     (19, 777, 48, 0.7, True, 19 * 4 * 100),
     (23, 1301, 40, 1.3, False, 23 * 6 * 300),
     (300, 2053, 64, 0.9, True, 300 * 6 * 257),
     (1100, 300, 32, 1.0, True, None),
 ]
-IDS = ["v1000", "one-token", "t0.7-chunks", "t1.3-logp-only", "ragged-chunks", "row-groups"]
+IDS = ["v1000", "hidden200-ragged-k", "hidden1024", "one-token", "t0.7-chunks",
+       "t1.3-logp-only", "ragged-chunks", "row-groups"]
 
 
 @pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"), SHAPES, ids=IDS)
@@ -185,6 +208,22 @@ def test_bf16_inputs_match_float64(
         torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
     for key in ("gh", "gw"):
         floor = _rel(ref[key].to(torch.bfloat16), ref[key])
+        assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
+
+
+@pytest.mark.parametrize(("n", "v", "h", "temp", "ent", "chunk"),
+                         [SHAPES[1], SHAPES[3]], ids=[IDS[1], IDS[3]])
+def test_fp16_inputs_match_float64(
+    n: int, v: int, h: int, temp: float, ent: bool, chunk: int | None, logits_path: str
+) -> None:
+    """fp16 inputs take the same paths as bf16 ones, with fp16's finer rounding."""
+    ours, ref = _run(n, v, h, dtype=torch.float16, temperature=temp, with_entropy=ent,
+                     chunk_bytes=chunk)
+    torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=2e-5, rtol=0)
+    if ent:
+        torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
+    for key in ("gh", "gw"):
+        floor = _rel(ref[key].to(torch.float16), ref[key])
         assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
 
 
@@ -228,8 +267,8 @@ def test_backward_ignores_stale_memory(logits_path: str) -> None:
 @pytest.mark.parametrize("ent", [True, False])
 def test_tma_forward_ranges_merge(ent: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Partial statistics bounded to one tile of columns per launch: the vocabulary takes nine
-    launches (the last ragged) whose statistics merge, and the backward's chunks are as
-    narrow; the TMA path must really run (its kernels are what is checked)."""
+    launches (the last ragged) whose statistics merge, and the backward's chunks are 8
+    columns (narrower than one tile); the TMA path must really run."""
     if not _tma_runs():
         pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
     from rljob import logprobs_tma
@@ -237,7 +276,7 @@ def test_tma_forward_ranges_merge(ent: bool, monkeypatch: pytest.MonkeyPatch) ->
     launches: list[int] = []
     real = logprobs_tma.stats
 
-    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         launches.append(1)
         return real(*args, **kwargs)
 
@@ -254,12 +293,40 @@ def test_tma_forward_ranges_merge(ent: bool, monkeypatch: pytest.MonkeyPatch) ->
         assert _rel(ours[key], ref[key]) < 3 * floor + 1e-4, key
 
 
+def test_merge_kernel_agrees_with_the_statistics_algebra() -> None:
+    """`logprobs_tma.merge_partials` folds per-tile statistics as `logprobs_stats.merge` does
+    pairwise (maxima far apart, a tile whose sums underflow beside the others)."""
+    if not _tma_runs():
+        pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
+    from rljob import logprobs_tma
+    from rljob.logprobs_stats import Stats, merge
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    tiles, n = 7, 300
+    m = torch.randn(tiles, n, generator=g, device=DEVICE) * 30
+    m[3] -= 200.0  # a tile far below the others: its terms vanish
+    s = torch.rand(tiles, n, generator=g, device=DEVICE) * 50 + 1
+    sz = torch.randn(tiles, n, generator=g, device=DEVICE) * 5
+    tz = torch.zeros(tiles, n, device=DEVICE)
+    tz[torch.randint(0, tiles, (n,), generator=g, device=DEVICE), torch.arange(n)] = 1.5
+    got = logprobs_tma.merge_partials(torch.stack([m, s, sz, tz], dim=1).contiguous())
+    want = Stats(m[0], s[0], sz[0], tz[0])
+    for j in range(1, tiles):
+        want = merge(want, Stats(m[j], s[j], sz[j], tz[j]))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @too_large_for_interpreter
 def test_tokens_times_vocab_over_2_pow_31(logits_path: str) -> None:
     """16,500 tokens x 131,075 columns = 2.16e9 logits: no index may wrap at 32 bits."""
     n, v = 16_500, 131_075
     assert n * v > 2**31
-    ours, ref = _run(n, v, 32, dtype=torch.bfloat16, temperature=1.0, with_entropy=True)
+    # On the TMA path a chunk of 8 GiB makes the backward's logit gradient one buffer of all
+    # 2.16e9 elements, so its offsets pass 2^31 too.
+    chunk = 1 << 33 if logits_path == "tma" else None
+    ours, ref = _run(n, v, 32, dtype=torch.bfloat16, temperature=1.0, with_entropy=True,
+                     chunk_bytes=chunk)
     torch.testing.assert_close(ours["lp"].double(), ref["lp"], atol=5e-5, rtol=0)
     torch.testing.assert_close(ours["ent"].double(), ref["ent"], atol=5e-5, rtol=0)
     for key in ("gh", "gw"):
@@ -345,19 +412,26 @@ def _graph(fn: Any) -> list[Any]:
     return seen
 
 
-def _shard_worker(rank: int, world: int, port: int, path: str) -> None:
+def _shard_worker(rank: int, world: int, port: int, path: str, dtype_name: str,
+                  tma: bool) -> None:
     try:
+        import rljob.logprobs_fused as lf
+        from rljob import logprobs_tma
         from rljob.logprobs_fused import fused_logprobs
 
+        lf._USE_TMA = tma
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         # gloo reduces CUDA tensors too: two ranks can share the one GPU.
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, torch.float32, 5)
+        hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, getattr(torch, dtype_name),
+                                                       5)
         # Uneven shards, as when padding rows are cut from the last one.
         bounds = [0, 611, 1003]
         lo, hi = bounds[rank], bounds[rank + 1]
         h = hidden.clone().requires_grad_(True)
         w = weight[lo:hi].clone().requires_grad_(True)
+        if tma:
+            assert logprobs_tma.usable(h, w), "the TMA path would not run"
         lp, ent = fused_logprobs(
             h, w, targets, vocab_start=lo, temperature=0.8, with_entropy=True,
             group=dist.group.WORLD, chunk_bytes=29 * 6 * 200,
@@ -383,16 +457,33 @@ def _free_port() -> int:
         return port
 
 
-def test_vocab_shards_over_two_ranks_match_float64(tmp_path: Any) -> None:
+@pytest.mark.parametrize(("dtype_name", "path_name"),
+                         [("float32", "cublas"), ("bfloat16", "cublas"), ("bfloat16", "tma")])
+def test_vocab_shards_over_two_ranks_match_float64(
+    tmp_path: Any, dtype_name: str, path_name: str
+) -> None:
+    """Two ranks, each holding an uneven vocabulary shard (the second starting at 611, so
+    its local targets run negative), on each path; fp32 to fp32 rounding, bf16 within its
+    rounding floor."""
+    tma = path_name == "tma"
+    if tma and not _tma_runs():
+        pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
     path = str(tmp_path / "out")
     mp.start_processes(  # type: ignore[attr-defined, no-untyped-call]
-        _shard_worker, args=(2, _free_port(), path), nprocs=2, start_method="spawn"
+        _shard_worker, args=(2, _free_port(), path, dtype_name, tma), nprocs=2,
+        start_method="spawn"
     )
-    hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, torch.float32, 5)
+    dtype = getattr(torch, dtype_name)
+    hidden, weight, targets, g_lp, g_ent = _inputs(29, 1003, 40, dtype, 5)
     ref = _reference(hidden, weight, targets, g_lp, g_ent, 0.8)
     outs = [torch.load(f"{path}.{r}") for r in range(2)]
+    exact = dtype == torch.float32
     for out in outs:
         torch.testing.assert_close(out["lp"].double(), ref["lp"].cpu(), atol=2e-5, rtol=0)
-        torch.testing.assert_close(out["ent"].double(), ref["ent"].cpu(), atol=2e-5, rtol=0)
-        assert _rel(out["gh"], ref["gh"].cpu()) < 1e-5
-    assert _rel(torch.cat([o["gw"] for o in outs]), ref["gw"].cpu()) < 1e-5
+        torch.testing.assert_close(out["ent"].double(), ref["ent"].cpu(),
+                                   atol=2e-5 if exact else 5e-5, rtol=0)
+    for key, got in (("gh", outs[0]["gh"]), ("gh", outs[1]["gh"]),
+                     ("gw", torch.cat([o["gw"] for o in outs]))):
+        want = ref[key].cpu()
+        bound = 1e-5 if exact else 3 * _rel(want.to(dtype), want) + 1e-4
+        assert _rel(got, want) < bound, key
