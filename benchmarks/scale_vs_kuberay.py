@@ -132,6 +132,9 @@ class Seen:
     driver_running: dict[str, float] = field(default_factory=dict)
     gone: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) deleted
     drivers: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # uid, added
+    # Ray pods' first sighting and first sighting bound to a node: (ns, pod) → (cluster, at)
+    added: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    bound: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def on_cluster(self, obj: dict[str, Any], at: float) -> None:
         meta = obj["metadata"]
@@ -165,12 +168,28 @@ class Seen:
                 if (obj.get("status") or {}).get("phase") == "Running":
                     self.driver_running.setdefault(job, at)
                 return
-            if (obj.get("status") or {}).get("phase") != "Running":
-                return
             cluster = labels.get("ray.io/cluster")
             if cluster is None:
                 return
-            self.running.setdefault((ns, cluster), {}).setdefault(name, at)
+            self.added.setdefault((ns, name), (cluster, at))
+            if (obj.get("spec") or {}).get("nodeName"):
+                self.bound.setdefault((ns, name), at)
+            if (obj.get("status") or {}).get("phase") == "Running":
+                self.running.setdefault((ns, cluster), {}).setdefault(name, at)
+
+    def replacement(self, ns: str, job: str, after: float) -> tuple[float, float, float] | None:
+        """When the first Ray pod of `job` made after `after` was seen, seen bound and seen
+        Running (None: not all three seen)."""
+        with self.lock:
+            made = sorted((at, pod) for (n, pod), (c, at) in self.added.items()
+                          if n == ns and at > after and self.cluster_job.get((n, c)) == job)
+            if not made:
+                return None
+            at, pod = made[0]
+            cluster = self.added[(ns, pod)][0]
+            bound = self.bound.get((ns, pod))
+            running = self.running.get((ns, cluster), {}).get(pod)
+        return None if bound is None or running is None else (at, bound, running)
 
     def all_running(self, ns: str, job: str, want: int) -> float | None:
         """When the job's RayCluster had `want` pods Running (None: not yet)."""
@@ -218,6 +237,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=50, help="RLJobs, and as many RayJobs")
     p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="kwok nodes (default: a quarter more GPUs than both halves ask for); "
+                   "more to see what the node count alone costs")
     p.add_argument("--interval", type=float, default=10.0, help="operator resync, s")
     p.add_argument("--idle-seconds", type=float, default=60.0)
     p.add_argument("--failures", type=int, default=20, help="RLJobs whose trainer is killed")
@@ -229,7 +251,7 @@ def main() -> int:
     n: int = args.jobs
     # A quarter more GPUs than both halves ask for: an 8-GPU trainer needs a whole node, and
     # once 2-GPU engines are spread over every node the last trainers would find none.
-    nodes = -(-2 * n * GPUS_PER_JOB * 5 // (4 * args.gpus_per_node))
+    nodes = max(args.nodes or 0, -(-2 * n * GPUS_PER_JOB * 5 // (4 * args.gpus_per_node)))
 
     from kubernetes import client, config
 
@@ -440,10 +462,26 @@ def main() -> int:
                 return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
 
         operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]
+        # Where the time before "ready again" goes: KubeRay's new pod, its binding by the
+        # scheduler, kwok's Running; and the old driver pod's deletion.
+        parts: dict[str, list[float]] = {"created": [], "bound": [], "running": [],
+                                         "driver": []}
+        for j in victims:
+            gone = seen.gone[(RLJOB_NS, killed[j])]
+            made = seen.replacement(RLJOB_NS, j, kill_at)
+            if made is not None:
+                parts["created"].append(made[0] - gone)
+                parts["bound"].append(made[1] - made[0])
+                parts["running"].append(made[2] - made[1])
+            parts["driver"].append(seen.gone[(RLJOB_NS, names.driver_name(j))] - gone)
         stop.set()
 
         print(stats_line("failure: pod seen gone → new driver", failure_lat))
         print(stats_line("  of it the operator's: ready again → new driver", operator_lat))
+        print(stats_line("  pod seen gone → KubeRay's new pod seen", parts["created"]))
+        print(stats_line("  new pod seen → seen bound (scheduler)", parts["bound"]))
+        print(stats_line("  seen bound → seen Running (kwok)", parts["running"]))
+        print(stats_line("  pod seen gone → old driver seen gone", parts["driver"]))
         if failure_lat and percentile(failure_lat, 95) >= 5.0:
             breaches.append(f"failure → new driver p95 {percentile(failure_lat, 95):.1f} s")
         api_client.close()
