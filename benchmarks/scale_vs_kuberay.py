@@ -39,6 +39,7 @@ or the failure → new driver p95 is 5 s or more.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -128,6 +129,7 @@ class Seen:
     lock: threading.Lock = field(default_factory=threading.Lock)
     cluster: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, job)
     cluster_job: dict[tuple[str, str], str] = field(default_factory=dict)  # (ns, rc) → job
+    job_clusters: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # the reverse
     running: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     driver_running: dict[str, float] = field(default_factory=dict)
     gone: dict[tuple[str, str], float] = field(default_factory=dict)  # (ns, pod) deleted
@@ -135,6 +137,9 @@ class Seen:
     # Ray pods' first sighting and first sighting bound to a node: (ns, pod) → (cluster, at)
     added: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     bound: dict[tuple[str, str], float] = field(default_factory=dict)
+    # Seconds from a pod's Ready time (the server's clock, whole seconds) to this script seeing
+    # it Running: how far behind its own watch was, and so how far to trust the figures.
+    lag: list[float] = field(default_factory=list)
 
     def on_cluster(self, obj: dict[str, Any], at: float) -> None:
         meta = obj["metadata"]
@@ -149,6 +154,7 @@ class Seen:
         with self.lock:
             self.cluster.setdefault((ns, job), at)
             self.cluster_job[(ns, meta["name"])] = job
+            self.job_clusters.setdefault((ns, job), set()).add(meta["name"])
 
     def on_pod(self, kind: str, obj: dict[str, Any], at: float) -> None:
         meta = obj["metadata"]
@@ -175,7 +181,12 @@ class Seen:
             if (obj.get("spec") or {}).get("nodeName"):
                 self.bound.setdefault((ns, name), at)
             if (obj.get("status") or {}).get("phase") == "Running":
-                self.running.setdefault((ns, cluster), {}).setdefault(name, at)
+                pods = self.running.setdefault((ns, cluster), {})
+                if name not in pods:
+                    pods[name] = at
+                    ready = ready_time(obj)
+                    if ready is not None:
+                        self.lag.append(time.time() - ready)
 
     def replacement(self, ns: str, job: str, after: float) -> tuple[float, float, float] | None:
         """When the first Ray pod of `job` made after `after` was seen, seen bound and seen
@@ -194,30 +205,60 @@ class Seen:
     def all_running(self, ns: str, job: str, want: int) -> float | None:
         """When the job's RayCluster had `want` pods Running (None: not yet)."""
         with self.lock:
-            clusters = [c for (n, c), j in self.cluster_job.items() if n == ns and j == job]
+            clusters = self.job_clusters.get((ns, job), set())
             times = sorted(t for c in clusters for t in self.running.get((ns, c), {}).values())
         return times[want - 1] if len(times) >= want else None
+
+
+def ready_time(pod: dict[str, Any]) -> float | None:
+    """When the pod's Ready condition last turned (epoch seconds), if it says."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready" and cond.get("lastTransitionTime"):
+            return datetime.fromisoformat(cond["lastTransitionTime"]).timestamp()
+    return None
 
 
 def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, Any], float],
                                                                   None],
                   stop: threading.Event, **kw: Any) -> None:
-    """Re-open the watch whenever it ends; each opening lists everything again as ADDED,
-    which the first-seen bookkeeping ignores."""
-    from kubernetes import watch
+    """Watch for as long as the run lasts, each re-opened watch resuming where the last one
+    ended. Events are parsed as JSON only: turning each into the client's model objects, and
+    listing everything again at every re-opening, made this script the slowest reader at
+    500 jobs; its watch then fell minutes behind, and the namespace listed last (the RLJobs')
+    was seen late. Only a watch too old to resume (410 Gone) lists again."""
+    from kubernetes.watch.watch import iter_resp_lines
 
+    version: str | None = None
     while not stop.is_set():
-        w = watch.Watch()
+        opts: dict[str, Any] = {"watch": True, "allow_watch_bookmarks": True,
+                                "timeout_seconds": 120, "_request_timeout": 150,
+                                "_preload_content": False, **kw}
+        if version is not None:
+            opts["resource_version"] = version
         try:
-            for event in w.stream(list_fn, timeout_seconds=120, _request_timeout=150, **kw):
-                handle(event["type"], event["raw_object"], time.monotonic())
-                if stop.is_set():
-                    break
-        except Exception as err:  # a dropped connection: open it again
-            if not stop.is_set():
+            resp = list_fn(**opts)
+            try:
+                for line in iter_resp_lines(resp):
+                    event = json.loads(line)
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        if obj.get("code") == 410:  # too old to resume: list again
+                            version = None
+                        else:
+                            print(f"  (watch reopened: {obj.get('message')})", flush=True)
+                        break
+                    version = (obj.get("metadata") or {}).get("resourceVersion") or version
+                    if event["type"] != "BOOKMARK":
+                        handle(event["type"], obj, time.monotonic())
+                    if stop.is_set():
+                        break
+            finally:
+                resp.release_conn()
+        except Exception as err:  # a dropped connection: open it again where it was
+            if getattr(err, "status", None) == 410:
+                version = None
+            elif not stop.is_set():
                 print(f"  (watch reopened: {type(err).__name__})", flush=True)
-        finally:
-            w.stop()
 
 
 def stats_line(label: str, values: list[float]) -> str:
@@ -381,6 +422,8 @@ def main() -> int:
             print(stats_line(f"{label} create → RayCluster created", cluster_lat[ns]))
             print(stats_line(f"{label} create → all Ray pods Running", pods_lat[ns]))
         print(stats_line("RLJob  create → driver pod Running", driver_lat))
+        with seen.lock:
+            print(stats_line("this script's watch lag (Running seen − pod Ready)", seen.lag))
         ratio = percentile(pods_lat[RLJOB_NS], 95) / percentile(pods_lat[RAYJOB_NS], 95)
         print(f"  p95 ratio RLJob/RayJob, create → pods Running   {ratio:6.2f}"
               f"   (target ≤ {args.max_ratio})")
