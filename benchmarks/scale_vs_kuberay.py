@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -261,6 +262,18 @@ def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, 
                 print(f"  (watch reopened: {type(err).__name__})", flush=True)
 
 
+def scheduling_failures(core: Any, ns: str) -> str:
+    """The scheduler's FailedScheduling events in `ns`: how many pods, how many attempts, and
+    the commonest reason (the node counts taken out, so that one reason reads as one)."""
+    events: Any = core.list_namespaced_event(ns, field_selector="reason=FailedScheduling")
+    pods = {e.involved_object.name for e in events.items}
+    attempts = sum(int(e.count or 1) for e in events.items)
+    reasons = Counter(re.sub(r"\d+", "N", (e.message or "").split(". preemption")[0])
+                      for e in events.items)
+    top = f"; commonest: {reasons.most_common(1)[0][0]}" if reasons else ""
+    return f"{len(pods)} pods, {attempts} attempts{top}"
+
+
 def stats_line(label: str, values: list[float]) -> str:
     if not values:
         return f"  {label:<40} (none)"
@@ -381,6 +394,7 @@ def main() -> int:
                  what="every RLJob's phase Running",
                  describe=lambda: f"not Running: {not_running()}")
         ramp_end = datetime.now(UTC)
+        turned_away = {ns: scheduling_failures(core, ns) for ns in (RLJOB_NS, RAYJOB_NS)}
         wall = max(done.values()) - t0
         ramp_op, ramp_ray = proc_stats(op_pid), proc_stats(ray_pid)
 
@@ -427,6 +441,8 @@ def main() -> int:
         ratio = percentile(pods_lat[RLJOB_NS], 95) / percentile(pods_lat[RAYJOB_NS], 95)
         print(f"  p95 ratio RLJob/RayJob, create → pods Running   {ratio:6.2f}"
               f"   (target ≤ {args.max_ratio})")
+        for label, ns in (("RLJob ", RLJOB_NS), ("RayJob", RAYJOB_NS)):
+            print(f"  {label} pods the scheduler turned away  {turned_away[ns]}")
         if ratio > args.max_ratio:
             breaches.append(f"p95 ratio {ratio:.2f} > {args.max_ratio}")
         print(f"  API requests / job during the ramp ({ramp_min * 60:.0f} s): RLJob "
@@ -434,6 +450,10 @@ def main() -> int:
               f"{requests_by(ramp_events, RLJOB_NS, OPERATOR_AGENTS) / n:.1f} + KubeRay "
               f"{requests_by(ramp_events, RLJOB_NS, (KUBERAY_AGENT,)) / n:.1f}), RayJob "
               f"{per_job(ramp_events, RAYJOB_NS, False):.1f}")
+        ramp_mine = Counter(describe_request(e) for e in ramp_events
+                            if (e.get("userAgent") or "").startswith(OPERATOR_AGENTS))
+        print("      operator's ramp requests / job: " + ", ".join(
+            f"{k} {v / n:.1f}" for k, v in ramp_mine.most_common(8)))
         op_idle = requests_by(idle_events, RLJOB_NS, OPERATOR_AGENTS) / n / idle_min
         ray_idle = requests_by(idle_events, RLJOB_NS, (KUBERAY_AGENT,)) / n / idle_min
         print(f"  API requests / job / min while idle ({idle_min * 60:.0f} s): RLJob "

@@ -225,13 +225,15 @@ class Kube:
             self._owned.clear()
         self._owned.add(key)
 
-    def sync_configmap(self, obj: Obj, owner_uid: str) -> None:
-        """Create the ConfigMap, or bring the data of the job's own one up to date."""
+    def sync_configmap(self, obj: Obj, owner_uid: str) -> bool:
+        """Create the ConfigMap, or bring the data of the job's own one up to date; True when
+        it was created."""
         if self.create(obj, owner_uid):
-            return
+            return True
         meta = obj["metadata"]
         self.core.patch_namespaced_config_map(
             meta["name"], meta["namespace"], {"data": obj["data"]}, _request_timeout=TIMEOUT)
+        return False
 
     def delete_pod(self, namespace: str, name: str, force: bool = False,
                    grace_s: int | None = None) -> None:

@@ -8,6 +8,7 @@ actions are idempotent, and child names are fixed, so nothing is ever duplicated
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -118,12 +119,15 @@ class Support:
     RayCluster, so that a job whose child's name is taken starts no pods (and holds no
     GPUs) at all. The creates go out together: a new job's RayCluster waits for one round
     trip, not six. Each is created once (an existing one is kept as it is: the token and
-    the checkpoints must survive restarts); only the spec is refreshed."""
+    the checkpoints must survive restarts); only the spec is refreshed. `all_made` says
+    whether every create made its object (none existed already, so none can be one still
+    terminating from a deleted job of the same name)."""
 
     def __init__(self, kube: Kube, ref: JobRef, body: Obj, spec: RLJobSpec,
                  pool: ThreadPoolExecutor) -> None:
         self.kube, self.ref, self.body, self.spec, self.pool = kube, ref, body, spec, pool
         self._done = False
+        self.all_made = False
 
     def ensure(self) -> bool:
         """Returns whether the Ray token was made by this call (the first time, or after
@@ -142,9 +146,11 @@ class Support:
             *([partial(self.kube.create, claim, ref.uid)] if claim is not None else []),
             partial(self.kube.sync_configmap, spec, ref.uid)]
         made = self.pool.submit(self.kube.create, token, ref.uid)
-        for done in [self.pool.submit(call) for call in calls]:
-            done.result()  # raises what the call raised (ObjectInTheWay, API errors)
-        return bool(made.result())
+        # .result() raises what the call raised (ObjectInTheWay, API errors)
+        others = [bool(done.result()) for done in [self.pool.submit(call) for call in calls]]
+        token_made = bool(made.result())
+        self.all_made = token_made and all(others)
+        return token_made
 
 
 class Reconciler:
@@ -357,7 +363,8 @@ class Reconciler:
             waiting = job.spec is not None and observed.in_the_way is None \
                 and decision.status.get("phase") in WAITING_PHASES
             # While pods wait, what they mount is made again if it went missing (e.g. the
-            # claim of a deleted job of the same name was still terminating at creation).
+            # claim of a deleted job of the same name was still terminating at creation):
+            # rechecked only while some of it was found existing rather than made.
             due = self._support_due(ref, body["metadata"].get("generation"), waiting)
             support = Support(self.kube, ref, body, job.spec, self._pool) \
                 if job.spec is not None else None
@@ -366,6 +373,8 @@ class Reconciler:
                 self._token_replaced(ref, body)
                 return 0.0
             self._act(ref, body, job, decision.actions, restarts, support)
+            if support is not None and support.all_made:
+                self._support_made(ref, body["metadata"].get("generation"))
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
             log.warning("%s/%s: %s is in the way", namespace, name, err)
@@ -379,8 +388,9 @@ class Reconciler:
         waiting or its spec changes, then after SUPPORT_RECHECK_SECONDS, twice as long each
         time, up to SUPPORT_RECHECK_MAX_SECONDS, while it waits (not on every watch event of
         its pods, each of which would cost six no-op writes: hundreds of jobs waiting on a
-        busy cluster would otherwise send hundreds of no-op creates a second). A check due
-        also drops the checkpoint claim's remembered access modes, read again next."""
+        busy cluster would otherwise send hundreds of no-op creates a second), unless the
+        last check made every one of them (`_support_made`). A check due also drops the
+        checkpoint claim's remembered access modes, read again next."""
         key = (ref.namespace, ref.name)
         now = self.monotonic()
         with self._lock:
@@ -397,6 +407,15 @@ class Reconciler:
             # The claim the pods mount is looked at again too (at the next reconcile).
             self._claims.pop(key, None)
             return True
+
+    def _support_made(self, ref: JobRef, generation: object) -> None:
+        """Every support object was just made by this job: none is an older one still
+        terminating, so none is checked again while this start waits (at 500 jobs waiting
+        minutes for pods, the rechecks' no-op creates were two thirds of the operator's
+        requests). A spec edit, or a wait after the job ran, checks them again."""
+        with self._lock:
+            self._support_at[(ref.namespace, ref.name)] = (
+                f"{ref.uid}/{generation}", self.monotonic(), math.inf)
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))

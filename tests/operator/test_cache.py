@@ -448,8 +448,8 @@ class _FakeCreates:
             self.made.append(kind)
         return kind not in self.existing
 
-    def sync_configmap(self, obj: Obj, uid: str) -> None:
-        self.create(obj, uid)
+    def sync_configmap(self, obj: Obj, uid: str) -> bool:
+        return self.create(obj, uid)
 
 
 def _support(kube: _FakeCreates, pool: Any) -> Any:
@@ -473,11 +473,17 @@ def test_support_objects_are_made_together_once_and_an_object_in_the_way_stops_t
         kube = _FakeCreates(existing=set())
         support = _support(kube, pool)
         assert support.ensure() is True  # the token was made now
+        assert support.all_made
         assert support.ensure() is False
         assert sorted(kube.made) == ["ConfigMap", "PersistentVolumeClaim", "Role",
                                      "RoleBinding", "Secret", "ServiceAccount"]
         kept = _FakeCreates(existing={"Secret"})
-        assert _support(kept, pool).ensure() is False  # the job keeps its token
+        kept_support = _support(kept, pool)
+        assert kept_support.ensure() is False  # the job keeps its token
+        assert not kept_support.all_made
+        claim_there = _support(_FakeCreates(existing={"PersistentVolumeClaim"}), pool)
+        assert claim_there.ensure() is True
+        assert not claim_there.all_made  # perhaps a deleted job's claim, still terminating
         blocked = _FakeCreates(existing=set(), in_the_way="ConfigMap")
         with pytest.raises(ObjectInTheWay):
             _support(blocked, pool).ensure()
@@ -654,3 +660,20 @@ def test_support_objects_are_rechecked_ever_less_often_while_a_job_waits() -> No
     assert rec._support_due(ref, 2, waiting=True)
     assert not rec._support_due(ref, 2, waiting=False)  # running: nothing to check
     assert rec._support_due(ref, 2, waiting=True)  # waiting again (a restart): at once
+
+
+def test_support_objects_all_made_by_the_job_are_not_rechecked_while_it_waits() -> None:
+    from rljob_operator.builders import JobRef
+
+    now = [0.0]
+    rec = _reconciler(_FakeApi(None, [], "1"), Store(), now)
+    ref = JobRef("j", "ns", "u-1")
+    assert rec._support_due(ref, 1, waiting=True)
+    rec._support_made(ref, 1)  # every create made its object
+    assert not any(rec._support_due(ref, 1, waiting=True) for now[0] in map(float, range(1, 700)))
+    assert rec._support_due(ref, 2, waiting=True)  # a spec edit checks them at once
+    now[0] = 710.0
+    assert rec._support_due(ref, 2, waiting=True)  # and, one having existed, 10 s later
+    rec._support_made(ref, 2)
+    assert not rec._support_due(ref, 2, waiting=False)  # it runs
+    assert rec._support_due(ref, 2, waiting=True)  # waiting again after running: at once
