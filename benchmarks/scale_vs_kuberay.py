@@ -301,6 +301,9 @@ def main() -> int:
     p.add_argument("--failure-timeout", type=float, default=600.0,
                    help="seconds for every failed job to get a new driver")
     p.add_argument("--max-ratio", type=float, default=1.1)
+    p.add_argument("--kuberay-concurrency", type=int, default=1,
+                   help="KubeRay's --reconcile-concurrency (its default 1: one worker for "
+                   "every RayCluster of both halves)")
     args = p.parse_args()
     n: int = args.jobs
     # A quarter more GPUs than both halves ask for: an 8-GPU trainer needs a whole node, and
@@ -315,7 +318,8 @@ def main() -> int:
     stop = threading.Event()
     breaches: list[str] = []
     try:
-        took = start_sim_plane(cp, nodes, args.gpus_per_node, "sim")
+        took = start_sim_plane(cp, nodes, args.gpus_per_node, "sim",
+                               kuberay_concurrency=args.kuberay_concurrency)
         print(f"control plane with {nodes} kwok nodes × {args.gpus_per_node} GPUs up in "
               f"{took:.0f} s", flush=True)
         for ns in (RLJOB_NS, RAYJOB_NS):
@@ -428,7 +432,8 @@ def main() -> int:
 
         print(f"\n{n} RLJobs and {n} RayJobs (InteractiveMode), {GPUS_PER_JOB} GPUs and "
               f"{want[(RLJOB_NS, 'job-000')]} Ray pods each, on {nodes} kwok nodes × "
-              f"{args.gpus_per_node} GPUs; operator --interval {args.interval:g} s; "
+              f"{args.gpus_per_node} GPUs; operator --interval {args.interval:g} s; KubeRay "
+              f"--reconcile-concurrency {args.kuberay_concurrency}; "
               f"{os.cpu_count()} CPU cores")
         print(f"  create calls (both kinds)                {create_s:6.1f} s; wall until all "
               f"pods Running {wall:.1f} s")

@@ -126,7 +126,8 @@ def phases(api: Any) -> dict[str, str]:
             for j in body["items"]}
 
 
-def start_sim_plane(cp: ControlPlane, nodes: int, gpus_per_node: int, prefix: str) -> float:
+def start_sim_plane(cp: ControlPlane, nodes: int, gpus_per_node: int, prefix: str,
+                    kuberay_concurrency: int = 1) -> float:
     """The benchmarks' control plane: API server and etcd with the CRD, controller-manager,
     volume provisioner, scheduler, `nodes` kwok GPU nodes and KubeRay; returns seconds taken."""
     t = time.monotonic()
@@ -140,7 +141,7 @@ def start_sim_plane(cp: ControlPlane, nodes: int, gpus_per_node: int, prefix: st
     cp.start_volume_provisioner()
     cp.start_scheduler()
     cp.start_kwok(nodes=nodes, gpus_per_node=gpus_per_node, prefix=prefix, lease_seconds=lease)
-    cp.start_kuberay()
+    cp.start_kuberay(reconcile_concurrency=kuberay_concurrency)
     return time.monotonic() - t
 
 

@@ -518,8 +518,9 @@ class ControlPlane:
             describe=proc.tail,
         )
 
-    def start_kuberay(self) -> None:
-        """The KubeRay operator (out of cluster) with the CRDs of the same Go module."""
+    def start_kuberay(self, reconcile_concurrency: int = 1) -> None:
+        """The KubeRay operator (out of cluster) with the CRDs of the same Go module, with
+        `reconcile_concurrency` reconcile workers (KubeRay's default: one)."""
         self.install_crds(self.bins / "kuberay-crds")
         proc = self._spawn(
             "kuberay-operator",
@@ -527,6 +528,7 @@ class ControlPlane:
                 str(self.bins / "kuberay-operator"),
                 f"--kubeconfig={self.kubeconfig}",
                 "--enable-leader-election=false",
+                f"--reconcile-concurrency={reconcile_concurrency}",
                 f"--metrics-addr=127.0.0.1:{free_port()}",
                 f"--health-probe-bind-address=127.0.0.1:{free_port()}",
             ],
