@@ -138,8 +138,9 @@ class Seen:
     # Ray pods' first sighting and first sighting bound to a node: (ns, pod) → (cluster, at)
     added: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     bound: dict[tuple[str, str], float] = field(default_factory=dict)
-    # Seconds from a pod's Ready time (the server's clock, whole seconds) to this script seeing
-    # it Running: how far behind its own watch was, and so how far to trust the figures.
+    # Seconds from a pod's Ready time as kwok stamped it (whole seconds, truncated: 0.5 s on
+    # average is rounding) to this script seeing it Running: how far behind its own watch
+    # (and kwok's write of the status) ran, and so how far to trust the figures.
     lag: list[float] = field(default_factory=list)
 
     def on_cluster(self, obj: dict[str, Any], at: float) -> None:
@@ -214,7 +215,8 @@ class Seen:
 def ready_time(pod: dict[str, Any]) -> float | None:
     """When the pod's Ready condition last turned (epoch seconds), if it says."""
     for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == "Ready" and cond.get("lastTransitionTime"):
+        if cond.get("type") == "Ready" and cond.get("status") == "True" \
+                and cond.get("lastTransitionTime"):
             return datetime.fromisoformat(cond["lastTransitionTime"]).timestamp()
     return None
 
@@ -240,6 +242,8 @@ def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, 
             resp = list_fn(**opts)
             try:
                 for line in iter_resp_lines(resp):
+                    if not line.strip():
+                        continue
                     event = json.loads(line)
                     obj = event["object"]
                     if event["type"] == "ERROR":
@@ -247,6 +251,7 @@ def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, 
                             version = None
                         else:
                             print(f"  (watch reopened: {obj.get('message')})", flush=True)
+                            stop.wait(1.0)
                         break
                     version = (obj.get("metadata") or {}).get("resourceVersion") or version
                     if event["type"] != "BOOKMARK":
@@ -254,24 +259,25 @@ def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, 
                     if stop.is_set():
                         break
             finally:
+                resp.close()
                 resp.release_conn()
         except Exception as err:  # a dropped connection: open it again where it was
             if getattr(err, "status", None) == 410:
                 version = None
             elif not stop.is_set():
                 print(f"  (watch reopened: {type(err).__name__})", flush=True)
+                stop.wait(1.0)
 
 
 def scheduling_failures(core: Any, ns: str) -> str:
-    """The scheduler's FailedScheduling events in `ns`: how many pods, how many attempts, and
-    the commonest reason (the node counts taken out, so that one reason reads as one)."""
+    """The scheduler's FailedScheduling events in `ns`: how many pods, and the commonest
+    reason (the node counts taken out, so that one reason reads as one)."""
     events: Any = core.list_namespaced_event(ns, field_selector="reason=FailedScheduling")
     pods = {e.involved_object.name for e in events.items}
-    attempts = sum(int(e.count or 1) for e in events.items)
     reasons = Counter(re.sub(r"\d+", "N", (e.message or "").split(". preemption")[0])
                       for e in events.items)
     top = f"; commonest: {reasons.most_common(1)[0][0]}" if reasons else ""
-    return f"{len(pods)} pods, {attempts} attempts{top}"
+    return f"{len(pods)} pods{top}"
 
 
 def stats_line(label: str, values: list[float]) -> str:
@@ -442,7 +448,7 @@ def main() -> int:
             print(stats_line(f"{label} create → all Ray pods Running", pods_lat[ns]))
         print(stats_line("RLJob  create → driver pod Running", driver_lat))
         with seen.lock:
-            print(stats_line("this script's watch lag (Running seen − pod Ready)", seen.lag))
+            print(stats_line("pod Ready stamp → this script sees it", seen.lag))
         ratio = percentile(pods_lat[RLJOB_NS], 95) / percentile(pods_lat[RAYJOB_NS], 95)
         print(f"  p95 ratio RLJob/RayJob, create → pods Running   {ratio:6.2f}"
               f"   (target ≤ {args.max_ratio})")
@@ -527,7 +533,7 @@ def main() -> int:
                 replaced = min((at for (ns, _c), pods in seen.running.items()
                                 if ns == RLJOB_NS and seen.cluster_job.get((ns, _c)) == job
                                 for pod, at in pods.items() if at > kill_at), default=kill_at)
-                return max(replaced, seen.gone[(RLJOB_NS, names.driver_name(job))])
+                return max(replaced, seen.gone.get((RLJOB_NS, names.driver_name(job)), kill_at))
 
         operator_lat = [float(new_driver(j) or 0) - ready_again(j) for j in victims]
         # Where the time before "ready again" goes: KubeRay's new pod, its binding by the
@@ -541,7 +547,9 @@ def main() -> int:
                 parts["created"].append(made[0] - gone)
                 parts["bound"].append(made[1] - made[0])
                 parts["running"].append(made[2] - made[1])
-            parts["driver"].append(seen.gone[(RLJOB_NS, names.driver_name(j))] - gone)
+            driver_gone = seen.gone.get((RLJOB_NS, names.driver_name(j)))
+            if driver_gone is not None:  # a watch listing again after 410 misses deletions
+                parts["driver"].append(driver_gone - gone)
         stop.set()
 
         print(stats_line("failure: pod seen gone → new driver", failure_lat))

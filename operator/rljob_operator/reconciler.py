@@ -8,7 +8,6 @@ actions are idempotent, and child names are fixed, so nothing is ever duplicated
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import threading
 import time
@@ -120,8 +119,7 @@ class Support:
     GPUs) at all. The creates go out together: a new job's RayCluster waits for one round
     trip, not six. Each is created once (an existing one is kept as it is: the token and
     the checkpoints must survive restarts); only the spec is refreshed. `all_made` says
-    whether every create made its object (none existed already, so none can be one still
-    terminating from a deleted job of the same name)."""
+    whether every create made its object just now (none existed already)."""
 
     def __init__(self, kube: Kube, ref: JobRef, body: Obj, spec: RLJobSpec,
                  pool: ThreadPoolExecutor) -> None:
@@ -363,8 +361,8 @@ class Reconciler:
             waiting = job.spec is not None and observed.in_the_way is None \
                 and decision.status.get("phase") in WAITING_PHASES
             # While pods wait, what they mount is made again if it went missing (e.g. the
-            # claim of a deleted job of the same name was still terminating at creation):
-            # rechecked only while some of it was found existing rather than made.
+            # claim of a deleted job of the same name was still terminating at creation);
+            # once this job has made all of it, only every SUPPORT_RECHECK_MAX_SECONDS.
             due = self._support_due(ref, body["metadata"].get("generation"), waiting)
             support = Support(self.kube, ref, body, job.spec, self._pool) \
                 if job.spec is not None else None
@@ -388,9 +386,10 @@ class Reconciler:
         waiting or its spec changes, then after SUPPORT_RECHECK_SECONDS, twice as long each
         time, up to SUPPORT_RECHECK_MAX_SECONDS, while it waits (not on every watch event of
         its pods, each of which would cost six no-op writes: hundreds of jobs waiting on a
-        busy cluster would otherwise send hundreds of no-op creates a second), unless the
-        last check made every one of them (`_support_made`). A check due also drops the
-        checkpoint claim's remembered access modes, read again next."""
+        busy cluster would otherwise send hundreds of no-op creates a second); after a check
+        that made every one of them, the next waits the longest interval (`_support_made`).
+        A check due also drops the checkpoint claim's remembered access modes, read again
+        next."""
         key = (ref.namespace, ref.name)
         now = self.monotonic()
         with self._lock:
@@ -409,13 +408,15 @@ class Reconciler:
             return True
 
     def _support_made(self, ref: JobRef, generation: object) -> None:
-        """Every support object was just made by this job: none is an older one still
-        terminating, so none is checked again while this start waits (at 500 jobs waiting
-        minutes for pods, the rechecks' no-op creates were two thirds of the operator's
-        requests). A spec edit, or a wait after the job ran, checks them again."""
+        """Every support object was just made by this job: the next check waits the longest
+        interval, SUPPORT_RECHECK_MAX_SECONDS, rather than starting at the shortest (at 500
+        jobs waiting minutes for pods, the rechecks' no-op creates were two thirds of the
+        operator's requests). One deleted behind the job's back while it waits is still made
+        again, within that interval; a spec edit, or a wait after the job ran, checks at
+        once."""
         with self._lock:
             self._support_at[(ref.namespace, ref.name)] = (
-                f"{ref.uid}/{generation}", self.monotonic(), math.inf)
+                f"{ref.uid}/{generation}", self.monotonic(), SUPPORT_RECHECK_MAX_SECONDS)
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))

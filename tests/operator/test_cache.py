@@ -483,7 +483,7 @@ def test_support_objects_are_made_together_once_and_an_object_in_the_way_stops_t
         assert not kept_support.all_made
         claim_there = _support(_FakeCreates(existing={"PersistentVolumeClaim"}), pool)
         assert claim_there.ensure() is True
-        assert not claim_there.all_made  # perhaps a deleted job's claim, still terminating
+        assert not claim_there.all_made
         blocked = _FakeCreates(existing=set(), in_the_way="ConfigMap")
         with pytest.raises(ObjectInTheWay):
             _support(blocked, pool).ensure()
@@ -662,15 +662,22 @@ def test_support_objects_are_rechecked_ever_less_often_while_a_job_waits() -> No
     assert rec._support_due(ref, 2, waiting=True)  # waiting again (a restart): at once
 
 
-def test_support_objects_all_made_by_the_job_are_not_rechecked_while_it_waits() -> None:
+def test_support_objects_all_made_by_the_job_are_rechecked_only_at_the_longest_interval() -> None:
     from rljob_operator.builders import JobRef
+    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
 
     now = [0.0]
     rec = _reconciler(_FakeApi(None, [], "1"), Store(), now)
     ref = JobRef("j", "ns", "u-1")
     assert rec._support_due(ref, 1, waiting=True)
     rec._support_made(ref, 1)  # every create made its object
-    assert not any(rec._support_due(ref, 1, waiting=True) for now[0] in map(float, range(1, 700)))
+    checked = []
+    for t in range(1, 700):
+        now[0] = float(t)
+        if rec._support_due(ref, 1, waiting=True):
+            checked.append(t)
+    # One deleted behind its back is still made again, within the longest interval.
+    assert checked == [int(SUPPORT_RECHECK_MAX_SECONDS), int(2 * SUPPORT_RECHECK_MAX_SECONDS)]
     assert rec._support_due(ref, 2, waiting=True)  # a spec edit checks them at once
     now[0] = 710.0
     assert rec._support_due(ref, 2, waiting=True)  # and, one having existed, 10 s later
