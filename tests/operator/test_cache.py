@@ -684,3 +684,82 @@ def test_support_objects_all_made_by_the_job_are_rechecked_only_at_the_longest_i
     rec._support_made(ref, 2)
     assert not rec._support_due(ref, 2, waiting=False)  # it runs
     assert rec._support_due(ref, 2, waiting=True)  # waiting again after running: at once
+
+
+class _MiniApi:
+    """An API server in miniature for `Reconciler.reconcile`: the job, the objects the
+    operator creates (by kind and name), and every create it sends, made or not."""
+
+    def __init__(self, job: Obj) -> None:
+        self.job = job
+        self.objects: dict[tuple[str, str], Obj] = {}
+        self.creates: list[str] = []
+        self.written: Any = None
+        self.removed: Any = None
+        self.vanished: Any = None
+
+    def get_rljob(self, namespace: str, name: str) -> Obj | None:
+        return self.job
+
+    def list_rayclusters(self, namespace: str, job: str) -> tuple[list[Obj], str]:
+        return [o for (kind, _n), o in self.objects.items() if kind == "RayCluster"], "1"
+
+    def list_pods(self, namespace: str, job: str) -> tuple[list[Obj], str]:
+        return [], "1"
+
+    def list_nodes(self, consistent: bool = False) -> list[Obj]:
+        return []
+
+    def create(self, obj: Obj, uid: str) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        self.creates.append(obj["kind"])
+        if key in self.objects:
+            return False
+        made = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "2",
+                                    "uid": f"uid-{key[1]}"}}
+        self.objects[key] = made
+        if obj["kind"] == "RayCluster":
+            self.written(RAYCLUSTER, made)
+        return True
+
+    def sync_configmap(self, obj: Obj, uid: str) -> bool:
+        return self.create(obj, uid)
+
+    def apply_status(self, namespace: str, name: str, status: Obj) -> None:
+        meta = self.job["metadata"]
+        self.job = {**self.job, "status": status,
+                    "metadata": {**meta, "resourceVersion": str(int(meta["resourceVersion"]) + 1)}}
+        self.written(RLJOB, self.job)
+
+    def post_event(self, job: Obj, event: Any) -> None:
+        pass
+
+
+def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
+    """Through `reconcile()`: the first reconcile makes the job's six support objects and its
+    RayCluster; while its pods wait, the next ones send no creates until the longest recheck
+    interval, when the ConfigMap deleted behind the job's back is made again."""
+    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
+    from tests.operator.harness import job_manifest
+
+    body = job_manifest("j", "pool")
+    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
+                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
+    api = _MiniApi(body)
+    now = [0.0]
+    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+    rec.reconcile("ns", "j")
+    assert sorted(api.creates) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster", "Role",
+                                   "RoleBinding", "Secret", "ServiceAccount"]
+    assert api.job["status"]["phase"] == "Pending"
+    spec = next(key for key in api.objects if key[0] == "ConfigMap")
+    del api.objects[spec]  # deleted behind the job's back
+    api.creates.clear()
+    for t in (10.0, 30.0, 70.0, 150.0, SUPPORT_RECHECK_MAX_SECONDS - 1):
+        now[0] = t
+        rec.reconcile("ns", "j")
+    assert api.creates == []
+    now[0] = SUPPORT_RECHECK_MAX_SECONDS
+    rec.reconcile("ns", "j")
+    assert spec in api.objects
+    assert "RayCluster" not in api.creates  # it exists and is cached: not sent again
