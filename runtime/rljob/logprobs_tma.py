@@ -88,36 +88,39 @@ def _tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(a_desc, b_desc, om, on, k_tiles,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _logits_tile(a_desc, b_desc, tile, n_rows, n_cols, k, GROUP_M: tl.constexpr):
+    """Tile `tile` of the persistent loop that both kernels run over the logits
+    `[n_rows, n_cols]`: its column-tile index, rows, columns, row mask and fp32 logits (before
+    the temperature). One helper so that the statistics and the gradient take the same tiles in
+    the same order, summed alike; the tile is the descriptors' blocks (`[BLOCK_M, BLOCK_K]` of
+    the hidden states, `[BLOCK_N, BLOCK_K]` of the weight). Triton inlines it and hoists the
+    loop-invariant tile counts: the kernels compile as with this written out in each."""
+    BLOCK_M: tl.constexpr = a_desc.block_shape[0]
+    BLOCK_K: tl.constexpr = a_desc.block_shape[1]
+    BLOCK_N: tl.constexpr = b_desc.block_shape[0]
+    pid_m, pid_n = _tile(tile, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
+    om = pid_m * BLOCK_M
+    on = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
+    for ki in range(tl.cdiv(k, BLOCK_K)):
         a = a_desc.load([om, ki * BLOCK_K])
         b = b_desc.load([on, ki * BLOCK_K])
         acc = tl.dot(a, b.T, acc)
-    return acc
+    rows = om + tl.arange(0, BLOCK_M)
+    return pid_n, rows, on + tl.arange(0, BLOCK_N), rows < n_rows, acc
 
 
 @triton.jit
 def _stats_kernel(
     a_desc, b_desc, tgt_ptr, col0, part_ptr, n_rows, n_cols, k, inv_t,
-    WITH_ENTROPY: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Writes (m, s, sz, tz) of tile (i, j) to rows 4j..4j+3 of the partials, columns of i."""
-    num_pid_m = tl.cdiv(n_rows, BLOCK_M)
-    num_pid_n = tl.cdiv(n_cols, BLOCK_N)
-    k_tiles = tl.cdiv(k, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True,
-                         warp_specialize=True):
-        pid_m, pid_n = _tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        om = pid_m * BLOCK_M
-        on = pid_n * BLOCK_N
-        acc = _logits_tile(a_desc, b_desc, om, on, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
-        rows = om + tl.arange(0, BLOCK_M)
-        cols = on + tl.arange(0, BLOCK_N)
+    tiles = tl.cdiv(n_rows, a_desc.block_shape[0]) * tl.cdiv(n_cols, b_desc.block_shape[0])
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True, warp_specialize=True):
+        pid_n, rows, cols, row_ok, acc = _logits_tile(a_desc, b_desc, tile, n_rows, n_cols, k,
+                                                      GROUP_M)
         col_ok = cols < n_cols
-        row_ok = rows < n_rows
         z = tl.where(col_ok[None, :], acc * inv_t, float("-inf"))
         m = tl.max(z, axis=1)
         e = tl.exp(z - m[:, None])
@@ -133,7 +136,7 @@ def _stats_kernel(
             sz = tl.sum(e * tl.where(col_ok[None, :], z - m[:, None], 0.0), axis=1)
             tl.store(out + 2 * n_rows, sz, mask=row_ok)
         else:
-            tl.store(out + 2 * n_rows, tl.zeros((BLOCK_M,), tl.float32), mask=row_ok)
+            tl.store(out + 2 * n_rows, tl.zeros_like(m), mask=row_ok)
         tl.store(out + 3 * n_rows, tz, mask=row_ok)
 
 
@@ -141,22 +144,12 @@ def _stats_kernel(
 def _grad_kernel(
     a_desc, b_desc, g_ptr, tgt_ptr, col0, lse_ptr, mean_ptr, glp_ptr, gent_ptr,
     n_rows, n_cols, k, inv_t,
-    WITH_ENTROPY: tl.constexpr, NUM_SMS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """The logit gradient of columns [col0, col0 + n_cols) into `g` (rows x n_cols)."""
-    num_pid_m = tl.cdiv(n_rows, BLOCK_M)
-    num_pid_n = tl.cdiv(n_cols, BLOCK_N)
-    k_tiles = tl.cdiv(k, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True,
-                         warp_specialize=True):
-        pid_m, pid_n = _tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        om = pid_m * BLOCK_M
-        on = pid_n * BLOCK_N
-        acc = _logits_tile(a_desc, b_desc, om, on, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K)
-        rows = om + tl.arange(0, BLOCK_M)
-        cols = on + tl.arange(0, BLOCK_N)
-        row_ok = rows < n_rows
+    tiles = tl.cdiv(n_rows, a_desc.block_shape[0]) * tl.cdiv(n_cols, b_desc.block_shape[0])
+    for tile in tl.range(tl.program_id(0), tiles, NUM_SMS, flatten=True, warp_specialize=True):
+        _, rows, cols, row_ok, acc = _logits_tile(a_desc, b_desc, tile, n_rows, n_cols, k, GROUP_M)
         z = acc * inv_t
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
         glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
@@ -246,8 +239,8 @@ def stats(
     sms = _sms(hidden.device)
     _stats_kernel[_grid(n_tokens, v, sms)](
         a_desc, b_desc, local_targets, col0, part, n_tokens, v, hidden.shape[1], inv_t,
-        WITH_ENTROPY=with_entropy, NUM_SMS=sms, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_stages=STAGES, num_warps=WARPS,
+        WITH_ENTROPY=with_entropy, NUM_SMS=sms, GROUP_M=GROUP_M, num_stages=STAGES,
+        num_warps=WARPS,
     )
     return merge_partials(part.view(tiles, 4, n_tokens))
 
@@ -276,7 +269,7 @@ def logit_grad(
     _grad_kernel[_grid(n_tokens, v, sms)](
         a_desc, b_desc, g, local_targets, col0, lse, mean_logit, g_lp, g_ent,
         n_tokens, v, hidden.shape[1], inv_t,
-        WITH_ENTROPY=with_entropy, NUM_SMS=sms, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, num_stages=STAGES, num_warps=WARPS,
+        WITH_ENTROPY=with_entropy, NUM_SMS=sms, GROUP_M=GROUP_M, num_stages=STAGES,
+        num_warps=WARPS,
     )
     return g
