@@ -34,7 +34,7 @@ from rljob_operator.decide import (
 )
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
 from rljob_operator.metrics import Metrics
-from rljob_operator.observe import FailureHint, InTheWay, observe
+from rljob_operator.observe import ClaimView, FailureHint, InTheWay, observe
 
 log = logging.getLogger("rljob_operator")
 MAX_HINTS_PER_JOB = 64
@@ -126,6 +126,7 @@ class Support:
         self.kube, self.ref, self.body, self.spec, self.pool = kube, ref, body, spec, pool
         self._done = False
         self.all_made = False
+        self.ran = False  # whether this object's ensure() made sure of every one
 
     def ensure(self) -> bool:
         """Returns whether the Ray token was made by this call (the first time, or after
@@ -148,6 +149,7 @@ class Support:
         others = [bool(done.result()) for done in [self.pool.submit(call) for call in calls]]
         token_made = bool(made.result())
         self.all_made = token_made and all(others)
+        self.ran = True
         return token_made
 
 
@@ -175,8 +177,13 @@ class Reconciler:
         # When a job's support objects were last made sure of: (uid and generation, when, the
         # wait before the next check).
         self._support_at: dict[tuple[str, str], tuple[str, float, float]] = {}
-        # Per job, its checkpoint claim's name and access modes once found.
-        self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        # When each job's support objects were last all made sure of (uid and generation,
+        # when): the RayCluster made seconds later needs no second round of creates.
+        self._ensured: dict[tuple[str, str], tuple[str, float]] = {}
+        # Per job, its checkpoint claim's name and what was read of it.
+        self._claims: dict[tuple[str, str], tuple[str, ClaimView]] = {}
+        # Per StorageClass, its binding mode and when it was read.
+        self._binding: dict[str, tuple[str | None, float]] = {}
         # For the support objects' creates, which go out together.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
         self._lock = threading.Lock()
@@ -258,29 +265,68 @@ class Reconciler:
         return (store.rljob(namespace, name), store.raycluster(namespace, name),
                 store.pods(namespace, name))
 
-    def _claim_modes(self, namespace: str, job: str, claim: str) -> tuple[str, ...] | None:
-        """The access modes of the job's checkpoint claim. A claim's modes cannot change, so
-        ones found are remembered while the job runs; a claim deleted and made again under
-        the same name may have others, and matters only to pods that start, so they are
-        read again whenever the job's support objects are checked (`_support_due`: when it
-        starts waiting, then ever less often while it waits). A missing claim is looked for
-        at every reconcile (the job waits for it)."""
+    def _claim(self, namespace: str, job: str, claim: str,
+               until_bound: bool = False) -> ClaimView | None:
+        """The job's checkpoint claim. Its access modes cannot change and a bound claim stays
+        bound, so one found is remembered while the job runs; a claim deleted and made again
+        under the same name may differ, and matters only to pods that start, so it is read
+        again whenever the job's support objects are checked (`_support_due`: when it starts
+        waiting, then ever less often while it waits). `until_bound` reads one not bound yet
+        again (the job waits for it), as a missing claim is at every reconcile."""
         key = (namespace, job)
         with self._lock:
             known = self._claims.get(key)
-        if known is not None and known[0] == claim:
+        if known is not None and known[0] == claim and (known[1].bound or not until_bound):
             return known[1]
-        modes = self.kube.claim_access_modes(namespace, claim)
-        if modes is not None:
+        found = self.kube.read_claim(namespace, claim)
+        if found is not None:
             with self._lock:
-                self._claims[key] = (claim, modes)
-        return modes
+                self._claims[key] = (claim, found)
+        return found
+
+    def _binding_mode(self, storage_class: str) -> str | None:
+        """A StorageClass's volumeBindingMode, read at most once per SAFETY_RESYNC_SECONDS (it
+        cannot change, but a class can be deleted and made again)."""
+        now = self.monotonic()
+        with self._lock:
+            known = self._binding.get(storage_class)
+        if known is not None and now - known[1] < SAFETY_RESYNC_SECONDS:
+            return known[0]
+        mode = self.kube.binding_mode(storage_class)
+        with self._lock:
+            self._binding[storage_class] = (mode, now)
+        return mode
+
+    def _unbound(self, spec: RLJobSpec, claim_name: str, claim: ClaimView | None) -> str | None:
+        """Why the RayCluster waits for the checkpoint claim, or None. Every Ray pod mounts
+        it, and the scheduler turns away a pod whose claim is not bound when its class binds
+        at once (the pod then waits for the scheduler's retry, and the job's status would
+        name the volume instead of what really holds it back); a class that binds on first
+        use (WaitForFirstConsumer) binds only once a pod is scheduled, so that claim is not
+        waited for, nor one whose class cannot be read."""
+        if claim is None:
+            if spec.checkpoint.pvc:
+                return (f"spec.checkpoint.pvc: the claim {claim_name} does not exist; the Ray "
+                        "pods are made once it exists and is bound")
+            return f"the checkpoint claim {claim_name} is being made"
+        if claim.bound:
+            return None
+        mode = self._binding_mode(claim.storage_class) if claim.storage_class else "Immediate"
+        if mode is None or mode == "WaitForFirstConsumer":
+            return None
+        where = (f"its StorageClass {claim.storage_class} binds volumes at once"
+                 if claim.storage_class else "it names no StorageClass, so only a matching "
+                 "PersistentVolume can bind it")
+        return (f"the checkpoint claim {claim_name} is {claim.phase} ({where}); the Ray pods "
+                f"are made once it is Bound (`kubectl describe pvc {claim_name}` says why it "
+                "is not)")
 
     def remembered(self) -> int:
         """Jobs this reconciler holds state for (resync times, support checks, claims,
         conflicts): none once every job is gone."""
         with self._lock:
-            keys = set(self._fresh_at) | set(self._support_at) | set(self._claims)
+            keys = set(self._fresh_at) | set(self._support_at) | set(self._claims) \
+                | set(self._ensured)
         return len(keys | self.conflicts.jobs())
 
     def forget(self, namespace: str, name: str, reads: bool = True) -> None:
@@ -295,6 +341,7 @@ class Reconciler:
             if reads:
                 self._fresh_at.pop((namespace, name), None)
             self._support_at.pop((namespace, name), None)
+            self._ensured.pop((namespace, name), None)
             self._claims.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> float | Gone | None:
@@ -341,9 +388,15 @@ class Reconciler:
                 self.conflicts.forget(namespace, name)
         observed = observe(name, cluster, pods, nodes,
                            self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
-        if job.spec is not None and job.spec.checkpoint.pvc:
-            observed = replace(observed, checkpoint_modes=self._claim_modes(
-                namespace, name, job.spec.checkpoint.pvc))
+        spec = job.spec
+        absent = observed.cluster == "absent"
+        if spec is not None and (spec.checkpoint.pvc or absent):
+            claim_name = builders.checkpoint_claim_name(name, spec)
+            claim = self._claim(namespace, name, claim_name, until_bound=absent)
+            observed = replace(
+                observed,
+                checkpoint_modes=claim.access_modes if claim and spec.checkpoint.pvc else None,
+                checkpoint_unbound=self._unbound(spec, claim_name, claim) if absent else None)
         now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
@@ -371,6 +424,10 @@ class Reconciler:
                 self._token_replaced(ref, body)
                 return 0.0
             self._act(ref, body, job, decision.actions, restarts, support)
+            if support is not None and support.ran:
+                with self._lock:
+                    self._ensured[(namespace, name)] = (
+                        f"{ref.uid}/{body['metadata'].get('generation')}", self.monotonic())
             if support is not None and support.all_made:
                 self._support_made(ref, body["metadata"].get("generation"))
         except ObjectInTheWay as err:
@@ -418,6 +475,15 @@ class Reconciler:
             self._support_at[(ref.namespace, ref.name)] = (
                 f"{ref.uid}/{generation}", self.monotonic(), SUPPORT_RECHECK_MAX_SECONDS)
 
+    def _ensured_lately(self, ref: JobRef, generation: object) -> bool:
+        """Whether this job's support objects were all made sure of in the last
+        SUPPORT_RECHECK_SECONDS (its RayCluster then waited only for the checkpoint claim to
+        bind, and the six creates need not go out again)."""
+        with self._lock:
+            seen, when = self._ensured.get((ref.namespace, ref.name), ("", -1e18))
+        return seen == f"{ref.uid}/{generation}" and \
+            self.monotonic() - when < SUPPORT_RECHECK_SECONDS
+
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))
         if created is not None and not old.get("startedAt") and new.get("startedAt"):
@@ -457,7 +523,8 @@ class Reconciler:
         for pod in actions.replace_pods:
             self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
-            support.ensure()
+            if not self._ensured_lately(ref, body["metadata"].get("generation")):
+                support.ensure()
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
             if support.ensure():

@@ -42,8 +42,13 @@ def tiny_model(seed: int) -> PreTrainedModel:
 
 
 def _env() -> dict[str, str]:
+    """The engine's and sidecar's environment: the checkout's packages come first on their
+    path (the tests' `tests` package, and `runtime/` where rljob is not installed, as on a
+    GPU machine that runs the tests from a copy of the tree), then whatever the parent had."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
+    path = [str(REPO), str(REPO / "runtime"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path),
+               TORCH_CPP_LOG_LEVEL="ERROR")
     return env
 
 
