@@ -306,7 +306,9 @@ class NodeCache:
     less than `min_age` old; else the list is read so first: a node that joined, turned
     Ready or recovered after a list up to `ttl` old is not a lost one, and pods on it must
     not be force-deleted. While such a node is in use, that costs one list per `min_age`
-    for all jobs together."""
+    for all jobs together. While one reconcile reads the list, the others take the list held
+    when every node they use is Ready in it, rather than waiting for a list of thousands of
+    nodes; one that uses a node the held list lacks or shows not Ready waits for the read."""
 
     def __init__(self, lister: Callable[[bool], list[Obj]], ttl: float, min_age: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -318,6 +320,7 @@ class NodeCache:
         self._nodes: dict[str, Obj] = {}
         self._at: float | None = None
         self._consistent = False  # whether the list held was read from etcd
+        self._listing = False  # whether a reconcile is reading the list now
 
     def _suspicious(self, name: str) -> bool:
         node = self._nodes.get(name)
@@ -325,13 +328,21 @@ class NodeCache:
 
     def _list(self, consistent: bool) -> None:
         at = self._clock()
-        nodes = self._lister(consistent)  # a failed list leaves the one held as it was
+        self._listing = True
+        try:
+            nodes = self._lister(consistent)  # a failed list leaves the one held as it was
+        finally:
+            self._listing = False
         self._nodes = {n["metadata"]["name"]: n for n in nodes}
         self._at, self._consistent = at, consistent
 
     def get(self, used: Iterable[str], hurry: bool = False) -> list[Obj]:
         """The nodes named `used` that exist (a job needs only those of its pods)."""
         wanted = set(used)
+        held = self._nodes  # replaced whole by a list, never changed in place
+        if self._listing and held and all(
+                name in held and node_ready(held[name]) for name in wanted):
+            return [held[name] for name in wanted]
         with self._lock:
             age = None if self._at is None else self._clock() - self._at
             if age is None or age >= self.ttl or (hurry and age >= self.min_age):

@@ -155,13 +155,6 @@ def needs_write(current: Obj, desired: Obj) -> bool:
     return _normal(operator_fields(current)) != _normal(desired)
 
 
-def claim_poll_seconds(waited: timedelta) -> float:
-    """How soon a job waiting for its checkpoint claim to bind looks again: a quarter of the
-    wait so far, between 0.25 s (a provisioner binds in about a second) and 10 s (one that
-    takes minutes is not asked every second by every waiting job)."""
-    return min(10.0, max(0.25, waited.total_seconds() / 4))
-
-
 def backoff_seconds(spec: RLJobSpec, restart: int) -> int:
     """Delay before restart number `restart` (1-based): doubling, capped."""
     rec = spec.recovery
@@ -547,7 +540,7 @@ class _Decider:
             lost = tuple(p.name for p in self.obs.compute
                          if p.name == failure.pod and not p.deleting)
         actions = Actions(
-            create_cluster=self.obs.cluster == "absent" and self.volume_wait() is None,
+            create_cluster=self.obs.cluster == "absent",
             delete_driver=driver is not None and not driver.deleting,
             delete_pods=tuple(sorted(set(stranded) | set(failed))),
             replace_pods=lost,
@@ -606,9 +599,6 @@ class _Decider:
                            f"starting ({_pod_list(pod_names)}): {detail.message}; KubeRay "
                            "replaces them, so this repeats until the cause is fixed",
                            pod_names[0])
-        waiting = self.volume_wait()
-        if waiting is not None:
-            return Problem("CheckpointVolumeNotBound", waiting, None)
         unschedulable = [p for p in pods if p.unschedulable]
         if unschedulable:
             spec = self.job.spec
@@ -718,16 +708,9 @@ class _Decider:
         live = [p for p in self.live() if p.unschedulable is None and p.node]
         return self.obs.cluster == "present" and len(live) >= sum(self.expected().values())
 
-    def volume_wait(self) -> str | None:
-        """Why the RayCluster is not made yet (the checkpoint claim), while it is not."""
-        return self.obs.checkpoint_unbound if self.obs.cluster == "absent" else None
-
     def scheduling_conditions(self) -> list[Condition]:
         stuck = [p for p in self.obs.compute if p.unschedulable and not p.deleting]
-        waiting = self.volume_wait()
-        if waiting is not None:
-            sched = self.condition("Scheduled", "False", "WaitingForVolume", waiting)
-        elif stuck:
+        if stuck:
             spec = self.job.spec
             assert spec is not None
             message = unschedulable_message(stuck, claim_names(self.job.name, spec),
@@ -813,16 +796,13 @@ class _Decider:
                 left = (deadline - self.now).total_seconds()
                 requeue = left if requeue is None else min(requeue, left)
             started = self.started_condition(since, problem)
-            if self.volume_wait() is not None:
-                poll = claim_poll_seconds(self.now - (parse_timestamp(since) or self.now))
-                requeue = poll if requeue is None else min(requeue, poll)
         status = self.status(phase, [ready_cond, *self.scheduling_conditions(), started], rec,
                              since=since)
         # A driver that is stopping for a spec change saves the step in progress on SIGTERM,
         # which needs the trainers and engines: compute changes wait until its pod is gone.
         stopping = driver is not None and (stale or self.driver_outdated(driver))
         actions = Actions(
-            create_cluster=self.obs.cluster == "absent" and self.volume_wait() is None,
+            create_cluster=self.obs.cluster == "absent",
             create_driver=create_driver,
             delete_driver=stale and driver is not None and not driver.deleting,
             delete_pods=self.stranded_pods(),

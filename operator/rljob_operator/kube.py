@@ -12,7 +12,6 @@ reconcile.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import uuid
@@ -26,10 +25,9 @@ from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_api.status import OPERATOR_MANAGER, apply_status, timestamp
 from rljob_operator import names
 from rljob_operator.decide import Event
-from rljob_operator.observe import ClaimView, InTheWay, claim_view, owned_by, owner_words
+from rljob_operator.observe import InTheWay, owned_by, owner_words
 
 Obj = dict[str, Any]
-log = logging.getLogger("rljob_operator")
 TIMEOUT = (5.0, 30.0)  # connect, read
 MAX_KNOWN_OWNED = 20000  # ownership checks remembered (about 8 children per job)
 CONNECTIONS = 32
@@ -83,8 +81,6 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
-        self.storage = client.StorageV1Api(api_client)
-        self._told_no_classes = False
         self.instance = socket.gethostname()
         # (namespace, kind, name, owner uid) seen owned by that RLJob: a later 409 on the same
         # create needs no read to know it is ours.
@@ -128,9 +124,8 @@ class Kube:
         return list(resp.get("items") or []), (resp.get("metadata") or {}).get(
             "resourceVersion")
 
-    def read_claim(self, namespace: str, name: str) -> ClaimView | None:
-        """A PersistentVolumeClaim's access modes, phase and class; None when it does not
-        exist."""
+    def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+        """The access modes a PersistentVolumeClaim asks for; None when it does not exist."""
         try:
             resp = self.core.read_namespaced_persistent_volume_claim(
                 name, namespace, _preload_content=False, _request_timeout=TIMEOUT)
@@ -138,24 +133,7 @@ class Kube:
             if err.status == 404:
                 return None
             raise
-        return claim_view(_json(resp))
-
-    def binding_mode(self, storage_class: str) -> str | None:
-        """A StorageClass's `volumeBindingMode` (Immediate when unset, as the API server
-        defaults it); None when the class does not exist or may not be read (an operator
-        without `get storageclasses` behaves as if every class bound on first use)."""
-        try:
-            resp = self.storage.read_storage_class(
-                storage_class, _preload_content=False, _request_timeout=TIMEOUT)
-        except ApiException as err:
-            if err.status in (403, 404):
-                if err.status == 403 and not self._told_no_classes:
-                    self._told_no_classes = True
-                    log.warning("forbidden to get storageclasses: the Ray pods are made without "
-                                "waiting for the checkpoint claim to be bound")
-                return None
-            raise
-        return str(_json(resp).get("volumeBindingMode") or "Immediate")
+        return tuple((_json(resp).get("spec") or {}).get("accessModes") or ())
 
     def list_nodes(self, consistent: bool = False) -> list[Obj]:
         """Every node. resourceVersion "0" is served from the API server's watch cache
@@ -233,7 +211,15 @@ class Kube:
                 raise
             self._adopt(kind, ns, obj["metadata"]["name"], owner_uid)
             return False
+        # Made here with the job's owner reference: a later create that meets it needs no
+        # read to know it is the job's.
+        self._own((ns, kind, obj["metadata"]["name"], owner_uid))
         return True
+
+    def _own(self, key: tuple[str, str, str, str]) -> None:
+        if len(self._owned) >= MAX_KNOWN_OWNED:
+            self._owned.clear()
+        self._owned.add(key)
 
     def _adopt(self, kind: str, namespace: str, name: str, uid: str) -> None:
         """After a 409: return if the existing object is the RLJob's, raise otherwise."""
@@ -243,9 +229,7 @@ class Kube:
         found = self.in_the_way(kind, namespace, name, uid)
         if found is not None:
             raise ObjectInTheWay(found)
-        if len(self._owned) >= MAX_KNOWN_OWNED:
-            self._owned.clear()
-        self._owned.add(key)
+        self._own(key)
 
     def sync_configmap(self, obj: Obj, owner_uid: str) -> bool:
         """Create the ConfigMap, or bring the data of the job's own one up to date; True when

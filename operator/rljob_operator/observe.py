@@ -101,10 +101,6 @@ class Observed:
     # Access modes of the user's checkpoint claim (`spec.checkpoint.pvc`); None when the job
     # brings none or it does not exist (yet: pods wait for it under the start-up deadline).
     checkpoint_modes: tuple[str, ...] | None = None
-    # Why the RayCluster is not made yet: the checkpoint claim is missing, or not bound while
-    # its StorageClass binds at once (pods made now would be turned away by the scheduler).
-    # Only looked at while the job has no RayCluster; None when nothing holds it back.
-    checkpoint_unbound: str | None = None
 
     def live_compute(self) -> list[PodView]:
         """Compute pods that are neither failed, going away, nor on a lost node."""
@@ -112,26 +108,6 @@ class Observed:
             p for p in self.compute
             if not p.deleting and p.failure is None and p.node not in self.lost_nodes
         ]
-
-
-@dataclass(frozen=True)
-class ClaimView:
-    """What the operator reads of a PersistentVolumeClaim."""
-
-    access_modes: tuple[str, ...]
-    phase: str  # Pending, Bound or Lost
-    storage_class: str | None  # spec.storageClassName; None when unset
-
-    @property
-    def bound(self) -> bool:
-        return self.phase == "Bound"
-
-
-def claim_view(claim: Obj) -> ClaimView:
-    spec = claim.get("spec") or {}
-    return ClaimView(access_modes=tuple(spec.get("accessModes") or ()),
-                     phase=str((claim.get("status") or {}).get("phase") or "Pending"),
-                     storage_class=spec.get("storageClassName"))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from rljob_operator.decide import (
 )
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
 from rljob_operator.metrics import Metrics
-from rljob_operator.observe import ClaimView, FailureHint, InTheWay, observe
+from rljob_operator.observe import FailureHint, InTheWay, observe
 
 log = logging.getLogger("rljob_operator")
 MAX_HINTS_PER_JOB = 64
@@ -178,12 +178,11 @@ class Reconciler:
         # wait before the next check).
         self._support_at: dict[tuple[str, str], tuple[str, float, float]] = {}
         # When each job's support objects were last all made sure of (uid and generation,
-        # when): the RayCluster made seconds later needs no second round of creates.
+        # when): a RayCluster or driver made within SUPPORT_RECHECK_MAX_SECONDS of that needs
+        # no round of creates of its own.
         self._ensured: dict[tuple[str, str], tuple[str, float]] = {}
-        # Per job, its checkpoint claim's name and what was read of it.
-        self._claims: dict[tuple[str, str], tuple[str, ClaimView]] = {}
-        # Per StorageClass, its binding mode and when it was read.
-        self._binding: dict[str, tuple[str | None, float]] = {}
+        # Per job, its checkpoint claim's name and access modes once found.
+        self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         # For the support objects' creates, which go out together.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
         self._lock = threading.Lock()
@@ -265,61 +264,23 @@ class Reconciler:
         return (store.rljob(namespace, name), store.raycluster(namespace, name),
                 store.pods(namespace, name))
 
-    def _claim(self, namespace: str, job: str, claim: str,
-               until_bound: bool = False) -> ClaimView | None:
-        """The job's checkpoint claim. Its access modes cannot change and a bound claim stays
-        bound, so one found is remembered while the job runs; a claim deleted and made again
-        under the same name may differ, and matters only to pods that start, so it is read
-        again whenever the job's support objects are checked (`_support_due`: when it starts
-        waiting, then ever less often while it waits). `until_bound` reads one not bound yet
-        again (the job waits for it), as a missing claim is at every reconcile."""
+    def _claim_modes(self, namespace: str, job: str, claim: str) -> tuple[str, ...] | None:
+        """The access modes of the job's checkpoint claim. A claim's modes cannot change, so
+        ones found are remembered while the job runs; a claim deleted and made again under
+        the same name may have others, and matters only to pods that start, so they are
+        read again whenever the job's support objects are checked (`_support_due`: when it
+        starts waiting, then ever less often while it waits). A missing claim is looked for
+        at every reconcile (the job waits for it)."""
         key = (namespace, job)
         with self._lock:
             known = self._claims.get(key)
-        if known is not None and known[0] == claim and (known[1].bound or not until_bound):
+        if known is not None and known[0] == claim:
             return known[1]
-        found = self.kube.read_claim(namespace, claim)
-        if found is not None:
+        modes = self.kube.claim_access_modes(namespace, claim)
+        if modes is not None:
             with self._lock:
-                self._claims[key] = (claim, found)
-        return found
-
-    def _binding_mode(self, storage_class: str) -> str | None:
-        """A StorageClass's volumeBindingMode, read at most once per SAFETY_RESYNC_SECONDS (it
-        cannot change, but a class can be deleted and made again)."""
-        now = self.monotonic()
-        with self._lock:
-            known = self._binding.get(storage_class)
-        if known is not None and now - known[1] < SAFETY_RESYNC_SECONDS:
-            return known[0]
-        mode = self.kube.binding_mode(storage_class)
-        with self._lock:
-            self._binding[storage_class] = (mode, now)
-        return mode
-
-    def _unbound(self, spec: RLJobSpec, claim_name: str, claim: ClaimView | None) -> str | None:
-        """Why the RayCluster waits for the checkpoint claim, or None. Every Ray pod mounts
-        it, and the scheduler turns away a pod whose claim is not bound when its class binds
-        at once (the pod then waits for the scheduler's retry, and the job's status would
-        name the volume instead of what really holds it back); a class that binds on first
-        use (WaitForFirstConsumer) binds only once a pod is scheduled, so that claim is not
-        waited for, nor one whose class cannot be read."""
-        if claim is None:
-            if spec.checkpoint.pvc:
-                return (f"spec.checkpoint.pvc: the claim {claim_name} does not exist; the Ray "
-                        "pods are made once it exists and is bound")
-            return f"the checkpoint claim {claim_name} is being made"
-        if claim.bound:
-            return None
-        mode = self._binding_mode(claim.storage_class) if claim.storage_class else "Immediate"
-        if mode is None or mode == "WaitForFirstConsumer":
-            return None
-        where = (f"its StorageClass {claim.storage_class} binds volumes at once"
-                 if claim.storage_class else "it names no StorageClass, so only a matching "
-                 "PersistentVolume can bind it")
-        return (f"the checkpoint claim {claim_name} is {claim.phase} ({where}); the Ray pods "
-                f"are made once it is Bound (`kubectl describe pvc {claim_name}` says why it "
-                "is not)")
+                self._claims[key] = (claim, modes)
+        return modes
 
     def remembered(self) -> int:
         """Jobs this reconciler holds state for (resync times, support checks, claims,
@@ -388,15 +349,9 @@ class Reconciler:
                 self.conflicts.forget(namespace, name)
         observed = observe(name, cluster, pods, nodes,
                            self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
-        spec = job.spec
-        absent = observed.cluster == "absent"
-        if spec is not None and (spec.checkpoint.pvc or absent):
-            claim_name = builders.checkpoint_claim_name(name, spec)
-            claim = self._claim(namespace, name, claim_name, until_bound=absent)
-            observed = replace(
-                observed,
-                checkpoint_modes=claim.access_modes if claim and spec.checkpoint.pvc else None,
-                checkpoint_unbound=self._unbound(spec, claim_name, claim) if absent else None)
+        if job.spec is not None and job.spec.checkpoint.pvc:
+            observed = replace(observed, checkpoint_modes=self._claim_modes(
+                namespace, name, job.spec.checkpoint.pvc))
         now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
@@ -416,20 +371,20 @@ class Reconciler:
             # While pods wait, what they mount is made again if it went missing (e.g. the
             # claim of a deleted job of the same name was still terminating at creation);
             # once this job has made all of it, only every SUPPORT_RECHECK_MAX_SECONDS.
-            due = self._support_due(ref, body["metadata"].get("generation"), waiting)
+            generation = body["metadata"].get("generation")
+            due = self._support_due(ref, generation, waiting)
             support = Support(self.kube, ref, body, job.spec, self._pool) \
                 if job.spec is not None else None
-            if due and support is not None and support.ensure() \
-                    and observed.cluster == "present":
-                self._token_replaced(ref, body)
-                return 0.0
-            self._act(ref, body, job, decision.actions, restarts, support)
+            again = self._act(ref, body, job, decision.actions, restarts, support,
+                              check=due, cluster_present=observed.cluster == "present")
             if support is not None and support.ran:
                 with self._lock:
-                    self._ensured[(namespace, name)] = (
-                        f"{ref.uid}/{body['metadata'].get('generation')}", self.monotonic())
+                    self._ensured[(namespace, name)] = (f"{ref.uid}/{generation}",
+                                                        self.monotonic())
             if support is not None and support.all_made:
-                self._support_made(ref, body["metadata"].get("generation"))
+                self._support_made(ref, generation)
+            if again:
+                return 0.0
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
             log.warning("%s/%s: %s is in the way", namespace, name, err)
@@ -477,12 +432,13 @@ class Reconciler:
 
     def _ensured_lately(self, ref: JobRef, generation: object) -> bool:
         """Whether this job's support objects were all made sure of in the last
-        SUPPORT_RECHECK_SECONDS (its RayCluster then waited only for the checkpoint claim to
-        bind, and the six creates need not go out again)."""
+        SUPPORT_RECHECK_MAX_SECONDS, the longest a waiting job goes between checks: its
+        RayCluster or driver is then made without a round of creates of its own (at the end
+        of a recovery that round sat between the compute pods running and the new driver)."""
         with self._lock:
-            seen, when = self._ensured.get((ref.namespace, ref.name), ("", -1e18))
+            seen, when = self._ensured.get((ref.namespace, ref.name), ("", 0.0))
         return seen == f"{ref.uid}/{generation}" and \
-            self.monotonic() - when < SUPPORT_RECHECK_SECONDS
+            self.monotonic() - when < SUPPORT_RECHECK_MAX_SECONDS
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))
@@ -502,8 +458,12 @@ class Reconciler:
         self.kube.delete_pod(ref.namespace, names.driver_name(ref.name))
         self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
-    def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions,
-             restarts: int, support: Support | None) -> None:
+    def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions, restarts: int,
+             support: Support | None, check: bool = False,
+             cluster_present: bool = False) -> bool:
+        """Carry out `actions`: deletions first, then (when `check`) the support objects'
+        check, then patches and creates. Returns whether the job is to be looked at again at
+        once (its Ray token was replaced)."""
         ns = ref.namespace
         for pod in actions.delete_pods:
             self.kube.delete_pod(ns, pod, force=True)
@@ -515,7 +475,12 @@ class Reconciler:
         if actions.delete_cluster:
             self.kube.delete_raycluster(ns, names.raycluster_name(ref.name))
         if job.spec is None or support is None:
-            return
+            return False
+        # After the deletions: a due check does not hold up stopping a failed attempt.
+        if check and support.ensure() and cluster_present:
+            self._token_replaced(ref, body)
+            return True
+        generation = body["metadata"].get("generation")
         if actions.patch_cluster:
             # Patched before its outdated pods go, so KubeRay remakes them from the new spec
             # (one made from a stale cache is outdated too, and goes at the next reconcile).
@@ -523,12 +488,13 @@ class Reconciler:
         for pod in actions.replace_pods:
             self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
-            if not self._ensured_lately(ref, body["metadata"].get("generation")):
+            if not self._ensured_lately(ref, generation):
                 support.ensure()
             self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
         if actions.create_driver is not None:
-            if support.ensure():
+            if not self._ensured_lately(ref, generation) and support.ensure():
                 self._token_replaced(ref, body)
-                return
+                return True
             self.kube.create(builders.build_driver(ref, job.spec, restarts,
                                                    list(actions.create_driver)), ref.uid)
+        return False

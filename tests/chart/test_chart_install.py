@@ -182,8 +182,6 @@ def test_service_account_holds_no_more_than_the_operator_uses(
                            ("patch", "rayclusters.ray.io")]:
         assert _can(cluster, token, verb, resource, namespace), f"cannot {verb} {resource}"
     assert _can(cluster, token, "list", "nodes", None)
-    assert _can(cluster, token, "get", "storageclasses.storage.k8s.io", None)
-    assert not _can(cluster, token, "list", "storageclasses.storage.k8s.io", None)
     for verb, resource in [("get", "secrets"), ("update", "secrets"), ("list", "secrets"),
                            ("delete", "persistentvolumeclaims"), ("delete", "rljobs.rljob.io"),
                            ("patch", "rljobs.rljob.io"), ("create", "pods/exec"),

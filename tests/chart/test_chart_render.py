@@ -111,9 +111,7 @@ def test_namespace_scope_grants_namespaced_rights_only_in_the_watched_namespace(
     assert role["metadata"]["namespace"] == "team-a"
     assert one(manifests, "RoleBinding")["metadata"]["namespace"] == "team-a"
     cluster = one(manifests, "ClusterRole")
-    assert cluster["rules"] == [
-        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
-        {"apiGroups": ["storage.k8s.io"], "resources": ["storageclasses"], "verbs": ["get"]}]
+    assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
     args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a"]
 

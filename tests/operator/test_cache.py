@@ -511,48 +511,26 @@ def test_a_create_in_a_namespace_being_deleted_is_told_from_other_refusals() -> 
     assert not terminating_namespace(refusal(409, dying))
 
 
-class _Claims(_FakeApi):
-    """Answers claim reads from plain values and counts them."""
-
-    modes: tuple[str, ...] | None = ("ReadWriteMany",)
-    phase = "Bound"
-
-    def read_claim(self, namespace: str, name: str) -> Any:
-        from rljob_operator.observe import ClaimView
-
-        self.reads.append(f"get claim {name}")
-        return None if self.modes is None else ClaimView(self.modes, self.phase, "fast")
-
-
-def _view(rec: Any, claim: str, until_bound: bool = False) -> Any:
-    return rec._claim("ns", "j", claim, until_bound=until_bound)
-
-
-def _modes(rec: Any, claim: str) -> tuple[str, ...] | None:
-    found = _view(rec, claim)
-    return None if found is None else found.access_modes
-
-
 def test_a_checkpoint_claims_modes_are_read_until_found_then_remembered() -> None:
-    api = _Claims(None, [], "1")
-    api.modes = None
+    class Claims(_FakeApi):
+        modes: tuple[str, ...] | None = None
+
+        def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+            self.reads.append(f"get claim {name}")
+            return self.modes
+
+    api = Claims(None, [], "1")
     rec = _reconciler(api, Store(), [0.0])
-    assert _modes(rec, "ckpt") is None
-    assert _modes(rec, "ckpt") is None  # missing: asked again
+    assert rec._claim_modes("ns", "j", "ckpt") is None
+    assert rec._claim_modes("ns", "j", "ckpt") is None  # missing: asked again
     api.modes = ("ReadWriteMany",)
-    assert _modes(rec, "ckpt") == ("ReadWriteMany",)
-    assert _modes(rec, "ckpt") == ("ReadWriteMany",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
     assert len(api.reads) == 3
-    _modes(rec, "other")  # the spec names another claim
+    rec._claim_modes("ns", "j", "other")  # the spec names another claim
     rec.forget("ns", "j")
-    _modes(rec, "other")
+    rec._claim_modes("ns", "j", "other")
     assert len(api.reads) == 5
-    api.phase = "Pending"  # a claim not bound yet: read again while the job waits for it
-    rec.forget("ns", "j")
-    assert [_view(rec, "ckpt", until_bound=True).phase for _ in range(2)] == ["Pending"] * 2
-    api.phase = "Bound"
-    assert [_view(rec, "ckpt", until_bound=True).phase for _ in range(2)] == ["Bound"] * 2
-    assert len(api.reads) == 8  # remembered once bound
 
 
 def test_a_checkpoint_claims_modes_are_read_again_when_the_job_waits_for_pods() -> None:
@@ -563,22 +541,29 @@ def test_a_checkpoint_claims_modes_are_read_again_when_the_job_waits_for_pods() 
     of leaving its pods waiting on a volume they cannot share."""
     from rljob_operator.builders import JobRef
 
-    api = _Claims(None, [], "1")
+    class Claims(_FakeApi):
+        modes: tuple[str, ...] | None = ("ReadWriteMany",)
+
+        def claim_access_modes(self, namespace: str, name: str) -> tuple[str, ...] | None:
+            self.reads.append(f"get claim {name}")
+            return self.modes
+
+    api = Claims(None, [], "1")
     now = [0.0]
     rec = _reconciler(api, Store(), now)
     ref = JobRef("j", "ns", "u-1")
     assert rec._support_due(ref, 1, waiting=True)  # the job starts
-    assert _modes(rec, "ckpt") == ("ReadWriteMany",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
     assert not rec._support_due(ref, 1, waiting=False)  # it runs
     api.modes = ("ReadWriteOnce",)  # deleted and made again behind its back
     for t in (20.0, 400.0):
         now[0] = t
-        assert _modes(rec, "ckpt") == ("ReadWriteMany",)
+        assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteMany",)
         assert not rec._support_due(ref, 1, waiting=False)
     assert len(api.reads) == 1  # running: never read again
     assert rec._support_due(ref, 1, waiting=True)  # a restart: pods start again
-    assert _modes(rec, "ckpt") == ("ReadWriteOnce",)
-    assert _modes(rec, "ckpt") == ("ReadWriteOnce",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteOnce",)
+    assert rec._claim_modes("ns", "j", "ckpt") == ("ReadWriteOnce",)
     assert len(api.reads) == 2  # once per support check
 
 
@@ -740,21 +725,6 @@ class _MiniApi:
     def sync_configmap(self, obj: Obj, uid: str) -> bool:
         return self.create(obj, uid)
 
-    claim_phase = "Bound"  # what a claim made is, as the volume provisioner leaves it
-    binding: str | None = "Immediate"  # the StorageClass's volumeBindingMode
-
-    def read_claim(self, namespace: str, name: str) -> Any:
-        from rljob_operator.observe import ClaimView
-
-        self.creates.append("get claim")
-        if ("PersistentVolumeClaim", name) not in self.objects:
-            return None
-        return ClaimView(("ReadWriteMany",), self.claim_phase, "standard")
-
-    def binding_mode(self, storage_class: str) -> str | None:
-        self.creates.append("get storageclass")
-        return self.binding
-
     def apply_status(self, namespace: str, name: str, status: Obj) -> None:
         meta = self.job["metadata"]
         self.job = {**self.job, "status": status,
@@ -778,12 +748,9 @@ def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_r
     api = _MiniApi(body)
     now = [0.0]
     rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
-    assert rec.reconcile("ns", "j") == 0.25  # the claim is made now: looked at again soon
-    now[0] = 0.25
-    rec.reconcile("ns", "j")  # bound: the RayCluster
+    rec.reconcile("ns", "j")
     assert sorted(api.creates) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster", "Role",
-                                   "RoleBinding", "Secret", "ServiceAccount", "get claim",
-                                   "get claim"]
+                                   "RoleBinding", "Secret", "ServiceAccount"]
     assert api.job["status"]["phase"] == "Pending"
     spec = next(key for key in api.objects if key[0] == "ConfigMap")
     del api.objects[spec]  # deleted behind the job's back
@@ -798,72 +765,33 @@ def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_r
     assert "RayCluster" not in api.creates  # it exists and is cached: not sent again
 
 
-def _waiting_job(now: list[float]) -> tuple[_MiniApi, Any]:
-    from tests.operator.harness import job_manifest
+def test_while_one_reconcile_lists_the_nodes_the_others_take_the_list_held() -> None:
+    """A list of thousands of nodes takes a while: a job whose nodes are all Ready in the list
+    held does not wait for it; one using a node the held list lacks waits for the new one."""
+    release = threading.Event()
+    listing = threading.Event()
+    cluster = {"n1"}
 
-    body = job_manifest("j", "pool")
-    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
-                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    api = _MiniApi(body)
-    return api, _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+    def lister(consistent: bool) -> list[Obj]:
+        if len(cluster) > 1:  # the second list: held until released
+            listing.set()
+            assert release.wait(10)
+        return [node(n) for n in sorted(cluster)]
 
-
-def _conditions(api: _MiniApi) -> dict[str, Obj]:
-    return {c["type"]: c for c in api.job["status"]["conditions"]}
-
-
-def test_the_raycluster_waits_for_a_checkpoint_claim_that_binds_at_once() -> None:
-    """A claim of an Immediate class that is not bound yet: no RayCluster (its pods would be
-    turned away by the scheduler), the status names the claim, the operator looks again ever
-    less often; once bound, the RayCluster comes and the binding mode is not read again."""
-    now = [0.0]
-    api, rec = _waiting_job(now)
-    api.claim_phase = "Pending"
-    waits = []
-    for t in (0.0, 1.0, 2.0, 8.0, 100.0):
-        now[0] = t
-        waits.append(rec.reconcile("ns", "j"))
-    assert waits == [0.25, 0.25, 0.5, 2.0, 10.0]
-    assert "RayCluster" not in api.creates
-    assert api.creates.count("get storageclass") == 1  # remembered
-    cond = _conditions(api)
-    assert (cond["Scheduled"]["reason"], cond["Started"]["reason"]) == (
-        "WaitingForVolume", "CheckpointVolumeNotBound")
-    assert "the checkpoint claim j-checkpoints is Pending" in cond["Scheduled"]["message"]
-    assert "StorageClass standard binds volumes at once" in cond["Scheduled"]["message"]
-    assert api.job["status"]["phase"] == "Pending"
-    api.claim_phase = "Bound"
-    now[0] = 110.0
-    rec.reconcile("ns", "j")
-    assert "RayCluster" in api.creates
-    assert _conditions(api)["Scheduled"]["reason"] == "WaitingForPods"
-    reads = api.creates.count("get claim")
-    now[0] = 120.0
-    rec.reconcile("ns", "j")
-    assert api.creates.count("get claim") == reads  # the cluster exists: the claim is not read
-
-
-@pytest.mark.parametrize("binding", ["WaitForFirstConsumer", None])
-def test_a_claim_bound_on_first_use_or_of_an_unreadable_class_is_not_waited_for(
-        binding: str | None) -> None:
-    """WaitForFirstConsumer binds only once a pod is scheduled, so waiting would wait for
-    ever; a class that does not exist or may not be read leaves the scheduler to say."""
-    now = [0.0]
-    api, rec = _waiting_job(now)
-    api.claim_phase, api.binding = "Pending", binding
-    rec.reconcile("ns", "j")  # the claim is made
-    now[0] = 0.25
-    rec.reconcile("ns", "j")
-    assert "RayCluster" in api.creates
-
-
-def test_a_missing_claim_of_the_users_is_named_with_its_field() -> None:
-    now = [0.0]
-    api, rec = _waiting_job(now)
-    api.job["spec"]["checkpoint"]["pvc"] = "shared"
-    for t in (0.0, 30.0):
-        now[0] = t
-        rec.reconcile("ns", "j")
-    assert "RayCluster" not in api.creates
-    message = _conditions(api)["Started"]["message"]
-    assert message.startswith("spec.checkpoint.pvc: the claim shared does not exist")
+    nodes = NodeCache(lister, ttl=0.0, min_age=0.0)
+    assert [n["metadata"]["name"] for n in nodes.get(["n1"])] == ["n1"]
+    cluster.add("n2")
+    slow: list[list[Obj]] = []
+    reader = threading.Thread(target=lambda: slow.append(nodes.get(["n1"])))
+    reader.start()
+    assert listing.wait(10)
+    assert [n["metadata"]["name"] for n in nodes.get(["n1"], hurry=True)] == ["n1"]  # at once
+    waiter: list[list[Obj]] = []
+    new_node = threading.Thread(target=lambda: waiter.append(nodes.get(["n2"])))
+    new_node.start()
+    new_node.join(0.5)
+    assert new_node.is_alive()  # n2 is not in the list held: it waits for the read
+    release.set()
+    reader.join(10)
+    new_node.join(10)
+    assert [n["metadata"]["name"] for n in waiter[0]] == ["n2"] and slow

@@ -79,6 +79,11 @@ def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
                     and k.split()[1] in ("pods", "rayclusters", "rljobs")}, kinds
         # What it did write: the status, the driver's delete and create.
         assert kinds["patch rljobs/status"] >= 1 and kinds["create pods"] >= 1, kinds
+        # The objects the pods mount are checked when the wait begins (then 10, 30, 70 s
+        # on), not once more just before the new driver.
+        waited = (end - start).total_seconds()
+        checks = 1 + sum(1 for t in (10, 30, 70, 150) if waited >= t)
+        assert 1 <= kinds["create secrets"] <= checks, (kinds, waited)
         assert {k.split()[0] for k in kinds} <= WRITES | {"list"}, kinds
 
         # Deleted: its children go by garbage collection, and nothing of it stays in the

@@ -158,15 +158,18 @@ def test_too_few_gpus_is_pending_with_the_scheduler_reason(
     cluster.apply(job_manifest("big", namespace), "-n", namespace)
 
     def unschedulable() -> dict[str, Any] | None:
+        # The pods come with the job's claim, so the scheduler may first turn them away for
+        # the claim not bound yet; once it is, they are refused for the GPUs alone.
         st = status(cluster, namespace, "big")
         conds = {c["type"]: c for c in st.get("conditions", [])}
         cond = conds.get("Scheduled")
         return cond if st.get("phase") == "Pending" and cond and \
-            cond["reason"] == "Unschedulable" else None
+            cond["reason"] == "Unschedulable" and \
+            "Insufficient nvidia.com/gpu" in cond["message"] else None
 
-    cond = wait_for(unschedulable, timeout=60, what="Pending with Scheduled=False")
+    cond = wait_for(unschedulable, timeout=60, what="Pending with Scheduled=False for GPUs",
+                    describe=lambda: json.dumps(status(cluster, namespace, "big")))
     assert cond["status"] == "False"
-    assert "Insufficient nvidia.com/gpu" in cond["message"]
     stuck = [p["metadata"]["name"] for p in pods(cluster, namespace, "big")
              if not p["spec"].get("nodeName")]
     assert stuck and all(name in cond["message"] for name in stuck)

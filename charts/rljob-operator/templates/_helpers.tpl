@@ -85,16 +85,11 @@ the job's UID, so one that exists is the job's own). */}}
   verbs: ["create"]
 {{- end -}}
 
-{{/* Nodes and StorageClasses are cluster-scoped: listing nodes (lost-node detection) and
-reading a class's binding mode (whether the checkpoint claim binds at once) need a
-ClusterRole. */}}
-{{- define "rljob-operator.clusterReadRules" -}}
+{{/* Nodes are cluster-scoped: listing them (lost-node detection) needs a ClusterRole. */}}
+{{- define "rljob-operator.nodeRules" -}}
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list"]
-- apiGroups: ["storage.k8s.io"]
-  resources: ["storageclasses"]
-  verbs: ["get"]
 {{- end -}}
 
 {{/* Cluster-wide kopf discovers resources by watching CRDs (scanning is off per namespace). */}}
