@@ -211,15 +211,7 @@ class Kube:
                 raise
             self._adopt(kind, ns, obj["metadata"]["name"], owner_uid)
             return False
-        # Made here with the job's owner reference: a later create that meets it needs no
-        # read to know it is the job's.
-        self._own((ns, kind, obj["metadata"]["name"], owner_uid))
         return True
-
-    def _own(self, key: tuple[str, str, str, str]) -> None:
-        if len(self._owned) >= MAX_KNOWN_OWNED:
-            self._owned.clear()
-        self._owned.add(key)
 
     def _adopt(self, kind: str, namespace: str, name: str, uid: str) -> None:
         """After a 409: return if the existing object is the RLJob's, raise otherwise."""
@@ -229,7 +221,9 @@ class Kube:
         found = self.in_the_way(kind, namespace, name, uid)
         if found is not None:
             raise ObjectInTheWay(found)
-        self._own(key)
+        if len(self._owned) >= MAX_KNOWN_OWNED:
+            self._owned.clear()
+        self._owned.add(key)
 
     def sync_configmap(self, obj: Obj, owner_uid: str) -> bool:
         """Create the ConfigMap, or bring the data of the job's own one up to date; True when

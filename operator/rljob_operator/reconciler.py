@@ -178,8 +178,8 @@ class Reconciler:
         # wait before the next check).
         self._support_at: dict[tuple[str, str], tuple[str, float, float]] = {}
         # When each job's support objects were last all made sure of (uid and generation,
-        # when): a RayCluster or driver made within SUPPORT_RECHECK_MAX_SECONDS of that needs
-        # no round of creates of its own.
+        # when): a RayCluster or driver made within SUPPORT_RECHECK_SECONDS of that needs no
+        # round of creates of its own.
         self._ensured: dict[tuple[str, str], tuple[str, float]] = {}
         # Per job, its checkpoint claim's name and access modes once found.
         self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
@@ -432,13 +432,14 @@ class Reconciler:
 
     def _ensured_lately(self, ref: JobRef, generation: object) -> bool:
         """Whether this job's support objects were all made sure of in the last
-        SUPPORT_RECHECK_MAX_SECONDS, the longest a waiting job goes between checks: its
-        RayCluster or driver is then made without a round of creates of its own (at the end
-        of a recovery that round sat between the compute pods running and the new driver)."""
+        SUPPORT_RECHECK_SECONDS: its RayCluster or driver is then made without a round of
+        creates of its own (at the end of a recovery, whose wait begins with a check, that
+        round sat between the compute pods running and the new driver). One deleted in that
+        window is made again at the next check."""
         with self._lock:
             seen, when = self._ensured.get((ref.namespace, ref.name), ("", 0.0))
         return seen == f"{ref.uid}/{generation}" and \
-            self.monotonic() - when < SUPPORT_RECHECK_MAX_SECONDS
+            self.monotonic() - when < SUPPORT_RECHECK_SECONDS
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))
@@ -459,8 +460,7 @@ class Reconciler:
         self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions, restarts: int,
-             support: Support | None, check: bool = False,
-             cluster_present: bool = False) -> bool:
+             support: Support | None, check: bool, cluster_present: bool) -> bool:
         """Carry out `actions`: deletions first, then (when `check`) the support objects'
         check, then patches and creates. Returns whether the job is to be looked at again at
         once (its Ray token was replaced)."""
@@ -477,7 +477,7 @@ class Reconciler:
         if job.spec is None or support is None:
             return False
         # After the deletions: a due check does not hold up stopping a failed attempt.
-        if check and support.ensure() and cluster_present:
+        if check and support.ensure() and cluster_present and not actions.delete_cluster:
             self._token_replaced(ref, body)
             return True
         generation = body["metadata"].get("generation")

@@ -795,3 +795,59 @@ def test_while_one_reconcile_lists_the_nodes_the_others_take_the_list_held() -> 
     reader.join(10)
     new_node.join(10)
     assert [n["metadata"]["name"] for n in waiter[0]] == ["n2"] and slow
+
+
+def test_a_node_not_ready_in_the_list_held_waits_for_the_list_being_read() -> None:
+    """Whether that node is lost is decided on a new list only: a reconcile using it waits for
+    the read in progress and gets the node as that list shows it."""
+    release = threading.Event()
+    listing = threading.Event()
+    ready = {"n1": False}
+    calls = [0]
+
+    def lister(consistent: bool) -> list[Obj]:
+        calls[0] += 1
+        if calls[0] == 3:  # the reader's list: held until released
+            listing.set()
+            assert release.wait(10)
+        return [node(n, r) for n, r in ready.items()]
+
+    nodes = NodeCache(lister, ttl=0.0, min_age=0.0)
+    nodes.get(["n1"])  # a list, then (n1 not Ready) one from etcd
+    ready["n1"] = True
+    reader = threading.Thread(target=lambda: nodes.get([]))
+    reader.start()
+    assert listing.wait(10)
+    got: list[list[Obj]] = []
+    user = threading.Thread(target=lambda: got.append(nodes.get(["n1"])))
+    user.start()
+    release.set()
+    user.join(10)
+    reader.join(10)
+    assert got[0][0]["status"]["conditions"][0]["status"] == "True"  # from the new list
+
+
+def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -> None:
+    """Within SUPPORT_RECHECK_SECONDS of a check, a RayCluster (or driver) is made without a
+    round of creates of its own; later, the round goes out first."""
+    from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS
+    from tests.operator.harness import job_manifest
+
+    body = job_manifest("j", "pool")
+    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
+                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
+    api = _MiniApi(body)
+    now = [0.0]
+    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+    rec.reconcile("ns", "j")
+    cluster = next(key for key in api.objects if key[0] == "RayCluster")
+    for t, creates in ((SUPPORT_RECHECK_SECONDS / 2, ["RayCluster"]),
+                       (3 * SUPPORT_RECHECK_SECONDS, ["ConfigMap", "PersistentVolumeClaim",
+                                                      "RayCluster", "Role", "RoleBinding",
+                                                      "Secret", "ServiceAccount"])):
+        del api.objects[cluster]  # gone (say, deleted for a restart)
+        api.vanished(RAYCLUSTER, "ns", cluster[1])
+        api.creates.clear()
+        now[0] = t
+        rec.reconcile("ns", "j")
+        assert sorted(api.creates) == creates
