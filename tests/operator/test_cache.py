@@ -734,6 +734,10 @@ class _MiniApi:
     def post_event(self, job: Obj, event: Any) -> None:
         pass
 
+    def delete_pod(self, namespace: str, name: str, force: bool = False,
+                   grace_s: int | None = None) -> None:
+        self.creates.append(f"delete pod {name}")
+
 
 def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
     """Through `reconcile()`: the first reconcile makes the job's six support objects and its
@@ -851,3 +855,26 @@ def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -
         now[0] = t
         rec.reconcile("ns", "j")
         assert sorted(api.creates) == creates
+
+
+def test_a_due_check_that_fails_does_not_hold_up_stopping_the_driver() -> None:
+    """The support objects' check goes after the reconcile's deletions: an API server too busy
+    for the check still gets the failed attempt's driver deletion first."""
+    from rljob_operator.builders import JobRef
+    from rljob_operator.decide import Actions, parse_job
+    from tests.operator.harness import job_manifest
+
+    body = job_manifest("j", "pool")
+    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
+                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
+    api = _MiniApi(body)
+    rec = _reconciler(api, Store(), [0.0])  # type: ignore[arg-type]
+
+    class Busy:
+        def ensure(self) -> bool:
+            raise ConnectionError("the API server is busy")
+
+    with pytest.raises(ConnectionError):
+        rec._act(JobRef.of(body), body, parse_job(body), Actions(delete_driver=True), 1,
+                 Busy(), check=True, cluster_present=True)
+    assert api.creates == ["delete pod j-driver"]
