@@ -739,17 +739,23 @@ class _MiniApi:
         self.creates.append(f"delete pod {name}")
 
 
-def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
-    """Through `reconcile()`: the first reconcile makes the job's six support objects and its
-    RayCluster; while its pods wait, the next ones send no creates until the longest recheck
-    interval, when the ConfigMap deleted behind the job's back is made again."""
-    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
+def _mini_job() -> _MiniApi:
+    """A new RLJob (job_manifest's small job) as the API server returns it."""
     from tests.operator.harness import job_manifest
 
     body = job_manifest("j", "pool")
     body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
                         "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    api = _MiniApi(body)
+    return _MiniApi(body)
+
+
+def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
+    """Through `reconcile()`: the first reconcile makes the job's six support objects and its
+    RayCluster; while its pods wait, the next ones send no creates until the longest recheck
+    interval, when the ConfigMap deleted behind the job's back is made again."""
+    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
+
+    api = _mini_job()
     now = [0.0]
     rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
     rec.reconcile("ns", "j")
@@ -835,12 +841,8 @@ def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -
     """Within SUPPORT_RECHECK_SECONDS of a check, a RayCluster (or driver) is made without a
     round of creates of its own; later, the round goes out first."""
     from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS
-    from tests.operator.harness import job_manifest
 
-    body = job_manifest("j", "pool")
-    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
-                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    api = _MiniApi(body)
+    api = _mini_job()
     now = [0.0]
     rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
     rec.reconcile("ns", "j")
@@ -862,12 +864,9 @@ def test_a_due_check_that_fails_does_not_hold_up_stopping_the_driver() -> None:
     for the check still gets the failed attempt's driver deletion first."""
     from rljob_operator.builders import JobRef
     from rljob_operator.decide import Actions, parse_job
-    from tests.operator.harness import job_manifest
 
-    body = job_manifest("j", "pool")
-    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
-                        "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    api = _MiniApi(body)
+    api = _mini_job()
+    body = api.job
     rec = _reconciler(api, Store(), [0.0])  # type: ignore[arg-type]
 
     class Busy:
