@@ -112,6 +112,12 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _spec_version(ref: JobRef, generation: object) -> str:
+    """Which job and spec a support check was for: a new job of the same name, or an edited
+    spec, is checked again."""
+    return f"{ref.uid}/{generation}"
+
+
 class Support:
     """What the pods need before they start: RBAC, the Ray token, the checkpoint claim and
     the spec, made (if missing) at most once per reconcile, all of them before the
@@ -379,7 +385,7 @@ class Reconciler:
                               check=due, cluster_present=observed.cluster == "present")
             if support is not None and support.ran:
                 with self._lock:
-                    self._ensured[(namespace, name)] = (f"{ref.uid}/{generation}",
+                    self._ensured[(namespace, name)] = (_spec_version(ref, generation),
                                                         self.monotonic())
             if support is not None and support.all_made:
                 self._support_made(ref, generation)
@@ -408,7 +414,7 @@ class Reconciler:
             if not waiting:
                 self._support_at.pop(key, None)
                 return False
-            version = f"{ref.uid}/{generation}"
+            version = _spec_version(ref, generation)
             seen, last, wait = self._support_at.get(key, ("", 0.0, 0.0))
             if seen == version and now - last < wait:
                 return False
@@ -428,7 +434,7 @@ class Reconciler:
         once."""
         with self._lock:
             self._support_at[(ref.namespace, ref.name)] = (
-                f"{ref.uid}/{generation}", self.monotonic(), SUPPORT_RECHECK_MAX_SECONDS)
+                _spec_version(ref, generation), self.monotonic(), SUPPORT_RECHECK_MAX_SECONDS)
 
     def _ensured_lately(self, ref: JobRef, generation: object) -> bool:
         """Whether this job's support objects were all made sure of in the last
@@ -438,7 +444,7 @@ class Reconciler:
         window is made again at the next check."""
         with self._lock:
             seen, when = self._ensured.get((ref.namespace, ref.name), ("", 0.0))
-        return seen == f"{ref.uid}/{generation}" and \
+        return seen == _spec_version(ref, generation) and \
             self.monotonic() - when < SUPPORT_RECHECK_SECONDS
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
