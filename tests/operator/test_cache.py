@@ -694,6 +694,7 @@ class _MiniApi:
         self.job = job
         self.objects: dict[tuple[str, str], Obj] = {}
         self.creates: list[str] = []
+        self.events: list[str] = []
         self.written: Any = None
         self.removed: Any = None
         self.vanished: Any = None
@@ -732,11 +733,15 @@ class _MiniApi:
         self.written(RLJOB, self.job)
 
     def post_event(self, job: Obj, event: Any) -> None:
-        pass
+        self.events.append(event.reason)
 
     def delete_pod(self, namespace: str, name: str, force: bool = False,
                    grace_s: int | None = None) -> None:
         self.creates.append(f"delete pod {name}")
+
+    def delete_raycluster(self, namespace: str, name: str) -> None:
+        self.creates.append(f"delete RayCluster {name}")
+        self.objects.pop(("RayCluster", name), None)
 
 
 def _mini_job() -> _MiniApi:
@@ -877,3 +882,44 @@ def test_a_due_check_that_fails_does_not_hold_up_stopping_the_driver() -> None:
         rec._act(JobRef.of(body), body, parse_job(body), Actions(delete_driver=True), 1,
                  Busy(), check=True, cluster_present=True)
     assert api.creates == ["delete pod j-driver"]
+
+
+def test_a_token_made_anew_before_a_driver_recreates_the_raycluster_instead() -> None:
+    """A driver is about to be made while the Ray token Secret is gone (deleted behind the
+    job's back after the last check): the round of creates before it makes a new token, which
+    the running RayCluster's pods do not have, so no driver is made with it; the driver and
+    the RayCluster go instead (RayTokenReplaced), for the next reconcile to make anew. With
+    the token still there, the same action makes the driver."""
+    from rljob_operator.builders import JobRef
+    from rljob_operator.decide import Actions, parse_job
+    from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS, Support
+
+    def attempt(token_deleted: bool) -> None:
+        api = _mini_job()
+        now = [0.0]
+        rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+        rec.reconcile("ns", "j")  # the support objects and the RayCluster
+        if token_deleted:
+            del api.objects[next(key for key in api.objects if key[0] == "Secret")]
+        api.creates.clear()
+        now[0] = 3 * SUPPORT_RECHECK_SECONDS  # no check lately: the round goes out first
+        body, ref = api.job, JobRef.of(api.job)
+        job = parse_job(body)
+        assert job.spec is not None
+        again = rec._act(ref, body, job, Actions(create_driver=()), 0,
+                         Support(api, ref, body, job.spec, rec._pool),  # type: ignore[arg-type]
+                         check=False, cluster_present=True)
+        made = [c for c in api.creates if not c.startswith("delete")]
+        if token_deleted:
+            assert again
+            assert "Pod" not in made and "Secret" in made
+            assert [c for c in api.creates if c.startswith("delete")] == [
+                "delete pod j-driver", "delete RayCluster j"]
+            assert "RayTokenReplaced" in api.events
+            assert not any(kind == "RayCluster" for kind, _ in api.objects)
+        else:
+            assert not again
+            assert made[-1] == "Pod" and "RayTokenReplaced" not in api.events
+
+    attempt(token_deleted=True)
+    attempt(token_deleted=False)
