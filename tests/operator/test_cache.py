@@ -741,7 +741,8 @@ class _MiniApi:
 
     def delete_raycluster(self, namespace: str, name: str) -> None:
         self.creates.append(f"delete RayCluster {name}")
-        self.objects.pop(("RayCluster", name), None)
+        if self.objects.pop(("RayCluster", name), None) is not None:
+            self.vanished(RAYCLUSTER, namespace, name)
 
 
 def _mini_job() -> _MiniApi:
@@ -885,41 +886,45 @@ def test_a_due_check_that_fails_does_not_hold_up_stopping_the_driver() -> None:
 
 
 def test_a_token_made_anew_before_a_driver_recreates_the_raycluster_instead() -> None:
-    """A driver is about to be made while the Ray token Secret is gone (deleted behind the
-    job's back after the last check): the round of creates before it makes a new token, which
-    the running RayCluster's pods do not have, so no driver is made with it; the driver and
-    the RayCluster go instead (RayTokenReplaced), for the next reconcile to make anew. With
-    the token still there, the same action makes the driver."""
+    """A driver is about to be made while a support object is gone (deleted behind the job's
+    back after the last check). Without a check in the last SUPPORT_RECHECK_SECONDS the round
+    of creates goes out first and makes it again. If it was the Ray token Secret, the new
+    token is one the running RayCluster's pods do not have, so no driver is made with it:
+    the driver and the RayCluster go instead (RayTokenReplaced), for the next reconcile to
+    make anew. Any other support object made again does not stop the driver; within the
+    window after a check, the driver is made with no round of creates at all."""
     from rljob_operator.builders import JobRef
     from rljob_operator.decide import Actions, parse_job
     from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS, Support
 
-    def attempt(token_deleted: bool) -> None:
+    def attempt(deleted: str, at: float) -> tuple[_MiniApi, bool, list[str]]:
         api = _mini_job()
         now = [0.0]
         rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
-        rec.reconcile("ns", "j")  # the support objects and the RayCluster
-        if token_deleted:
-            del api.objects[next(key for key in api.objects if key[0] == "Secret")]
+        rec.reconcile("ns", "j")  # the support objects (a check) and the RayCluster
+        gone = next(key for key in api.objects if key[0] == deleted)
+        del api.objects[gone]
         api.creates.clear()
-        now[0] = 3 * SUPPORT_RECHECK_SECONDS  # no check lately: the round goes out first
+        now[0] = at
         body, ref = api.job, JobRef.of(api.job)
         job = parse_job(body)
         assert job.spec is not None
         again = rec._act(ref, body, job, Actions(create_driver=()), 0,
                          Support(api, ref, body, job.spec, rec._pool),  # type: ignore[arg-type]
                          check=False, cluster_present=True)
-        made = [c for c in api.creates if not c.startswith("delete")]
-        if token_deleted:
-            assert again
-            assert "Pod" not in made and "Secret" in made
-            assert [c for c in api.creates if c.startswith("delete")] == [
-                "delete pod j-driver", "delete RayCluster j"]
-            assert "RayTokenReplaced" in api.events
-            assert not any(kind == "RayCluster" for kind, _ in api.objects)
-        else:
-            assert not again
-            assert made[-1] == "Pod" and "RayTokenReplaced" not in api.events
+        return api, again, [kind for kind, _ in api.objects]
 
-    attempt(token_deleted=True)
-    attempt(token_deleted=False)
+    later = 3 * SUPPORT_RECHECK_SECONDS
+    api, again, kinds = attempt("Secret", later)
+    assert again and "Secret" in kinds  # the token made anew by the round of creates
+    assert "Pod" not in api.creates and "RayTokenReplaced" in api.events
+    assert sorted(c for c in api.creates if c.startswith("delete")) == [
+        "delete RayCluster j", "delete pod j-driver"]
+
+    api, again, kinds = attempt("ConfigMap", later)
+    assert not again and "ConfigMap" in kinds and "Pod" in kinds
+    assert "RayTokenReplaced" not in api.events and "RayCluster" in kinds
+
+    api, again, kinds = attempt("Secret", SUPPORT_RECHECK_SECONDS / 2)
+    assert not again and api.creates == ["Pod"]  # no round of creates: the next check makes it
+    assert "Secret" not in kinds
