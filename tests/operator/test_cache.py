@@ -755,16 +755,23 @@ def _mini_job() -> _MiniApi:
     return _MiniApi(body)
 
 
+def _mini_job_reconciled() -> tuple[_MiniApi, list[float], Any]:
+    """`_mini_job` after its first reconcile at time 0 (a support check, the RayCluster made),
+    with the reconciler and the clock its tests move."""
+    api = _mini_job()
+    now = [0.0]
+    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+    rec.reconcile("ns", "j")
+    return api, now, rec
+
+
 def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
     """Through `reconcile()`: the first reconcile makes the job's six support objects and its
     RayCluster; while its pods wait, the next ones send no creates until the longest recheck
     interval, when the ConfigMap deleted behind the job's back is made again."""
     from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
 
-    api = _mini_job()
-    now = [0.0]
-    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
-    rec.reconcile("ns", "j")
+    api, now, rec = _mini_job_reconciled()
     assert sorted(api.creates) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster", "Role",
                                    "RoleBinding", "Secret", "ServiceAccount"]
     assert api.job["status"]["phase"] == "Pending"
@@ -848,10 +855,7 @@ def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -
     round of creates of its own; later, the round goes out first."""
     from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS
 
-    api = _mini_job()
-    now = [0.0]
-    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
-    rec.reconcile("ns", "j")
+    api, now, rec = _mini_job_reconciled()
     cluster = next(key for key in api.objects if key[0] == "RayCluster")
     for t, creates in ((SUPPORT_RECHECK_SECONDS / 2, ["RayCluster"]),
                        (3 * SUPPORT_RECHECK_SECONDS, ["ConfigMap", "PersistentVolumeClaim",
@@ -898,10 +902,7 @@ def test_a_token_made_anew_before_a_driver_recreates_the_raycluster_instead() ->
     from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS, Support
 
     def attempt(deleted: str, at: float) -> tuple[_MiniApi, bool, list[str]]:
-        api = _mini_job()
-        now = [0.0]
-        rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
-        rec.reconcile("ns", "j")  # the support objects (a check) and the RayCluster
+        api, now, rec = _mini_job_reconciled()
         gone = next(key for key in api.objects if key[0] == deleted)
         del api.objects[gone]
         api.creates.clear()
