@@ -68,3 +68,22 @@ def check_policy_logprobs(
                 for a, b in zip(ra, rb, strict=True))
     assert moved > 1e-4
     return before
+
+
+# The engine's log-prob of every token exceeds the trainer's by this many nats in
+# `with_engine_excess`: each token's ratio against the engine's starts at exp(−1) ≈ 0.37.
+ENGINE_EXCESS = 1.0
+# In `samples_of` (response lengths 2, 3, 4, 5, 2, 3, 4, 5, rewards 0, 1, 0, 1, ...) the
+# reward-0 half, 12 of the 28 response tokens, has a negative advantage; PPO's clip holds a
+# negative-advantage token whose ratio is below 1 − clipEps.
+NEGATIVE_ADVANTAGE_SHARE = 12 / 28
+
+
+def with_engine_excess(samples: list[dict[str, Any]], trainer_logprobs: list[list[float]]
+                       ) -> list[dict[str, Any]]:
+    """`samples` with engine log-probs ENGINE_EXCESS above the trainer's own: against them
+    every token of the first step is clipped that has a negative advantage, against the
+    trainer's none is (the ratio is 1)."""
+    for s, lp in zip(samples, trainer_logprobs, strict=True):
+        s["rollout_log_probs"] = [x + ENGINE_EXCESS for x in lp]
+    return samples

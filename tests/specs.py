@@ -154,6 +154,12 @@ BAD_SPECS: list[BadSpec] = [
         rule_message("self.maxBackoffSeconds >= self.backoffSeconds"),
     ),
     BadSpec(
+        "tis-with-rollout-old-logprobs",
+        {"algorithm.tis": {"enabled": True}, "algorithm.oldLogprobs": "rollout"},
+        "spec.algorithm",
+        rule_message("self.oldLogprobs != 'rollout'"),
+    ),
+    BadSpec(
         "dynamic-sampling-one-sample",
         {"algorithm.dynamicSampling": {"enabled": True}, "algorithm.nSamplesPerPrompt": 1,
          "algorithm.rolloutBatchSize": 128},

@@ -29,7 +29,7 @@ from rljob.sample import Sample, Status, version_number
 from rljob.tasks import DatasetError, Prompt, load_task
 from rljob.text_codec import load_codec
 from rljob.whereabouts import Locatable
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import OldLogprobs, RLJobSpec
 
 CONCURRENCY_PER_ENGINE = 64
 MAX_REFILLS = 8
@@ -302,17 +302,25 @@ class RolloutWorker(Locatable):
         return [s.to_json() for s in samples], stats
 
     def _check_log_probs(self, samples: list[Sample]) -> None:
-        """TIS weighs every token by the engine's log-prob: a sample without them would be
-        weighed against 0 and silently get a wrong weight, so it stops the run instead."""
-        if not self.spec.algorithm.tis.enabled:
+        """TIS weighs every token by the engine's log-prob, and `oldLogprobs: rollout` takes
+        it as the old policy: a sample without them would be measured against 0 and silently
+        get a wrong weight or clip, so it stops the run instead."""
+        if self.spec.algorithm.tis.enabled:
+            needed_by = "spec.algorithm.tis is enabled"
+            fix = "set spec.algorithm.tis.enabled false"
+        elif self.spec.old_logprobs() == OldLogprobs.rollout:
+            needed_by = ("spec.algorithm.oldLogprobs is rollout (the default with "
+                         "rollout.mode async)")
+            fix = "set spec.algorithm.oldLogprobs trainer"
+        else:
             return
         missing = sum(1 for s in samples if len(s.rollout_log_probs) != s.response_length)
         if missing:
             raise HookError(
-                f"spec.algorithm.tis is enabled but {missing} of {len(samples)} samples lack "
-                "the engine's log-prob of every response token; the generate function "
+                f"{needed_by} but {missing} of {len(samples)} samples lack the engine's "
+                "log-prob of every response token; the generate function "
                 f"{self.spec.generate.function} must set Sample.rollout_log_probs (one per "
-                "response token), or set spec.algorithm.tis.enabled false")
+                f"response token), or {fix}")
 
     def _eval_sampling(self) -> dict[str, Any]:
         """The training sampling settings, made greedy (temperature 0: the engines take the

@@ -92,6 +92,16 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         at=("algorithm",),
+        cel="!self.tis.enabled || !has(self.oldLogprobs) || self.oldLogprobs != 'rollout'",
+        message="spec.algorithm.tis weighs each token by the trainer's log-prob over the "
+        "engine's, and oldLogprobs rollout already takes the engine's as the old policy, so "
+        "the two corrections would be applied together; set oldLogprobs trainer (or leave it "
+        "unset), or tis.enabled false",
+        check=lambda a: not a["tis"]["enabled"] or a.get("oldLogprobs") != "rollout",
+        field_path=".oldLogprobs",
+    ),
+    Rule(
+        at=("algorithm",),
         cel="!self.dynamicSampling.enabled || self.nSamplesPerPrompt >= 2",
         message="spec.algorithm.dynamicSampling needs nSamplesPerPrompt >= 2 (a group of one "
         "response always has equal rewards, so every group would be dropped); raise "

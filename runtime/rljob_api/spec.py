@@ -55,6 +55,11 @@ class RolloutMode(str, Enum):
     async_ = "async"
 
 
+class OldLogprobs(str, Enum):
+    trainer = "trainer"
+    rollout = "rollout"
+
+
 class Placement(str, Enum):
     colocated = "colocated"
     disaggregated = "disaggregated"
@@ -397,6 +402,18 @@ class AlgorithmSpec(ApiModel):
     tis: TISSpec = Field(
         default_factory=TISSpec,
         description="Truncated importance sampling on the trainer/engine log-prob ratio.",
+    )
+    old_logprobs: OldLogprobs | None = Field(
+        None,
+        description=(
+            "The old policy of the loss's ratio and clip: `trainer` (the trainer's log-probs "
+            "of each sample, recomputed at its weights before the step) or `rollout` (the "
+            "engine's, of the weights that sampled it; slime's --use-rollout-logprobs). "
+            "Unset: `rollout` with rollout.mode async, where a sample comes from an earlier "
+            "version than the trainer's and the clip then bounds the step from the policy "
+            "that sampled it; `trainer` in sync mode and with tis, which weighs by the "
+            "ratio of the two."
+        ),
     )
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec,
@@ -764,3 +781,16 @@ class RLJobSpec(ApiModel):
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Node placement and suspension."
     )
+
+    def old_logprobs(self) -> OldLogprobs:
+        """The old policy the loss uses, `algorithm.oldLogprobs` or its default for the mode.
+
+        Async samples come from the version before the trainer's; measured on the tiny CPU
+        job (docs/algorithms.md), anchoring the clip there let async learn as sync does where
+        the trainer's recompute (with or without tis) lagged behind."""
+        chosen = self.algorithm.old_logprobs
+        if chosen is not None:
+            return chosen
+        if self.rollout.mode == RolloutMode.async_ and not self.algorithm.tis.enabled:
+            return OldLogprobs.rollout
+        return OldLogprobs.trainer

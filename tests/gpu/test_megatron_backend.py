@@ -276,3 +276,40 @@ def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Pat
                                  "", "cuda")
     check_policy_logprobs(actor.logprobs, actor.train, model_dir, samples)
     actor.sync.close()
+
+
+def test_actor_clips_against_the_engines_logprobs_with_old_logprobs_rollout(tmp_path: Path
+                                                                            ) -> None:
+    """`algorithm.oldLogprobs: rollout` in `MegatronTrainerActor.train`: the engine's
+    log-probs, one nat above the policy's, are the old policy the clip measures from, so
+    every negative-advantage token of the first step is clipped (none would be against the
+    trainer's own)."""
+    from transformers import AutoModelForCausalLM
+
+    from rljob.megatron_backend.actor import MegatronTrainerActor
+    from rljob.model_files import prepare_model
+    from tests.logprob_samples import (
+        ENGINE_EXCESS,
+        NEGATIVE_ADVANTAGE_SHARE,
+        TEMPERATURE,
+        samples_of,
+        with_engine_excess,
+    )
+    from tests.runtime.jobs import job_spec
+
+    spec = job_spec(tmp_path, {
+        "trainer": {"backend": "megatron", "gpusPerReplica": 1},
+        "rollout": {"sampling": {"temperature": TEMPERATURE}},
+        "algorithm": {"estimator": "grpo", "rolloutBatchSize": 2, "nSamplesPerPrompt": 4,
+                      "globalBatchSize": 8, "stepsPerRollout": 1, "microBatchSize": 4,
+                      "oldLogprobs": "rollout"},
+    })
+    model_dir = prepare_model(spec, tmp_path)
+    samples = samples_of(int(AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size))
+    actor = MegatronTrainerActor(spec.model_dump_json(by_alias=True), str(model_dir), 0, 1,
+                                 "", "cuda")
+    metrics = actor.train(with_engine_excess(samples, actor.logprobs(samples)), False)
+    actor.sync.close()
+    assert metrics["optimizer_steps"] == 1
+    assert metrics["logprob_gap"] == pytest.approx(ENGINE_EXCESS, abs=1e-4)
+    assert metrics["clipfrac"] == pytest.approx(NEGATIVE_ADVANTAGE_SHARE, abs=1e-6)

@@ -26,7 +26,7 @@ HOOKS = "tests.runtime.hooks_for_tests"
 
 
 def _worker(tmp_path: Path, generate: str = "scripted_generate", tis: bool = False,
-            dynamic: bool = True) -> RolloutWorker:
+            dynamic: bool = True, more: dict[str, Any] | None = None) -> RolloutWorker:
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": label}) + "\n"
@@ -38,6 +38,7 @@ def _worker(tmp_path: Path, generate: str = "scripted_generate", tis: bool = Fal
         "data": {"dataset": str(data), "shuffle": False},
         "generate": {"function": f"{HOOKS}:{generate}"},
         "reward": {"function": f"{HOOKS}:label_decides_variance"},
+        **(more or {}),
     })
     alphabet = load_task(str(data), "prompt", "label").alphabet
     model = write_tiny(tmp_path / "model", TinyModel(), alphabet, 0, "float32")
@@ -95,8 +96,18 @@ def test_without_dynamic_sampling_equal_reward_groups_are_trained_on(tmp_path: P
     assert stats["generation_rounds"] == 1.0 and "filtered_groups" not in stats
 
 
-def test_tis_refuses_samples_without_engine_log_probs(tmp_path: Path) -> None:
-    worker = _worker(tmp_path, generate="scripted_generate_without_log_probs", tis=True)
-    with pytest.raises(HookError, match=r"spec\.algorithm\.tis .* Sample\.rollout_log_probs"):
+@pytest.mark.parametrize(("tis", "more", "named"), [
+    (True, None, r"spec\.algorithm\.tis is enabled"),
+    (False, {"rollout": {"mode": "async"}},
+     r"spec\.algorithm\.oldLogprobs is rollout \(the default with rollout\.mode async\)"),
+], ids=["tis", "async-rollout-old-logprobs"])
+def test_engine_log_probs_are_required_where_the_loss_uses_them(
+        tmp_path: Path, tis: bool, more: dict[str, Any] | None, named: str) -> None:
+    worker = _worker(tmp_path, generate="scripted_generate_without_log_probs", tis=tis,
+                     more=more)
+    with pytest.raises(HookError, match=named + r" .* Sample\.rollout_log_probs"):
         _step(worker, 0)
-    assert _step(_worker(tmp_path / "ok", tis=True), 0)[0]  # with log-probs it runs
+    assert _step(_worker(tmp_path / "ok", tis=tis, more=more), 0)[0]  # with log-probs it runs
+    # a sync run without tis takes the trainer's log-probs: the engine's are not needed
+    assert _step(_worker(tmp_path / "sync", generate="scripted_generate_without_log_probs",
+                         dynamic=True), 0)[0]

@@ -48,6 +48,7 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    old_policy_logprobs,
     per_sample,
     policy_settings,
     rewards_of,
@@ -179,6 +180,7 @@ class MegatronTrainerActor(TrainerActor):
             verify_initial_kl(old, ref)
         adv, _ = advantages(algo, rewards_of(samples), old, ref, mask)
         tis = truncated_is(algo, old, rollout_logp, mask)
+        behaviour = old_policy_logprobs(self.spec.old_logprobs(), old, rollout_logp, mask)
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
         steps: list[dict[str, float]] = []
@@ -186,7 +188,7 @@ class MegatronTrainerActor(TrainerActor):
         for k in range(algo.steps_per_rollout):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
             mbs = [self._policy_batch(collate([samples[i] for i in mb], self.pad_id),
-                                      old[mb], ref[mb], adv[mb],
+                                      behaviour[mb], ref[mb], adv[mb],
                                       None if tis is None else tis.weights[mb])
                    for mb in micro_batches(idx[dp_rank::dp_size], algo.micro_batch_size)]
             try:

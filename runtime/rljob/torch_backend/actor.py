@@ -38,6 +38,7 @@ from rljob.trainer.batch import (
     advantages,
     collate,
     micro_batches,
+    old_policy_logprobs,
     per_sample,
     policy_settings,
     rewards_of,
@@ -215,6 +216,7 @@ class TorchTrainer(TrainerActor):
         mask = inf.mask
         policy = policy_settings(algo)
         tis = truncated_is(algo, inf.old_logp, inf.rollout_logp, mask)
+        old = old_policy_logprobs(self.spec.old_logprobs(), inf.old_logp, inf.rollout_logp, mask)
         step_metrics: list[dict[str, float]] = []
         skipped: list[str] = []
         for k in range(algo.steps_per_rollout):
@@ -228,7 +230,7 @@ class TorchTrainer(TrainerActor):
                     logp, ent = response_logprobs(self.model, batch, algo.logprob_chunk_tokens,
                                                   temp)
                 terms = policy_loss(
-                    logp, inf.old_logp[mb, :t], inf.ref_logp[mb, :t], adv[mb, :t],
+                    logp, old[mb, :t], inf.ref_logp[mb, :t], adv[mb, :t],
                     ent, mask[mb, :t], denominator=max(denominator, 1.0),
                     clip_low=policy.clip_low, clip_high=policy.clip_high,
                     kl_coef=policy.kl_coef, entropy_coef=policy.entropy_coef,

@@ -15,7 +15,7 @@ from torch import Tensor
 from rljob.algo import advantages as adv_fns
 from rljob.algo.losses import LossKind, truncated_is_weights
 from rljob.sample import Sample
-from rljob_api.spec import AlgorithmSpec
+from rljob_api.spec import AlgorithmSpec, OldLogprobs
 
 
 class InitialKLMismatch(AssertionError):
@@ -77,6 +77,17 @@ def policy_settings(algo: AlgorithmSpec) -> PolicySettings:
         "cispo" if algo.estimator == "cispo" else "ppo")
     return PolicySettings(kind, low, high, algo.kl_coef if algo.kl_mode == "loss" else 0.0,
                           algo.entropy_coef)
+
+
+def old_policy_logprobs(source: OldLogprobs, trainer: Tensor, rollout: Tensor, mask: Tensor
+                        ) -> Tensor:
+    """The old log-probs of the loss's ratio and clip `[N, T]`: the trainer's recompute, or
+    the engine's log-probs of the tokens it sampled (`algorithm.oldLogprobs`). Positions
+    outside the loss mask keep the trainer's, so no masked ratio is taken against the 0 a
+    padded rollout row holds."""
+    if source == OldLogprobs.trainer:
+        return trainer
+    return torch.where(mask > 0, rollout, trainer)
 
 
 @dataclass(frozen=True)
