@@ -309,8 +309,9 @@ class RolloutWorker(Locatable):
             needed_by = "spec.algorithm.tis is enabled"
             fix = "set spec.algorithm.tis.enabled false"
         elif self.spec.old_logprobs() == OldLogprobs.rollout:
-            needed_by = ("spec.algorithm.oldLogprobs is rollout (the default with "
-                         "rollout.mode async)")
+            needed_by = "spec.algorithm.oldLogprobs is rollout" + (
+                " (the default with rollout.mode async)"
+                if self.spec.algorithm.old_logprobs is None else "")
             fix = "set spec.algorithm.oldLogprobs trainer"
         else:
             return

@@ -86,7 +86,8 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
     FieldEffect("rollout.sampling", Effect.restart, _RESTART_CONFIG),
     FieldEffect("rollout.mode", Effect.restart,
                 "the driver restarts from its checkpoint in the new mode (a batch an async run "
-                "generated ahead is trained on first)"),
+                "generated ahead is trained on first); an unset algorithm.oldLogprobs follows "
+                "the mode"),
     FieldEffect("rollout.maxStaleness", Effect.restart, _RESTART_CONFIG),
     FieldEffect("rollout.partialRollout", Effect.restart,
                 "read by the runtime when the driver starts; generations a checkpoint carries "

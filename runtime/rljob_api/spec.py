@@ -785,12 +785,12 @@ class RLJobSpec(ApiModel):
     def old_logprobs(self) -> OldLogprobs:
         """The old policy the loss uses, `algorithm.oldLogprobs` or its default for the mode.
 
-        Async samples come from the version before the trainer's; measured on the tiny CPU
-        job (docs/algorithms.md), anchoring the clip there let async learn as sync does where
-        the trainer's recompute (with or without tis) lagged behind."""
+        Async samples come from the version before the trainer's. On the tiny CPU job
+        (docs/algorithms.md, 16 seeds) async with the trainer's recompute as the old policy
+        learned more slowly than sync; with the engine's it did not."""
         chosen = self.algorithm.old_logprobs
         if chosen is not None:
-            return chosen
+            return OldLogprobs(chosen)
         if self.rollout.mode == RolloutMode.async_ and not self.algorithm.tis.enabled:
             return OldLogprobs.rollout
         return OldLogprobs.trainer

@@ -34,11 +34,12 @@ def _worker(tmp_path: Path, generate: str = "scripted_generate", tis: bool = Fal
     spec = RLJobSpec.model_validate({
         "algorithm": {"rolloutBatchSize": 2, "nSamplesPerPrompt": 2, "globalBatchSize": 4,
                       "microBatchSize": 4, "tis": {"enabled": tis},
-                      "dynamicSampling": {"enabled": dynamic, "maxRounds": 3}},
+                      "dynamicSampling": {"enabled": dynamic, "maxRounds": 3},
+                      **(more or {}).get("algorithm", {})},
         "data": {"dataset": str(data), "shuffle": False},
         "generate": {"function": f"{HOOKS}:{generate}"},
         "reward": {"function": f"{HOOKS}:label_decides_variance"},
-        **(more or {}),
+        **{k: v for k, v in (more or {}).items() if k != "algorithm"},
     })
     alphabet = load_task(str(data), "prompt", "label").alphabet
     model = write_tiny(tmp_path / "model", TinyModel(), alphabet, 0, "float32")
@@ -100,7 +101,9 @@ def test_without_dynamic_sampling_equal_reward_groups_are_trained_on(tmp_path: P
     (True, None, r"spec\.algorithm\.tis is enabled"),
     (False, {"rollout": {"mode": "async"}},
      r"spec\.algorithm\.oldLogprobs is rollout \(the default with rollout\.mode async\)"),
-], ids=["tis", "async-rollout-old-logprobs"])
+    (False, {"algorithm": {"oldLogprobs": "rollout"}},
+     r"spec\.algorithm\.oldLogprobs is rollout but"),
+], ids=["tis", "async-rollout-old-logprobs", "rollout-old-logprobs-set"])
 def test_engine_log_probs_are_required_where_the_loss_uses_them(
         tmp_path: Path, tis: bool, more: dict[str, Any] | None, named: str) -> None:
     worker = _worker(tmp_path, generate="scripted_generate_without_log_probs", tis=tis,
