@@ -83,8 +83,8 @@ def old_policy_logprobs(source: OldLogprobs, trainer: Tensor, rollout: Tensor, m
                         ) -> Tensor:
     """The old log-probs of the loss's ratio and clip `[N, T]`: the trainer's recompute, or
     the engine's log-probs of the tokens it sampled (`algorithm.oldLogprobs`). Positions
-    outside the loss mask keep the trainer's, so no masked ratio is taken against the 0 a
-    padded rollout row holds."""
+    outside the loss mask (masked tokens inside a response) keep the trainer's, so a
+    non-finite engine value there cannot reach the loss through 0 × inf."""
     if source == OldLogprobs.trainer:
         return trainer
     return torch.where(mask > 0, rollout, trainer)
