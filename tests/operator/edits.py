@@ -107,7 +107,7 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
             "clipEpsHigh": 0.3, "klMode": "reward", "klCoef": 0.05, "entropyCoef": 0.001,
             "gamma": 0.99, "lam": 0.95, "logprobChunkTokens": 512,
             "maxConsecutiveNonfinite": 5, "gspo": {"clipEps": 2e-4, "clipEpsHigh": 5e-4},
-            "tis": {"enabled": True, "cap": 3.0},
+            "tis": {"enabled": True, "cap": 3.0}, "oldLogprobs": "trainer",
             "dynamicSampling": {"enabled": True, "maxRounds": 3}}}),
         Edit("data", {"data": {"promptKey": "question", "labelKey": "answer"}}),
         Edit("eval", {"eval": {"dataset": "builtin:reverse", "interval": 5,
