@@ -17,6 +17,7 @@ from rljob.rollout import RolloutWorker
 from rljob.tasks import load_task
 from rljob.tiny_model import write_tiny
 from rljob_api.spec import RLJobSpec, TinyModel
+from tests.operator.edits import merge
 
 pytestmark = pytest.mark.unit
 
@@ -31,16 +32,14 @@ def _worker(tmp_path: Path, generate: str = "scripted_generate", tis: bool = Fal
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"p{i}", "label": label}) + "\n"
                             for i, label in enumerate(LABELS)))
-    spec = RLJobSpec.model_validate({
+    spec = RLJobSpec.model_validate(merge({
         "algorithm": {"rolloutBatchSize": 2, "nSamplesPerPrompt": 2, "globalBatchSize": 4,
                       "microBatchSize": 4, "tis": {"enabled": tis},
-                      "dynamicSampling": {"enabled": dynamic, "maxRounds": 3},
-                      **(more or {}).get("algorithm", {})},
+                      "dynamicSampling": {"enabled": dynamic, "maxRounds": 3}},
         "data": {"dataset": str(data), "shuffle": False},
         "generate": {"function": f"{HOOKS}:{generate}"},
         "reward": {"function": f"{HOOKS}:label_decides_variance"},
-        **{k: v for k, v in (more or {}).items() if k != "algorithm"},
-    })
+    }, more or {}))
     alphabet = load_task(str(data), "prompt", "label").alphabet
     model = write_tiny(tmp_path / "model", TinyModel(), alphabet, 0, "float32")
     worker = RolloutWorker(spec.model_dump_json(by_alias=True), str(model),
