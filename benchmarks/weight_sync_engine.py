@@ -1,9 +1,11 @@
 """A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
 `/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
-`/health`, served as the `hf` engine serves them (aiohttp, the install on one worker thread)
-and installing as it does (`TensorReceiver` keeps the last handles open, `update_problems`
-checks names, shapes, dtypes and finiteness, `copy_into`, a synchronisation), reporting how
-long each phase took.
+`/health`, served as the `hf` engine serves them (aiohttp; the install on the event loop, as
+the `hf` engine installs when nothing is generating, which is always here) and installing as
+it does (`TensorReceiver` keeps the last handles open; `WeightSwap` checks
+names, shapes and dtypes, copies the flat version beside the served tensors with its NaN/Inf
+check in the same pass, synchronises, and switches the tensors to it), reporting how long
+each phase took.
 
 Run as `python benchmarks/weight_sync_engine.py --layout FILE --device cpu|cuda:0 --port-file F`.
 """
@@ -15,7 +17,6 @@ import asyncio
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from rljob.engine.tensor_payload import TensorReceiver, copy_into, update_problems
+from rljob.engine.tensor_payload import TensorReceiver
+from rljob.engine.weight_swap import WeightSwap
 
 
 def main() -> None:
@@ -39,25 +41,33 @@ def main() -> None:
     }
     state = {"version": "0"}
     receiver = TensorReceiver()
-    executor = ThreadPoolExecutor(max_workers=1)
 
-    def install(entries: list[str], version: str) -> tuple[bool, str]:
+    swap = WeightSwap(params)
+
+    def install(entries: list[str], version: str, arrived: float) -> tuple[bool, str]:
         start = time.perf_counter()
-        named = [t for rank in receiver.decode(entries) for t in rank]
+        decoded_entries = receiver.decode(entries)
+        unpickled = time.perf_counter()
+        named = [t for rank in decoded_entries for t in rank]
+        flat = swap.flat_of(named)
+        if flat is None:
+            return False, "the benchmark sends one flat version"
         decoded = time.perf_counter()
-        problems = update_problems(params, named)
-        checked = time.perf_counter()
+        problems = swap.stage(named, flat)
+        staged = time.perf_counter()
         if problems:
             return False, "; ".join(problems[:3])
-        with torch.no_grad():
-            copy_into([params[n] for n, _ in named], [t for _, t in named])
-        if args.device != "cpu":
-            torch.cuda.synchronize(args.device)
-        copied = time.perf_counter()
+        swap.switch()
         state["version"] = version
-        # The phases in ms, for the benchmark's breakdown (the check ends in a host sync).
-        phases = {"decode": decoded - start, "check": checked - decoded, "copy": copied - checked}
-        return True, ", ".join(f"{k} {v * 1e3:.3f}" for k, v in phases.items())
+        done = time.perf_counter()
+        # The phases in ms, for the benchmark's breakdown (staging ends in a host sync);
+        # `stamps` are this machine's monotonic clock (time.perf_counter), which the sender
+        # shares, so it can time the request's way in and the answer's way back.
+        phases = {"reading the request body": start - arrived,
+                  "unpickle": unpickled - start, "views": decoded - unpickled,
+                  "copy and check": staged - decoded, "switch": done - staged}
+        return True, json.dumps({"phases": {k: v * 1e3 for k, v in phases.items()},
+                                 "arrived": arrived, "installed": done})
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({})
@@ -69,9 +79,10 @@ def main() -> None:
         return web.json_response({"weight_version": state["version"]})
 
     async def update(request: web.Request) -> web.Response:
+        arrived = time.perf_counter()
         body: dict[str, Any] = await request.json()
-        ok, message = await asyncio.get_running_loop().run_in_executor(
-            executor, install, body["serialized_named_tensors"], str(body["weight_version"]))
+        ok, message = install(body["serialized_named_tensors"], str(body["weight_version"]),
+                              arrived)
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     app = web.Application(client_max_size=1 << 30)

@@ -6,10 +6,12 @@ staging allocation on the GPU (as `Sidecar._buffers` makes them), and it install
 through the engine's `/update_weights_from_tensor` as `EngineClient.update_from_named_tensors`
 does for `rljob-weight-sync` (one flattened bucket: one CUDA IPC handle; a kept
 connection). The engine (benchmarks/weight_sync_engine.py, another process on the same
-GPU) decodes (the handle stays open from the last version), checks names/shapes/dtypes and
-finiteness (`nonfinite.nonfinite_names`: one float32 sum of the flat buffer on the GPU, one
-synchronisation), copies into its parameters and synchronizes before answering; it reports
-how long each of those phases took. Timed: from the staged version to the engine's answer.
+GPU) decodes (the handle stays open from the last version), checks names/shapes/dtypes,
+copies the version beside its served tensors with the NaN/Inf check in the same pass
+(`WeightSwap`, `checked_copy.copy_checked`: one Triton kernel, one synchronisation) and
+switches its tensors to the copy before answering; it reports how long each of those phases
+took. Timed: from the staged version to the engine's answer. Printed beside it: that GPU
+work alone in this process, the check-then-copy it replaced, and a device-to-device copy.
 
     python benchmarks/weight_sync_ipc_gpu.py --size-gb 1 --bucket-mb 512
 """
@@ -33,6 +35,7 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 
 import torch  # noqa: E402
 
+from rljob.checked_copy import copy_checked  # noqa: E402
 from rljob.engine.client import EngineClient  # noqa: E402
 from rljob.engine.tensor_payload import (  # noqa: E402
     FLATTENED,
@@ -69,35 +72,43 @@ def d2d_gbs(nbytes: int, reps: int) -> float:
     return nbytes / best / 1e9
 
 
-def _best_gbs(views: list[tuple[str, torch.Tensor]], reps: int,
-              after: Callable[[], None] | None = None) -> float:
-    """GB/s of the best of `reps` (+1 warm-up) finite checks of `views`, each followed by
-    `after` (then a sync) when given."""
-    nbytes = sum(t.numel() * t.element_size() for _, t in views)
+def _best_gbs(nbytes: int, reps: int, work: Callable[[], None]) -> float:
+    """GB/s of the best of `reps` (+1 warm-up) runs of `work`, each ended by a sync."""
     best = float("inf")
     for _ in range(reps + 1):
         sync()
         start = time.perf_counter()
-        if nonfinite_names(views):
-            raise SystemExit("the benchmark's weights are finite; the check says otherwise")
-        if after is not None:
-            after()
-            sync()
+        work()
+        sync()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 
 
-def check_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
-    """The finite check alone on the staged version (`nonfinite_names`: one span)."""
-    return _best_gbs(views, reps)
+def checked_copy_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
+    """The engine's GPU work alone, in this process: the flat version copied beside the
+    served tensors with its NaN/Inf check in the same pass (no IPC, no request)."""
+    flat = flat_span(views)
+    assert flat is not None
+    dst = torch.empty_like(flat)
+
+    def work() -> None:
+        if not copy_checked(flat, dst):
+            raise SystemExit("the benchmark's weights are finite; the check says otherwise")
+
+    return _best_gbs(flat.numel() * flat.element_size(), reps, work)
 
 
-def floor_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
-    """The engine's GPU work alone, in this process: the screen and the copy into another
-    set of tensors (what any handoff that checks before it copies must do), no IPC, no
-    request. Its ratio to the copy rate bounds the handoff's."""
+def check_then_copy_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
+    """The GPU work of an install that checks before it copies (`nonfinite_names`, then
+    `copy_into`): what the engine did before the copy carried the check."""
     targets = [torch.empty_like(t) for _, t in views]
-    return _best_gbs(views, reps, lambda: copy_into(targets, [t for _, t in views]))
+
+    def work() -> None:
+        if nonfinite_names(views):
+            raise SystemExit("the benchmark's weights are finite; the check says otherwise")
+        copy_into(targets, [t for _, t in views])
+
+    return _best_gbs(sum(t.numel() * t.element_size() for _, t in views), reps, work)
 
 
 def main() -> None:
@@ -159,13 +170,21 @@ def main() -> None:
             encoded = time.perf_counter()
             result = client.update_from_tensor([entry], str(rep + 1), 600, FLATTENED)
             elapsed = time.perf_counter() - start
-            asked = time.perf_counter()
+            answered = start + elapsed
             if not result.success or client.weight_version() != str(rep + 1):
                 raise SystemExit(f"install failed: {result.message}")
+            asked = time.perf_counter()
+            client.weight_version()
+            get_rtt = time.perf_counter() - asked
+            engine_side = json.loads(result.message)
+            seconds = {"sidecar encode": encoded - start,
+                      "request to the engine's handler": engine_side["arrived"] - encoded,
+                      **engine_side["phases"],
+                      "answer back to the sidecar": answered - engine_side["installed"]}
+            ms = {k: v * 1e3 for k, v in seconds.items()} | engine_side["phases"]
             if rep:
-                times.append((elapsed, f"sidecar encode {(encoded - start) * 1e3:.3f}; engine "
-                              f"{result.message}; the rest is the request; a GET round trip "
-                              f"on the kept connection {(time.perf_counter() - asked) * 1e3:.3f}"))
+                times.append((elapsed, "; ".join(f"{k} {v:.3f}" for k, v in ms.items())
+                              + f" (a GET round trip on the kept connection: {get_rtt * 1e3:.3f})"))
         times.sort()
         best, phases = times[0]
         ipc = nbytes / best / 1e9
@@ -181,10 +200,12 @@ def main() -> None:
             f"{nbytes / times[len(times) // 2][0] / 1e9:.1f} GB/s)"
         )
         print(f"  phases of the best, ms: {phases}")
-        print(f"finite check alone (nonfinite_names): {check_gbs(views, args.reps):.1f} GB/s")
-        floor = floor_gbs(views, args.reps)
-        print(f"the engine's GPU work alone (screen, then copy; no IPC, no request): "
-              f"{floor:.1f} GB/s, ratio {floor / copy:.3f}")
+        fused = checked_copy_gbs(views, args.reps)
+        print(f"the engine's GPU work alone (copy with the check in the same pass; no IPC, "
+              f"no request): {fused:.1f} GB/s, ratio {fused / copy:.3f}")
+        before = check_then_copy_gbs(views, args.reps)
+        print(f"check, then copy (the install before): {before:.1f} GB/s, "
+              f"ratio {before / copy:.3f}")
         print(f"device-to-device copy, same bytes: {copy:.1f} GB/s")
         print(f"ratio IPC handoff / D2D copy: {ipc / copy:.3f} (target >= 0.5: "
               f"{'met' if ipc / copy >= 0.5 else 'missed'})")

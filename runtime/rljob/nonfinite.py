@@ -74,7 +74,7 @@ def _span(run: _Named) -> tuple[torch.Tensor, _Named]:
 # One-byte floats have no norm kernel (and no sum on every device): their NaN/Inf are
 # found by their bits, as (mask, value) on the byte: exponent (and for e4m3fn the mantissa)
 # all ones, or the one NaN byte of the "fnuz" formats.
-_BYTE_NONFINITE: dict[torch.dtype, tuple[int, int]] = {
+BYTE_NONFINITE: dict[torch.dtype, tuple[int, int]] = {
     torch.float8_e4m3fn: (0x7F, 0x7F),
     torch.float8_e5m2: (0x7C, 0x7C),
     torch.float8_e4m3fnuz: (0xFF, 0x80),
@@ -89,10 +89,10 @@ def _screen(span: torch.Tensor) -> torch.Tensor:
     members of a flagged span are checked one by one. torch's sum reads a bf16 buffer at
     3.6 TB/s on an H200, faster than a Triton kernel testing exponent bits that was tried
     in its place (2.9 TB/s, benchmarks/weight_sync_ipc_gpu.py, 2026-12-01). A one-byte
-    float is tested by its bits (`_BYTE_NONFINITE`).
+    float is tested by its bits (`BYTE_NONFINITE`).
     """
     if span.dtype.itemsize == 1:
-        mask, value = _BYTE_NONFINITE.get(span.dtype, (0, 1))  # (0, 1): none of these
+        mask, value = BYTE_NONFINITE.get(span.dtype, (0, 1))  # (0, 1): none of these
         return ~((span.reshape(-1).view(torch.uint8) & mask) == value).any()[None]
     return torch.isfinite(span.sum(dtype=torch.float32))[None]
 

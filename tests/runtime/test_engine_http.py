@@ -270,7 +270,8 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
 ) -> None:
     """The sidecar's staging (views of one buffer) reaches a one-rank engine as SGLang's
     flattened bucket, in full and exactly; a second version over the same staging reuses
-    the connection and the engine's mapping; a non-finite one is refused whole."""
+    the connection and the engine's mapping; the engine switches to a copy of it (one
+    buffer, its storage alternating between two); a non-finite one is refused whole."""
     state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
     plan = plan_buckets(list(state.items()), 1 << 20)
     sizes = [b.nbytes for b in plan]
@@ -290,7 +291,14 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
         assert http.weight_version() == version
         got = server.engine.model.state_dict()
         assert all(torch.equal(got[name], state[name] * scale) for name in state)
+        storages = {p.untyped_storage().data_ptr() for p in server.engine.model.parameters()}
+        assert len(storages) == 1 and staging.data_ptr() not in storages
+        if version == "1":
+            first = storages
+    assert storages != first
     views[-1][1].view(-1)[0] = float("nan")
     result = http.update_from_named_tensors(views, "3", 60)
     assert not result.success and f"{views[-1][0]}: non-finite values" in result.message
     assert http.weight_version() == "2"
+    got = server.engine.model.state_dict()
+    assert all(torch.equal(got[name], state[name] * 2.0) for name in state)

@@ -161,6 +161,29 @@ class TensorReceiver:
         self._held = []
 
 
+def _unfit(
+    current: Mapping[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
+) -> dict[str, str]:
+    """Tensor name -> why it does not fit `current`, for those that do not."""
+    unfit: dict[str, str] = {}
+    for name, tensor in named:
+        have = current.get(name)
+        if have is None:
+            unfit[name] = f"unknown parameter {name}"
+        elif tuple(have.shape) != tuple(tensor.shape):
+            unfit[name] = f"{name}: shape {tuple(tensor.shape)} != {tuple(have.shape)}"
+        elif have.dtype != tensor.dtype:
+            unfit[name] = f"{name}: dtype {tensor.dtype} != {have.dtype}"
+    return unfit
+
+
+def fit_problems(
+    current: Mapping[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
+) -> list[str]:
+    """Why tensors do not fit `current`: unknown names, other shapes, other dtypes."""
+    return list(_unfit(current, named).values())
+
+
 def update_problems(
     current: Mapping[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
 ) -> list[str]:
@@ -169,19 +192,7 @@ def update_problems(
     Checks names, shapes, dtypes and finiteness, so an engine refuses a bad version whole
     and keeps serving the previous one.
     """
-    problems: list[str] = []
-    fitting: NamedTensors = []
-    for name, tensor in named:
-        if name not in current:
-            problems.append(f"unknown parameter {name}")
-            continue
-        have = current[name]
-        if tuple(have.shape) != tuple(tensor.shape):
-            problems.append(f"{name}: shape {tuple(tensor.shape)} != {tuple(have.shape)}")
-        elif have.dtype != tensor.dtype:
-            problems.append(f"{name}: dtype {tensor.dtype} != {have.dtype}")
-        else:
-            fitting.append((name, tensor))
+    unfit = _unfit(current, named)
+    fitting = [(name, tensor) for name, tensor in named if name not in unfit]
     # One fused scan of the whole update: a check per tensor would synchronise per tensor.
-    problems += [f"{name}: non-finite values" for name in nonfinite_names(fitting)]
-    return problems
+    return [*unfit.values(), *(f"{name}: non-finite values" for name in nonfinite_names(fitting))]

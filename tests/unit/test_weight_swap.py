@@ -1,0 +1,98 @@
+"""`WeightSwap`: a version is copied and checked beside the served tensors, then switched to;
+a refused one leaves them as they were."""
+
+from __future__ import annotations
+
+import torch
+
+from rljob.engine.weight_swap import WeightSwap
+
+
+def _flat(parts: dict[str, torch.Tensor], gap: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Views of one buffer holding `parts` in order, `gap` NaN elements before each."""
+    sizes = [gap + t.numel() for t in parts.values()]
+    buf = torch.full((sum(sizes),), float("nan"))
+    out, at = [], 0
+    for (name, tensor), size in zip(parts.items(), sizes, strict=True):
+        view = buf[at + gap: at + size].view(tensor.shape)
+        view.copy_(tensor)
+        out.append((name, view))
+        at += size
+    return out
+
+
+def _install(swap: WeightSwap, named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    flat = swap.flat_of(named)
+    assert flat is not None
+    problems = swap.stage(named, flat)
+    if not problems:
+        swap.switch()
+    return problems
+
+
+def _params() -> dict[str, torch.Tensor]:
+    return {"a": torch.nn.Parameter(torch.zeros(3, 4)), "b": torch.nn.Parameter(torch.zeros(5)),
+            "c": torch.nn.Parameter(torch.zeros(5))}
+
+
+def test_versions_switch_whole_into_one_buffer_of_their_own() -> None:
+    params = _params()
+    objects = dict(params)
+    swap = WeightSwap(params)
+    for v in (1.0, 2.0, 3.0):
+        sent = _flat({"a": torch.full((3, 4), v), "b": torch.full((5,), -v)}, gap=3)
+        assert _install(swap, sent) == []
+        assert torch.equal(params["a"], torch.full((3, 4), v))
+        assert torch.equal(params["b"], torch.full((5,), -v))
+        sent[0][1].fill_(99.0)  # the sender reuses its buffer: the engine holds a copy
+        assert torch.equal(params["a"], torch.full((3, 4), v))
+    assert all(params[k] is objects[k] for k in params)  # the same Parameters, repointed
+    assert params["a"].untyped_storage().data_ptr() == params["b"].untyped_storage().data_ptr()
+    assert torch.equal(params["c"], torch.zeros(5))  # not in the version: untouched
+
+
+def test_a_nonfinite_version_is_refused_and_the_served_one_stays() -> None:
+    params = _params()
+    swap = WeightSwap(params)
+    for v in (1.0, 2.0):
+        assert _install(swap, _flat({"a": torch.full((3, 4), v), "b": torch.full((5,), v)})) == []
+    bad = torch.ones(5)
+    bad[4] = float("inf")
+    assert _install(swap, _flat({"a": torch.full((3, 4), 7.0), "b": bad})) == [
+        "b: non-finite values"]
+    assert torch.equal(params["a"], torch.full((3, 4), 2.0))
+    assert torch.equal(params["b"], torch.full((5,), 2.0))
+    assert _install(swap, _flat({"a": torch.full((3, 4), 3.0), "b": torch.ones(5)})) == []
+    assert torch.equal(params["a"], torch.full((3, 4), 3.0))
+
+
+def test_nan_in_the_padding_alone_does_not_refuse_a_version() -> None:
+    params = _params()
+    swap = WeightSwap(params)
+    assert _install(swap, _flat({"a": torch.full((3, 4), 2.0), "b": torch.ones(5)}, gap=7)) == []
+    assert torch.equal(params["a"], torch.full((3, 4), 2.0))
+
+
+def test_tensors_that_do_not_fit_are_named_and_nothing_changes() -> None:
+    params = _params()
+    swap = WeightSwap(params)
+    assert _install(swap, _flat({"a": torch.ones(4, 3), "zz": torch.ones(5)})) == [
+        "a: shape (4, 3) != (3, 4)", "unknown parameter zz"]
+    assert torch.equal(params["a"], torch.zeros(3, 4))
+
+
+def test_tensors_a_later_version_leaves_out_keep_their_values() -> None:
+    params = _params()
+    swap = WeightSwap(params)
+    assert _install(swap, _flat({"a": torch.full((3, 4), 1.0), "b": torch.full((5,), 1.0)})) == []
+    for v in (3.0, 4.0):
+        assert _install(swap, _flat({"a": torch.full((3, 4), v), "c": torch.full((5,), v)})) == []
+    assert torch.equal(params["b"], torch.full((5,), 1.0))
+    assert torch.equal(params["a"], torch.full((3, 4), 4.0))
+    assert torch.equal(params["c"], torch.full((5,), 4.0))
+
+
+def test_tensors_not_in_one_buffer_are_left_to_the_copy_in_place() -> None:
+    swap = WeightSwap(_params())
+    apart = [("a", torch.ones(3, 4)), ("b", torch.ones(5))]
+    assert swap.flat_of(apart) is None
