@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -302,3 +304,59 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     assert http.weight_version() == "2"
     got = server.engine.model.state_dict()
     assert all(torch.equal(got[name], state[name] * 2.0) for name in state)
+
+
+def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_answers(
+    server: ServerThread,
+) -> None:
+    """The server installs on its event loop only when nothing generates; a flat version
+    that arrives mid-generation waits on the worker: the generation ends with the old
+    weights, /health answers meanwhile, and the version is in once the generation is."""
+    state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
+    plan = plan_buckets(list(state.items()), 1 << 20)
+    sizes = [b.nbytes for b in plan]
+    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
+             for nt in unpack_bucket(b, buf)]
+    for name, view in views:
+        view.copy_(state[name] * 0.5)
+    progress = GenerationProgress(server.engine)
+    longest = MAX_POSITIONS - 8
+    params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
+              "ignore_eos": True}
+    declined = threading.Event()
+    install_now = server.engine.install_now
+
+    def watched(*args: Any) -> bool:
+        done = install_now(*args)
+        if not done:
+            declined.set()
+        return done
+
+    # An instance attribute: the server looks `engine.install_now` up on every request.
+    setattr(server.engine, "install_now", watched)  # noqa: B010
+
+    async def go() -> None:
+        async with EngineClient(server.url) as c:
+            c.wait_healthy(30)
+            running = asyncio.create_task(c.generate([4, 5, 6], params))
+            await _until_generating(progress, running, 3)
+            installing = asyncio.create_task(asyncio.to_thread(
+                EngineClient(server.url).update_from_named_tensors, views, "1", 60))
+            deadline = time.monotonic() + 30
+            while not declined.is_set():
+                assert not running.done(), "the generation ended before the version arrived"
+                assert time.monotonic() < deadline, "the version never reached the engine"
+                await asyncio.sleep(0.005)
+            assert c.healthy(5) and not installing.done()
+            assert c.weight_version() == "0"
+            await c.abort_all()
+            cut = await running
+            assert cut["meta_info"]["weight_version"] == "0"
+            result = await installing
+            assert result.success, result.message
+            assert c.weight_version() == "1"
+
+    asyncio.run(go())
+    got = server.engine.model.state_dict()
+    assert all(torch.equal(got[name], state[name] * 0.5) for name in state)
