@@ -2,7 +2,7 @@
 `/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
 `/health`, served as the `hf` engine serves them (aiohttp; the install on the event loop, as
 the `hf` engine installs when nothing is generating, which is always here) and installing as
-it does (`TensorReceiver` keeps the last handles open; `WeightSwap` checks
+it does (`TensorReceiver` keeps the last handles open; `weight_swap.stage_version` checks
 names, shapes and dtypes, copies the flat version beside the served tensors with its NaN/Inf
 check in the same pass, synchronises, and switches the tensors to it), reporting how long
 each phase took.
@@ -25,7 +25,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 from rljob.engine.tensor_payload import TensorReceiver
-from rljob.engine.weight_swap import WeightSwap
+from rljob.engine.weight_swap import flat_version, stage_version
 
 
 def main() -> None:
@@ -42,22 +42,20 @@ def main() -> None:
     state = {"version": "0"}
     receiver = TensorReceiver()
 
-    swap = WeightSwap(params)
-
     def install(entries: list[str], version: str, arrived: float) -> tuple[bool, str]:
         start = time.perf_counter()
         decoded_entries = receiver.decode(entries)
         unpickled = time.perf_counter()
         named = [t for rank in decoded_entries for t in rank]
-        flat = swap.flat_of(named)
+        flat = flat_version(params, named)
         if flat is None:
             return False, "the benchmark sends one flat version"
         decoded = time.perf_counter()
-        problems = swap.stage(named, flat)
+        version_in = stage_version(params, named, flat)
         staged = time.perf_counter()
-        if problems:
-            return False, "; ".join(problems[:3])
-        swap.switch()
+        if version_in.problems:
+            return False, "; ".join(version_in.problems[:3])
+        version_in.switch()
         state["version"] = version
         done = time.perf_counter()
         # The phases in ms, for the benchmark's breakdown (staging ends in a host sync);

@@ -8,10 +8,11 @@ does for `rljob-weight-sync` (one flattened bucket: one CUDA IPC handle; a kept
 connection). The engine (benchmarks/weight_sync_engine.py, another process on the same
 GPU) decodes (the handle stays open from the last version), checks names/shapes/dtypes,
 copies the version beside its served tensors with the NaN/Inf check in the same pass
-(`WeightSwap`, `checked_copy.copy_checked`: one Triton kernel, one synchronisation) and
-switches its tensors to the copy before answering; it reports how long each of those phases
-took. Timed: from the staged version to the engine's answer. Printed beside it: that GPU
-work alone in this process, the check-then-copy it replaced, and a device-to-device copy.
+(`weight_swap.stage_version`, `checked_copy.copy_checked`: one Triton kernel, one
+synchronisation) and switches its tensors to the copy before answering; it reports how
+long each of those phases took. Timed: from the staged version to the engine's answer.
+Printed beside it: that GPU work alone in this process, the check-then-copy it replaced, and
+a device-to-device copy.
 
     python benchmarks/weight_sync_ipc_gpu.py --size-gb 1 --bucket-mb 512
 """

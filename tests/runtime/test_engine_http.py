@@ -360,3 +360,22 @@ def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_an
     asyncio.run(go())
     got = server.engine.model.state_dict()
     assert all(torch.equal(got[name], state[name] * 0.5) for name in state)
+
+
+def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThread) -> None:
+    """Parameters replaced after the engine started (`load_state_dict(assign=True)`) are the
+    ones a version goes into: the engine looks its tensors up at every install."""
+    model = server.engine.model
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = plan_buckets(list(state.items()), 1 << 20)
+    sizes = [b.nbytes for b in plan]
+    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
+             for nt in unpack_bucket(b, buf)]
+    for name, view in views:
+        view.copy_(state[name] * 3.0)
+    result = EngineClient(server.url).update_from_named_tensors(views, "1", 60)
+    assert result.success, result.message
+    got = model.state_dict()
+    assert all(torch.equal(got[name], state[name] * 3.0) for name in state)

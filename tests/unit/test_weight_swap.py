@@ -1,11 +1,12 @@
-"""`WeightSwap`: a version is copied and checked beside the served tensors, then switched to;
+"""`stage_version`: a version is copied and checked beside the served tensors, then switched to;
 a refused one leaves them as they were."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from rljob.engine.weight_swap import WeightSwap
+from rljob.engine.weight_swap import flat_version, stage_version
 
 
 def _flat(parts: dict[str, torch.Tensor], gap: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -21,13 +22,13 @@ def _flat(parts: dict[str, torch.Tensor], gap: int = 0) -> list[tuple[str, torch
     return out
 
 
-def _install(swap: WeightSwap, named: list[tuple[str, torch.Tensor]]) -> list[str]:
-    flat = swap.flat_of(named)
+def _install(params: dict[str, torch.Tensor], named: list[tuple[str, torch.Tensor]]) -> list[str]:
+    flat = flat_version(params, named)
     assert flat is not None
-    problems = swap.stage(named, flat)
-    if not problems:
-        swap.switch()
-    return problems
+    staged = stage_version(params, named, flat)
+    if not staged.problems:
+        staged.switch()
+    return staged.problems
 
 
 def _params() -> dict[str, torch.Tensor]:
@@ -38,10 +39,9 @@ def _params() -> dict[str, torch.Tensor]:
 def test_versions_switch_whole_into_one_buffer_of_their_own() -> None:
     params = _params()
     objects = dict(params)
-    swap = WeightSwap(params)
     for v in (1.0, 2.0, 3.0):
         sent = _flat({"a": torch.full((3, 4), v), "b": torch.full((5,), -v)}, gap=3)
-        assert _install(swap, sent) == []
+        assert _install(params, sent) == []
         assert torch.equal(params["a"], torch.full((3, 4), v))
         assert torch.equal(params["b"], torch.full((5,), -v))
         sent[0][1].fill_(99.0)  # the sender reuses its buffer: the engine holds a copy
@@ -53,46 +53,51 @@ def test_versions_switch_whole_into_one_buffer_of_their_own() -> None:
 
 def test_a_nonfinite_version_is_refused_and_the_served_one_stays() -> None:
     params = _params()
-    swap = WeightSwap(params)
     for v in (1.0, 2.0):
-        assert _install(swap, _flat({"a": torch.full((3, 4), v), "b": torch.full((5,), v)})) == []
+        assert _install(params, _flat({"a": torch.full((3, 4), v), "b": torch.full((5,), v)})) == []
     bad = torch.ones(5)
     bad[4] = float("inf")
-    assert _install(swap, _flat({"a": torch.full((3, 4), 7.0), "b": bad})) == [
+    assert _install(params, _flat({"a": torch.full((3, 4), 7.0), "b": bad})) == [
         "b: non-finite values"]
     assert torch.equal(params["a"], torch.full((3, 4), 2.0))
     assert torch.equal(params["b"], torch.full((5,), 2.0))
-    assert _install(swap, _flat({"a": torch.full((3, 4), 3.0), "b": torch.ones(5)})) == []
+    assert _install(params, _flat({"a": torch.full((3, 4), 3.0), "b": torch.ones(5)})) == []
     assert torch.equal(params["a"], torch.full((3, 4), 3.0))
 
 
 def test_nan_in_the_padding_alone_does_not_refuse_a_version() -> None:
     params = _params()
-    swap = WeightSwap(params)
-    assert _install(swap, _flat({"a": torch.full((3, 4), 2.0), "b": torch.ones(5)}, gap=7)) == []
+    assert _install(params, _flat({"a": torch.full((3, 4), 2.0), "b": torch.ones(5)}, gap=7)) == []
     assert torch.equal(params["a"], torch.full((3, 4), 2.0))
 
 
 def test_tensors_that_do_not_fit_are_named_and_nothing_changes() -> None:
     params = _params()
-    swap = WeightSwap(params)
-    assert _install(swap, _flat({"a": torch.ones(4, 3), "zz": torch.ones(5)})) == [
+    assert _install(params, _flat({"a": torch.ones(4, 3), "zz": torch.ones(5)})) == [
         "a: shape (4, 3) != (3, 4)", "unknown parameter zz"]
     assert torch.equal(params["a"], torch.zeros(3, 4))
 
 
 def test_tensors_a_later_version_leaves_out_keep_their_values() -> None:
     params = _params()
-    swap = WeightSwap(params)
-    assert _install(swap, _flat({"a": torch.full((3, 4), 1.0), "b": torch.full((5,), 1.0)})) == []
+    assert _install(params, _flat({"a": torch.full((3, 4), 1.0), "b": torch.full((5,), 1.0)})) == []
     for v in (3.0, 4.0):
-        assert _install(swap, _flat({"a": torch.full((3, 4), v), "c": torch.full((5,), v)})) == []
+        assert _install(params, _flat({"a": torch.full((3, 4), v), "c": torch.full((5,), v)})) == []
     assert torch.equal(params["b"], torch.full((5,), 1.0))
     assert torch.equal(params["a"], torch.full((3, 4), 4.0))
     assert torch.equal(params["c"], torch.full((5,), 4.0))
 
 
 def test_tensors_not_in_one_buffer_are_left_to_the_copy_in_place() -> None:
-    swap = WeightSwap(_params())
     apart = [("a", torch.ones(3, 4)), ("b", torch.ones(5))]
-    assert swap.flat_of(apart) is None
+    assert flat_version(_params(), apart) is None
+
+
+def test_a_refused_version_cannot_be_switched_to() -> None:
+    params = _params()
+    named = _flat({"a": torch.ones(4, 3)})
+    flat = flat_version(params, named)
+    assert flat is not None
+    staged = stage_version(params, named, flat)
+    with pytest.raises(RuntimeError, match=r"switch to a refused version: a: shape"):
+        staged.switch()

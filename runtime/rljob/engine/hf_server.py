@@ -37,7 +37,7 @@ from rljob.engine.tensor_payload import (
     copy_into,
     update_problems,
 )
-from rljob.engine.weight_swap import WeightSwap
+from rljob.engine.weight_swap import flat_version, stage_version
 from rljob.offload import Offload, module_tensors
 from rljob.text_codec import TextCodec, load_codec
 from rljob.tiny_model import torch_dtype
@@ -89,13 +89,6 @@ class HFEngine:
         self.abort_epoch = 0
         self._abort_lock = threading.Lock()
         self.receiver = TensorReceiver()
-        # What the model computes with, by HF name (tied names share one parameter): what a
-        # version's tensors are copied into, or repointed at.
-        self.targets: dict[str, torch.Tensor] = {
-            **dict(self.model.named_buffers(remove_duplicate=False)),
-            **dict(self.model.named_parameters(remove_duplicate=False)),
-        }
-        self.swap = WeightSwap(self.targets)
         # Weights leave the device while a colocated trainer trains (SGLang's release/resume
         # memory occupation); a host copy brings them back as they were.
         self.memory = Offload(self.device.type)
@@ -242,6 +235,13 @@ class HFEngine:
             })
         return results
 
+    def targets(self) -> dict[str, torch.Tensor]:
+        """What the model computes with, by HF name (tied names share one parameter): what
+        a version's tensors are copied into, or repointed at. Looked up at every install,
+        so a parameter replaced since (`load_state_dict(assign=True)`) is the one used."""
+        return {**dict(self.model.named_buffers(remove_duplicate=False)),
+                **dict(self.model.named_parameters(remove_duplicate=False))}
+
     def install(self, named: NamedTensors, version: str) -> None:
         """One set of full tensors that every rank loads (what a disk update is)."""
         self.install_ranks([named] * self.tp_size, version)
@@ -255,7 +255,7 @@ class HFEngine:
         for fewer ranks, or ranks given different tensors, shows in the weights or is refused
         here. Every rank's tensors are checked first; on any problem nothing changes. A
         one-rank version in one flat buffer is copied and checked in one pass beside the
-        served weights, then switched to (`WeightSwap`).
+        served weights, then switched to (`weight_swap.stage_version`).
         """
         self._check_resident()
         if len(per_rank) != self.tp_size:
@@ -265,20 +265,21 @@ class HFEngine:
         names = [name for name, _ in per_rank[0]]
         if not names:
             raise UpdateRejected("no tensors sent")
-        flat = self.swap.flat_of(per_rank[0]) if self.tp_size == 1 else None
+        targets = self.targets()
+        flat = flat_version(targets, per_rank[0]) if self.tp_size == 1 else None
         if flat is not None:
             with self.lock:
                 self._check_resident()
-                self._swap_in(per_rank[0], flat, version)
+                self._swap_in(targets, per_rank[0], flat, version)
             return
         problems = []
         for rank, named in enumerate(per_rank):
             if [name for name, _ in named] != names:
                 problems.append(f"rank {rank} was sent other tensors than rank 0")
-            problems += [f"rank {rank}: {p}" for p in update_problems(self.targets, named)]
+            problems += [f"rank {rank}: {p}" for p in update_problems(targets, named)]
         if problems:
             raise UpdateRejected("; ".join(problems[:8]))
-        owns = [self.targets[name].tensor_split(self.tp_size)[rank]
+        owns = [targets[name].tensor_split(self.tp_size)[rank]
                 for rank, named in enumerate(per_rank) for name, _ in named]
         shards = [tensor.tensor_split(self.tp_size)[rank]
                   for rank, named in enumerate(per_rank) for _, tensor in named]
@@ -290,11 +291,12 @@ class HFEngine:
                 torch.cuda.synchronize(self.device)
             self.weight_version = version
 
-    def _swap_in(self, named: NamedTensors, flat: torch.Tensor, version: str) -> None:
-        problems = self.swap.stage(named, flat)
-        if problems:
-            raise UpdateRejected("; ".join(problems[:8]))
-        self.swap.switch()
+    def _swap_in(self, targets: dict[str, torch.Tensor], named: NamedTensors,
+                 flat: torch.Tensor, version: str) -> None:
+        staged = stage_version(targets, named, flat)
+        if staged.problems:
+            raise UpdateRejected("; ".join(staged.problems[:8]))
+        staged.switch()
         self.weight_version = version
 
     def install_now(self, per_rank: list[NamedTensors], version: str) -> bool:
@@ -304,12 +306,13 @@ class HFEngine:
         on a 2-core machine)."""
         if self.tp_size != 1 or len(per_rank) != 1 or not per_rank[0]:
             return False
-        flat = self.swap.flat_of(per_rank[0])
+        targets = self.targets()
+        flat = flat_version(targets, per_rank[0])
         if flat is None or not self.lock.acquire(blocking=False):
             return False
         try:
             self._check_resident()
-            self._swap_in(per_rank[0], flat, version)
+            self._swap_in(targets, per_rank[0], flat, version)
         finally:
             self.lock.release()
         return True
