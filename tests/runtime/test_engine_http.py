@@ -267,19 +267,29 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         srv.stop()
 
 
+def _staging(state: dict[str, torch.Tensor], scale: float = 0.0,
+             ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """A version staged as the sidecar stages one: views of one buffer (in 1 MiB buckets),
+    holding `state` times `scale`."""
+    plan = plan_buckets(list(state.items()), 1 << 20)
+    sizes = [b.nbytes for b in plan]
+    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
+             for nt in unpack_bucket(b, buf)]
+    for name, view in views:
+        view.copy_(state[name] * scale)
+    return staging, views
+
+
 def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     server: ServerThread,
 ) -> None:
     """The sidecar's staging (views of one buffer) reaches a one-rank engine as SGLang's
     flattened bucket, in full and exactly; a second version over the same staging reuses
     the connection and the engine's mapping; the engine switches to a copy of it (one
-    buffer, its storage alternating between two); a non-finite one is refused whole."""
+    buffer of its own, a new one each version); a non-finite one is refused whole."""
     state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
-    plan = plan_buckets(list(state.items()), 1 << 20)
-    sizes = [b.nbytes for b in plan]
-    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
-    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
-             for nt in unpack_bucket(b, buf)]
+    staging, views = _staging(state)
     assert flat_span(views) is not None
     http = EngineClient(server.url)
     for version, scale in (("1", 0.5), ("2", 2.0)):
@@ -313,13 +323,7 @@ def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_an
     that arrives mid-generation waits on the worker: the generation ends with the old
     weights, /health answers meanwhile, and the version is in once the generation is."""
     state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
-    plan = plan_buckets(list(state.items()), 1 << 20)
-    sizes = [b.nbytes for b in plan]
-    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
-    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
-             for nt in unpack_bucket(b, buf)]
-    for name, view in views:
-        view.copy_(state[name] * 0.5)
+    _, views = _staging(state, 0.5)
     progress = GenerationProgress(server.engine)
     longest = MAX_POSITIONS - 8
     params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
@@ -368,13 +372,7 @@ def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThre
     model = server.engine.model
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    plan = plan_buckets(list(state.items()), 1 << 20)
-    sizes = [b.nbytes for b in plan]
-    staging = torch.zeros(sum(sizes), dtype=torch.uint8)
-    views = [nt for b, buf in zip(plan, staging.split(sizes), strict=True)
-             for nt in unpack_bucket(b, buf)]
-    for name, view in views:
-        view.copy_(state[name] * 3.0)
+    _, views = _staging(state, 3.0)
     result = EngineClient(server.url).update_from_named_tensors(views, "1", 60)
     assert result.success, result.message
     got = model.state_dict()
