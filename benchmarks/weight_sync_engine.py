@@ -1,11 +1,13 @@
 """A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
 `/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
-`/health`, served as the `hf` engine serves them (aiohttp; the install on the event loop, as
-the `hf` engine installs when nothing is generating, which is always here) and installing as
-it does (`TensorReceiver` keeps the last handles open; `weight_swap.stage_version` checks
-names, shapes and dtypes, copies the flat version beside the served tensors with its NaN/Inf
-check in the same pass, synchronises, and switches the tensors to it), reporting how long
-each phase took.
+`/health`, served as a GPU `hf` engine serves them (aiohttp; the install on the event loop,
+as that engine installs when nothing generates and no version waits, which is always here)
+and installing with the same code (`TensorReceiver` keeps the last handles open;
+`weight_swap.stage_version` checks names, shapes and dtypes, copies the flat version beside
+the served tensors with its NaN/Inf check in the same pass, synchronises, and switches the
+tensors to it), reporting how long each phase took. What it leaves out, having no model and
+no generation: the engine's lock, its memory-released check and the look-up of its
+parameters (`HFEngine.targets`) at every version.
 
 Run as `python benchmarks/weight_sync_engine.py --layout FILE --device cpu|cuda:0 --port-file F`.
 """

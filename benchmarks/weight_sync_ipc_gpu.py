@@ -178,11 +178,10 @@ def main() -> None:
             client.weight_version()
             get_rtt = time.perf_counter() - asked
             engine_side = json.loads(result.message)
-            seconds = {"sidecar encode": encoded - start,
-                      "request to the engine's handler": engine_side["arrived"] - encoded,
-                      **engine_side["phases"],
-                      "answer back to the sidecar": answered - engine_side["installed"]}
-            ms = {k: v * 1e3 for k, v in seconds.items()} | engine_side["phases"]
+            ms = {"sidecar encode": (encoded - start) * 1e3,
+                  "request to the engine's handler": (engine_side["arrived"] - encoded) * 1e3,
+                  **engine_side["phases"],
+                  "answer back to the sidecar": (answered - engine_side["installed"]) * 1e3}
             if rep:
                 times.append((elapsed, "; ".join(f"{k} {v:.3f}" for k, v in ms.items())
                               + f" (a GET round trip on the kept connection: {get_rtt * 1e3:.3f})"))

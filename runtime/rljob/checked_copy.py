@@ -14,6 +14,7 @@ interpreter, which tests use to run the kernel without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import cache
 from typing import Any
@@ -103,8 +104,10 @@ def start_copy_checked(src: torch.Tensor, dst: torch.Tensor) -> CheckedCopy:
     n = src.numel()
     if n:
         grid = ((n + _BLOCK - 1) // _BLOCK,)
-        _kernel()[grid](src.view(ints), dst.view(ints), flag, n, MASK=mask, VALUE=value,
-                        BLOCK=_BLOCK, num_warps=8)
+        # Triton launches on the current device's current stream: make it the tensors'.
+        with torch.cuda.device(src.device) if src.is_cuda else contextlib.nullcontext():
+            _kernel()[grid](src.view(ints), dst.view(ints), flag, n, MASK=mask, VALUE=value,
+                            BLOCK=_BLOCK, num_warps=8)
     return CheckedCopy(flag=flag)
 
 

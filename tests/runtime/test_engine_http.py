@@ -8,9 +8,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -287,7 +286,7 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     """The sidecar's staging (views of one buffer) reaches a one-rank engine as SGLang's
     flattened bucket, in full and exactly; a second version over the same staging reuses
     the connection and the engine's mapping; the engine switches to a copy of it (one
-    buffer of its own, a new one each version); a non-finite one is refused whole."""
+    buffer of its own); a non-finite one is refused whole."""
     state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
     staging, views = _staging(state)
     assert flat_span(views) is not None
@@ -305,9 +304,6 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
         assert all(torch.equal(got[name], state[name] * scale) for name in state)
         storages = {p.untyped_storage().data_ptr() for p in server.engine.model.parameters()}
         assert len(storages) == 1 and staging.data_ptr() not in storages
-        if version == "1":
-            first = storages
-    assert storages != first
     views[-1][1].view(-1)[0] = float("nan")
     result = http.update_from_named_tensors(views, "3", 60)
     assert not result.success and f"{views[-1][0]}: non-finite values" in result.message
@@ -319,26 +315,15 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
 def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_answers(
     server: ServerThread,
 ) -> None:
-    """The server installs on its event loop only when nothing generates; a flat version
-    that arrives mid-generation waits on the worker: the generation ends with the old
-    weights, /health answers meanwhile, and the version is in once the generation is."""
+    """A version that arrives mid-generation waits for the worker: the generation ends with
+    the old weights, /health answers meanwhile, and the version is in once the generation
+    is."""
     state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
     _, views = _staging(state, 0.5)
     progress = GenerationProgress(server.engine)
     longest = MAX_POSITIONS - 8
     params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
               "ignore_eos": True}
-    declined = threading.Event()
-    install_now = server.engine.install_now
-
-    def watched(*args: Any) -> bool:
-        done = install_now(*args)
-        if not done:
-            declined.set()
-        return done
-
-    # An instance attribute: the server looks `engine.install_now` up on every request.
-    setattr(server.engine, "install_now", watched)  # noqa: B010
 
     async def go() -> None:
         async with EngineClient(server.url) as c:
@@ -348,7 +333,7 @@ def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_an
             installing = asyncio.create_task(asyncio.to_thread(
                 EngineClient(server.url).update_from_named_tensors, views, "1", 60))
             deadline = time.monotonic() + 30
-            while not declined.is_set():
+            while server.engine.queued_installs < 1:
                 assert not running.done(), "the generation ended before the version arrived"
                 assert time.monotonic() < deadline, "the version never reached the engine"
                 await asyncio.sleep(0.005)
@@ -359,11 +344,30 @@ def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_an
             assert cut["meta_info"]["weight_version"] == "0"
             result = await installing
             assert result.success, result.message
-            assert c.weight_version() == "1"
+            assert c.weight_version() == "1" and server.engine.queued_installs == 0
 
     asyncio.run(go())
     got = server.engine.model.state_dict()
     assert all(torch.equal(got[name], state[name] * 0.5) for name in state)
+
+
+def test_install_now_waits_for_nothing_and_installs_only_while_nothing_generates(
+    server: ServerThread,
+) -> None:
+    """What a GPU engine's server does on its event loop: with the engine's lock held (a
+    generation) `install_now` declines and changes nothing; with it free it installs."""
+    engine = server.engine
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    _, views = _staging(state, 2.0)
+    with engine.lock:
+        held = threading.Thread(target=lambda: result.append(engine.install_now([views], "1")))
+        result: list[bool] = []
+        held.start()
+        held.join(timeout=30)
+        assert result == [False] and engine.weight_version == "0"
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in state.items())
+    assert engine.install_now([views], "1") and engine.weight_version == "1"
+    assert all(torch.equal(engine.model.state_dict()[k], v * 2.0) for k, v in state.items())
 
 
 def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThread) -> None:
@@ -377,3 +381,52 @@ def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThre
     assert result.success, result.message
     got = model.state_dict()
     assert all(torch.equal(got[name], state[name] * 3.0) for name in state)
+
+
+def test_a_version_installed_on_the_event_loop_never_overtakes_one_queued_before_it(
+    server: ServerThread,
+) -> None:
+    """On a GPU engine the server installs on its event loop while nothing waits; once a
+    version waits on the worker, later ones queue behind it, so versions go in in the order
+    they came. (The engine here is on the CPU and labelled a GPU's, which takes the
+    server's GPU branch; a gate on the worker holds the first version.)"""
+    engine = server.engine
+    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    engine.device = torch.device("cuda")
+    gate = threading.Event()
+    order: list[str] = []
+    install_ranks = engine.install_ranks
+
+    def gated(per_rank: list[list[tuple[str, torch.Tensor]]], version: str) -> None:
+        assert gate.wait(30)
+        order.append(version)
+        install_ranks(per_rank, version)
+
+    # An instance attribute: the server looks `engine.install_ranks` up on every request.
+    setattr(engine, "install_ranks", gated)  # noqa: B010
+    first, second = _staging(state, 2.0)[1], _staging(state, 3.0)[1]
+    sent = []
+
+    def send(views: list[tuple[str, torch.Tensor]], version: str) -> None:
+        sent.append(EngineClient(server.url).update_from_named_tensors(views, version, 60))
+
+    def until(done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not done():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    with engine.lock:  # a generation: the first version cannot go in on the loop
+        one = threading.Thread(target=send, args=(first, "1"))
+        one.start()
+        until(lambda: engine.queued_installs == 1, "the first version never queued")
+    two = threading.Thread(target=send, args=(second, "2"))
+    two.start()
+    until(lambda: engine.queued_installs == 2 or not two.is_alive(),
+          "the second version never arrived")
+    gate.set()
+    one.join(30)
+    two.join(30)
+    assert [r.success for r in sent] == [True, True] and order == ["1", "2"]
+    assert engine.weight_version == "2"
+    assert all(torch.equal(engine.model.state_dict()[k], v * 3.0) for k, v in state.items())

@@ -3,10 +3,18 @@ a refused one leaves them as they were."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from rljob.engine.weight_swap import flat_version, stage_version
+
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
 
 def _flat(parts: dict[str, torch.Tensor], gap: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -101,3 +109,37 @@ def test_a_refused_version_cannot_be_switched_to() -> None:
     staged = stage_version(params, named, flat)
     with pytest.raises(RuntimeError, match=r"switch to a refused version: a: shape"):
         staged.switch()
+
+
+_FUSED = r"""
+import torch
+from rljob.checked_copy import _fused_applies
+from rljob.engine.weight_swap import flat_version, stage_version
+
+params = {"a": torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),
+          "b": torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))}
+buf = torch.full((40,), float("nan"), dtype=torch.bfloat16)  # NaN padding around both
+named = [("a", buf[3:15].view(3, 4)), ("b", buf[20:25])]
+named[0][1].fill_(2.0)
+named[1][1].fill_(-1.0)
+flat = flat_version(params, named)
+assert flat is not None and _fused_applies(flat.reshape(-1), torch.empty_like(flat))
+staged = stage_version(params, named, flat)
+assert staged.problems == [], staged.problems  # NaN in the padding alone
+staged.switch()
+assert bool((params["a"] == 2.0).all()) and bool((params["b"] == -1.0).all())
+named[1][1][4] = float("inf")
+assert stage_version(params, named, flat).problems == ["b: non-finite values"]
+assert bool((params["b"] == -1.0).all())
+print("fused ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_the_fused_pass_stages_and_refuses_as_the_cpu_path_does() -> None:
+    """`stage_version` over the Triton kernel (its CPU interpreter, in a process of its own):
+    NaN in the padding alone passes the flag's second look, an Inf in a tensor is named."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(RUNTIME)}
+    done = subprocess.run([sys.executable, "-c", _FUSED], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "fused ok" in done.stdout, done.stderr[-3000:]

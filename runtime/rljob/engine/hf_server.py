@@ -89,6 +89,9 @@ class HFEngine:
         self.abort_epoch = 0
         self._abort_lock = threading.Lock()
         self.receiver = TensorReceiver()
+        # Versions the server has handed to the worker thread and not yet installed (or
+        # refused); none may be overtaken by one installed on the event loop.
+        self.queued_installs = 0
         # Weights leave the device while a colocated trainer trains (SGLang's release/resume
         # memory occupation); a host copy brings them back as they were.
         self.memory = Offload(self.device.type)
@@ -236,11 +239,11 @@ class HFEngine:
         return results
 
     def targets(self) -> dict[str, torch.Tensor]:
-        """What the model computes with, by HF name (tied names share one parameter): what
-        a version's tensors are copied into, or repointed at. Looked up at every install,
-        so a parameter replaced since (`load_state_dict(assign=True)`) is the one used."""
-        return {**dict(self.model.named_buffers(remove_duplicate=False)),
-                **dict(self.model.named_parameters(remove_duplicate=False))}
+        """What the model computes with, by HF name (the state dict's names; tied names
+        share one parameter): what a version's tensors are copied into, or repointed at.
+        Looked up at every install, so a parameter replaced since
+        (`load_state_dict(assign=True)`) is the one used."""
+        return dict(self.model.state_dict(keep_vars=True))
 
     def install(self, named: NamedTensors, version: str) -> None:
         """One set of full tensors that every rank loads (what a disk update is)."""
@@ -302,8 +305,7 @@ class HFEngine:
     def install_now(self, per_rank: list[NamedTensors], version: str) -> bool:
         """Install a one-rank version in one flat buffer on the calling thread if nothing is
         generating; False, with nothing changed, when it must wait its turn (`install_ranks`
-        on the worker). Lets the server install without two thread hops (0.29 ms a version
-        on a 2-core machine)."""
+        on the worker). Lets a GPU engine's server install without two thread hops."""
         if self.tp_size != 1 or len(per_rank) != 1 or not per_rank[0]:
             return False
         targets = self.targets()
@@ -442,11 +444,25 @@ def build_app(engine: HFEngine) -> web.Application:
             if body.get("load_format") not in (None, FLATTENED):
                 raise UpdateRejected(f"load_format {body['load_format']!r}: this engine reads "
                                      f"named tensors or {FLATTENED!r}")
-            # On the event loop when the engine is free (a flat version's copy takes about
-            # a millisecond on a GPU); otherwise after the generation, on the worker.
-            per_rank = engine.receiver.decode(entries)
-            if not engine.install_now(per_rank, version):
-                await run(engine.install_ranks, per_rank, version)
+            # A GPU engine installs a flat version on the event loop (about a millisecond)
+            # when nothing generates and no earlier version waits; anything else waits its
+            # turn on the worker, in the order it came (on the CPU a larger model's copy
+            # would hold the loop). An entry is decoded once: each decoding gives a
+            # reference back to the sender's memory.
+            per_rank = None
+            if engine.device.type == "cuda" and not engine.queued_installs:
+                per_rank = engine.receiver.decode(entries)
+                if engine.install_now(per_rank, version):
+                    return web.json_response({"success": True,
+                                              "message": f"installed {version}"})
+            engine.queued_installs += 1
+            try:
+                if per_rank is None:
+                    await run(engine.install_entries, entries, version)
+                else:
+                    await run(engine.install_ranks, per_rank, version)
+            finally:
+                engine.queued_installs -= 1
         except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
             return web.json_response({"success": False, "message": str(err)})
         return web.json_response({"success": True, "message": f"installed {version}"})

@@ -163,17 +163,17 @@ class TensorReceiver:
 
 def _unfit(
     current: Mapping[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]
-) -> dict[str, str]:
-    """Tensor name -> why it does not fit `current`, for those that do not."""
-    unfit: dict[str, str] = {}
-    for name, tensor in named:
+) -> dict[int, str]:
+    """Index in `named` -> why that tensor does not fit `current`, for those that do not."""
+    unfit: dict[int, str] = {}
+    for i, (name, tensor) in enumerate(named):
         have = current.get(name)
         if have is None:
-            unfit[name] = f"unknown parameter {name}"
+            unfit[i] = f"unknown parameter {name}"
         elif tuple(have.shape) != tuple(tensor.shape):
-            unfit[name] = f"{name}: shape {tuple(tensor.shape)} != {tuple(have.shape)}"
+            unfit[i] = f"{name}: shape {tuple(tensor.shape)} != {tuple(have.shape)}"
         elif have.dtype != tensor.dtype:
-            unfit[name] = f"{name}: dtype {tensor.dtype} != {have.dtype}"
+            unfit[i] = f"{name}: dtype {tensor.dtype} != {have.dtype}"
     return unfit
 
 
@@ -193,6 +193,6 @@ def update_problems(
     and keeps serving the previous one.
     """
     unfit = _unfit(current, named)
-    fitting = [(name, tensor) for name, tensor in named if name not in unfit]
+    fitting = [nt for i, nt in enumerate(named) if i not in unfit]
     # One fused scan of the whole update: a check per tensor would synchronise per tensor.
     return [*unfit.values(), *(f"{name}: non-finite values" for name in nonfinite_names(fitting))]

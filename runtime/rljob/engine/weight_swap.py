@@ -6,9 +6,10 @@ version with neither v-1 nor v. So a version that arrives as one flat buffer (th
 staging, sent as SGLang's flattened bucket) is copied, with its NaN/Inf check in the same
 pass (`rljob.checked_copy`), into a new buffer laid out like the one it came in, and only a
 finite version is switched to: each parameter becomes a view of that buffer, between
-requests. The buffer the parameters leave goes back to the allocator (on a GPU, torch's
-cache, where the next version's buffer is found again). The price: while a version is
-installed the engine holds its weights twice.
+requests. The buffer the parameters leave goes back to the allocator once no parameter
+views it (a version that leaves a tensor out keeps its old buffer alive); on a GPU it stays
+in torch's cache, where the next version's buffer is found again. The price: the engine
+holds its weights twice while a version goes in, and on a GPU keeps that memory reserved.
 """
 
 from __future__ import annotations
@@ -57,16 +58,15 @@ def stage_version(targets: Mapping[str, torch.Tensor], named: Sequence[tuple[str
     """Copy and check `named` (views of `flat`) into a buffer of their own, for `targets`
     (name -> the tensor the model computes with: its `nn.Parameter`, or a buffer).
 
-    The copy starts first: the new buffer is not served, so what the host checks next
-    (names, shapes, dtypes) and the views it prepares for the switch run beside it.
+    Names, shapes and dtypes are checked first; then the copy starts, and the views the
+    switch needs are made while it runs. The verdict waits for the copy, so the sender may
+    reuse its buffer once it has the answer.
     """
-    target = targets.get(named[0][0]) if named else None
-    buf = torch.empty(flat.numel(), dtype=flat.dtype,
-                      device=flat.device if target is None else target.device)
-    copying = start_copy_checked(flat.reshape(-1), buf)
-    problems = fit_problems(targets, named)
+    problems = fit_problems(targets, named) if named else ["no tensors sent"]
     if problems:
         return StagedVersion(problems)
+    buf = torch.empty(flat.numel(), dtype=flat.dtype, device=targets[named[0][0]].device)
+    copying = start_copy_checked(flat.reshape(-1), buf)
     base = int(flat.storage_offset())
     views = []
     for name, tensor in named:
