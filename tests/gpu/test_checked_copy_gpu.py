@@ -47,3 +47,15 @@ def test_offsets_past_two_to_the_31_elements_are_copied_and_checked() -> None:
     src[n - 2] = float("nan")
     assert not copy_checked(src, dst)
     assert bool(dst[n - 2].isnan())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_kernel_runs_on_the_tensors_gpu_not_the_current_one() -> None:
+    """An engine on `cuda:1` in a process whose current device is 0 (Triton launches on the
+    current device unless told otherwise)."""
+    torch.cuda.set_device(0)
+    src = torch.ones(1 << 20, dtype=torch.bfloat16, device="cuda:1")
+    dst = torch.zeros_like(src)
+    assert copy_checked(src, dst) and bool(dst.eq(1).all())
+    src[-1] = float("inf")
+    assert not copy_checked(src, dst)

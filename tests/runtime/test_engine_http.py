@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -312,64 +311,6 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     assert all(torch.equal(got[name], state[name] * 2.0) for name in state)
 
 
-def test_a_version_sent_during_a_generation_waits_for_it_and_the_server_still_answers(
-    server: ServerThread,
-) -> None:
-    """A version that arrives mid-generation waits for the worker: the generation ends with
-    the old weights, /health answers meanwhile, and the version is in once the generation
-    is."""
-    state = {k: v.detach().clone() for k, v in server.engine.model.state_dict().items()}
-    _, views = _staging(state, 0.5)
-    progress = GenerationProgress(server.engine)
-    longest = MAX_POSITIONS - 8
-    params = {"max_new_tokens": longest, "sampling_seed": 5, "temperature": 1.0,
-              "ignore_eos": True}
-
-    async def go() -> None:
-        async with EngineClient(server.url) as c:
-            c.wait_healthy(30)
-            running = asyncio.create_task(c.generate([4, 5, 6], params))
-            await _until_generating(progress, running, 3)
-            installing = asyncio.create_task(asyncio.to_thread(
-                EngineClient(server.url).update_from_named_tensors, views, "1", 60))
-            deadline = time.monotonic() + 30
-            while server.engine.queued_installs < 1:
-                assert not running.done(), "the generation ended before the version arrived"
-                assert time.monotonic() < deadline, "the version never reached the engine"
-                await asyncio.sleep(0.005)
-            assert c.healthy(5) and not installing.done()
-            assert c.weight_version() == "0"
-            await c.abort_all()
-            cut = await running
-            assert cut["meta_info"]["weight_version"] == "0"
-            result = await installing
-            assert result.success, result.message
-            assert c.weight_version() == "1" and server.engine.queued_installs == 0
-
-    asyncio.run(go())
-    got = server.engine.model.state_dict()
-    assert all(torch.equal(got[name], state[name] * 0.5) for name in state)
-
-
-def test_install_now_waits_for_nothing_and_installs_only_while_nothing_generates(
-    server: ServerThread,
-) -> None:
-    """What a GPU engine's server does on its event loop: with the engine's lock held (a
-    generation) `install_now` declines and changes nothing; with it free it installs."""
-    engine = server.engine
-    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-    _, views = _staging(state, 2.0)
-    with engine.lock:
-        held = threading.Thread(target=lambda: result.append(engine.install_now([views], "1")))
-        result: list[bool] = []
-        held.start()
-        held.join(timeout=30)
-        assert result == [False] and engine.weight_version == "0"
-    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in state.items())
-    assert engine.install_now([views], "1") and engine.weight_version == "1"
-    assert all(torch.equal(engine.model.state_dict()[k], v * 2.0) for k, v in state.items())
-
-
 def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThread) -> None:
     """Parameters replaced after the engine started (`load_state_dict(assign=True)`) are the
     ones a version goes into: the engine looks its tensors up at every install."""
@@ -383,50 +324,17 @@ def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThre
     assert all(torch.equal(got[name], state[name] * 3.0) for name in state)
 
 
-def test_a_version_installed_on_the_event_loop_never_overtakes_one_queued_before_it(
+
+def test_an_engine_takes_the_names_of_its_state_dict_and_no_other(
     server: ServerThread,
 ) -> None:
-    """On a GPU engine the server installs on its event loop while nothing waits; once a
-    version waits on the worker, later ones queue behind it, so versions go in in the order
-    they came. (The engine here is on the CPU and labelled a GPU's, which takes the
-    server's GPU branch; a gate on the worker holds the first version.)"""
+    """A version names what the model's state dict names (tied names included); a
+    non-persistent buffer such as the rotary inverse frequencies is no parameter."""
     engine = server.engine
-    state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-    engine.device = torch.device("cuda")
-    gate = threading.Event()
-    order: list[str] = []
-    install_ranks = engine.install_ranks
-
-    def gated(per_rank: list[list[tuple[str, torch.Tensor]]], version: str) -> None:
-        assert gate.wait(30)
-        order.append(version)
-        install_ranks(per_rank, version)
-
-    # An instance attribute: the server looks `engine.install_ranks` up on every request.
-    setattr(engine, "install_ranks", gated)  # noqa: B010
-    first, second = _staging(state, 2.0)[1], _staging(state, 3.0)[1]
-    sent = []
-
-    def send(views: list[tuple[str, torch.Tensor]], version: str) -> None:
-        sent.append(EngineClient(server.url).update_from_named_tensors(views, version, 60))
-
-    def until(done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not done():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.005)
-
-    with engine.lock:  # a generation: the first version cannot go in on the loop
-        one = threading.Thread(target=send, args=(first, "1"))
-        one.start()
-        until(lambda: engine.queued_installs == 1, "the first version never queued")
-    two = threading.Thread(target=send, args=(second, "2"))
-    two.start()
-    until(lambda: engine.queued_installs == 2 or not two.is_alive(),
-          "the second version never arrived")
-    gate.set()
-    one.join(30)
-    two.join(30)
-    assert [r.success for r in sent] == [True, True] and order == ["1", "2"]
-    assert engine.weight_version == "2"
-    assert all(torch.equal(engine.model.state_dict()[k], v * 3.0) for k, v in state.items())
+    assert set(engine.targets()) == set(engine.model.state_dict())
+    extra = [n for n, _ in engine.model.named_buffers() if n not in engine.targets()]
+    assert extra, "the tiny model has a non-persistent buffer to try"
+    buf = torch.zeros(64)
+    result = EngineClient(server.url).update_from_named_tensors(
+        [(extra[0], buf[: dict(engine.model.named_buffers())[extra[0]].numel()])], "1", 60)
+    assert not result.success and f"unknown parameter {extra[0]}" in result.message

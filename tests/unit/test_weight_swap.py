@@ -143,3 +143,21 @@ def test_the_fused_pass_stages_and_refuses_as_the_cpu_path_does() -> None:
     done = subprocess.run([sys.executable, "-c", _FUSED], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and "fused ok" in done.stdout, done.stderr[-3000:]
+
+
+def test_an_unfit_version_is_refused_before_any_copy_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Names, shapes and dtypes are checked first, so a refusal answers with nothing still
+    reading the sender's buffer."""
+    import rljob.engine.weight_swap as weight_swap
+
+    def no_copy(*_: object) -> None:
+        raise AssertionError("a copy started for a version that does not fit")
+
+    monkeypatch.setattr(weight_swap, "start_copy_checked", no_copy)
+    params = _params()
+    named = _flat({"a": torch.ones(3, 4), "zz": torch.ones(5)})
+    flat = flat_version(params, named)
+    assert flat is not None
+    assert stage_version(params, named, flat).problems == ["unknown parameter zz"]

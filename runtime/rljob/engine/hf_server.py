@@ -89,9 +89,6 @@ class HFEngine:
         self.abort_epoch = 0
         self._abort_lock = threading.Lock()
         self.receiver = TensorReceiver()
-        # Versions the server has handed to the worker thread and not yet installed (or
-        # refused); none may be overtaken by one installed on the event loop.
-        self.queued_installs = 0
         # Weights leave the device while a colocated trainer trains (SGLang's release/resume
         # memory occupation); a host copy brings them back as they were.
         self.memory = Offload(self.device.type)
@@ -268,13 +265,15 @@ class HFEngine:
         names = [name for name, _ in per_rank[0]]
         if not names:
             raise UpdateRejected("no tensors sent")
-        targets = self.targets()
-        flat = flat_version(targets, per_rank[0]) if self.tp_size == 1 else None
-        if flat is not None:
+        if self.tp_size == 1:
             with self.lock:
                 self._check_resident()
-                self._swap_in(targets, per_rank[0], flat, version)
-            return
+                targets = self.targets()
+                flat = flat_version(targets, per_rank[0])
+                if flat is not None:
+                    self._swap_in(targets, per_rank[0], flat, version)
+                    return
+        targets = self.targets()
         problems = []
         for rank, named in enumerate(per_rank):
             if [name for name, _ in named] != names:
@@ -302,25 +301,11 @@ class HFEngine:
         staged.switch()
         self.weight_version = version
 
-    def install_now(self, per_rank: list[NamedTensors], version: str) -> bool:
-        """Install a one-rank version in one flat buffer on the calling thread if nothing is
-        generating; False, with nothing changed, when it must wait its turn (`install_ranks`
-        on the worker). Lets a GPU engine's server install without two thread hops."""
-        if self.tp_size != 1 or len(per_rank) != 1 or not per_rank[0]:
-            return False
-        targets = self.targets()
-        flat = flat_version(targets, per_rank[0])
-        if flat is None or not self.lock.acquire(blocking=False):
-            return False
-        try:
-            self._check_resident()
-            self._swap_in(targets, per_rank[0], flat, version)
-        finally:
-            self.lock.release()
-        return True
-
     def install_entries(self, entries: list[str], version: str) -> None:
-        """Install `serialized_named_tensors` (entry r for rank r), either format."""
+        """Install `serialized_named_tensors` (entry r for rank r), either format. Refused
+        before decoding while the memory is released: decoding maps the sender's memory,
+        which would then stay mapped through the trainer's turn."""
+        self._check_resident()
         self.install_ranks(self.receiver.decode(entries), version)
 
     def weights_by_name(self, name: str, truncate_size: int) -> list[Any]:
@@ -444,25 +429,7 @@ def build_app(engine: HFEngine) -> web.Application:
             if body.get("load_format") not in (None, FLATTENED):
                 raise UpdateRejected(f"load_format {body['load_format']!r}: this engine reads "
                                      f"named tensors or {FLATTENED!r}")
-            # A GPU engine installs a flat version on the event loop (about a millisecond)
-            # when nothing generates and no earlier version waits; anything else waits its
-            # turn on the worker, in the order it came (on the CPU a larger model's copy
-            # would hold the loop). An entry is decoded once: each decoding gives a
-            # reference back to the sender's memory.
-            per_rank = None
-            if engine.device.type == "cuda" and not engine.queued_installs:
-                per_rank = engine.receiver.decode(entries)
-                if engine.install_now(per_rank, version):
-                    return web.json_response({"success": True,
-                                              "message": f"installed {version}"})
-            engine.queued_installs += 1
-            try:
-                if per_rank is None:
-                    await run(engine.install_entries, entries, version)
-                else:
-                    await run(engine.install_ranks, per_rank, version)
-            finally:
-                engine.queued_installs -= 1
+            await run(engine.install_entries, entries, version)
         except (UpdateRejected, ValueError, OSError, RuntimeError) as err:
             return web.json_response({"success": False, "message": str(err)})
         return web.json_response({"success": True, "message": f"installed {version}"})
