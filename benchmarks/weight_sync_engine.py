@@ -63,8 +63,8 @@ def main() -> None:
         done = time.perf_counter()
         # The phases in ms, for the benchmark's breakdown (staging ends in a host sync);
         # `arrived` and `installed` are this machine's monotonic clock (time.perf_counter),
-        # which the sender
-        # shares, so it can time the request's way in and the answer's way back.
+        # which the sender shares, so it can time the request's way in and the answer's way
+        # back.
         phases = {"the body, to the install thread": start - arrived,
                   "unpickle, a view a tensor": unpickled - start,
                   "finding the flat buffer": decoded - unpickled,
