@@ -265,15 +265,13 @@ class HFEngine:
         names = [name for name, _ in per_rank[0]]
         if not names:
             raise UpdateRejected("no tensors sent")
-        if self.tp_size == 1:
+        targets = self.targets()
+        flat = flat_version(targets, per_rank[0]) if self.tp_size == 1 else None
+        if flat is not None:
             with self.lock:
                 self._check_resident()
-                targets = self.targets()
-                flat = flat_version(targets, per_rank[0])
-                if flat is not None:
-                    self._swap_in(targets, per_rank[0], flat, version)
-                    return
-        targets = self.targets()
+                self._swap_in(targets, per_rank[0], flat, version)
+            return
         problems = []
         for rank, named in enumerate(per_rank):
             if [name for name, _ in named] != names:
