@@ -32,10 +32,10 @@ sys.path.insert(0, str(HERE.parent / "runtime"))
 import torch  # noqa: E402
 
 from rljob.engine.hf_server import HFEngine  # noqa: E402
-from rljob.offload import device_bytes, module_tensors  # noqa: E402
-from rljob.sample import Sample, Status  # noqa: E402
-from rljob.tasks import load_task  # noqa: E402
-from rljob.tiny_model import write_tiny  # noqa: E402
+from rljob.model.offload import device_bytes, module_tensors  # noqa: E402
+from rljob.model.tiny_model import write_tiny  # noqa: E402
+from rljob.rollout.sample import Sample, Status  # noqa: E402
+from rljob.rollout.tasks import load_task  # noqa: E402
 from rljob_api.validate import load_job  # noqa: E402
 
 MIB = 1 << 20
@@ -129,11 +129,11 @@ def main() -> None:
                            spec.model.dtype)
     spec_json = spec.model_dump_json(by_alias=True)
     if backend == "megatron":
-        from rljob.megatron_backend.actor import MegatronTrainerActor
+        from rljob.trainer.megatron.actor import MegatronTrainerActor
 
         trainer: Any = MegatronTrainerActor(spec_json, str(model_dir), 0, 1, "", device)
     else:
-        from rljob.torch_backend.actor import TorchTrainer
+        from rljob.trainer.torch.actor import TorchTrainer
 
         trainer = TorchTrainer(spec_json, str(model_dir), 0, 1, "", device)
     engine = HFEngine(str(model_dir), spec.model.dtype, device, "0")

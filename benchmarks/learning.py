@@ -13,10 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rljob import metrics_log
-from rljob.cluster import RunOptions
-from rljob.driver import run_job
-from rljob.report import PrintReporter
+from rljob.cluster.cluster import RunOptions
+from rljob.driver.job import run_job
+from rljob.reporting import metrics_log
+from rljob.reporting.reporter import PrintReporter
 from rljob_api.validate import load_job
 
 

@@ -15,9 +15,10 @@ gradient to bf16 alone costs, the least any bf16 gradient can show).
 
 Methods:
   naive-bf16      logits = (hidden @ weight.T).float(); log_softmax; gather (the anchor)
-  tiled           rljob.logprobs_vocab_parallel.vocab_parallel_logprobs (CPU path, reference)
-  fused           rljob.logprobs_fused.fused_logprobs (what the trainers use on GPU; on
-                  Hopper its logits matmuls are rljob.logprobs_tma's kernels)
+  tiled           rljob.kernels.logprobs_vocab_parallel.vocab_parallel_logprobs
+                  (CPU path, reference)
+  fused           rljob.kernels.logprobs_fused.fused_logprobs (what the trainers use on GPU; on
+                  Hopper its logits matmuls are rljob.kernels.logprobs_tma's kernels)
   fused-cublas    the same with those kernels off: cuBLAS logits, then a Triton pass
   fused+entropy   the same, with the entropy and its gradient
   liger           Liger 0.8.5 fused linear cross-entropy, reduction="none" (when installed)
@@ -29,7 +30,7 @@ profiled call's kernel timeline (kernel time, busy time, the GPU's idle gaps bet
 and where the largest lie) and prints the host's first steps of one fused call. `--variants`
 times the cuBLAS path's backward logit pieces (`_GRAD_Z_PARTS`) in shuffled rounds beside the
 naive path, then ours beside `--baseline FILE` (another copy of `logprobs_fused.py`, say the last
-commit's). `--set NAME=VALUE` sets a knob of `rljob.logprobs_fused` for the whole run.
+commit's). `--set NAME=VALUE` sets a knob of `rljob.kernels.logprobs_fused` for the whole run.
 
 Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep] [--idle] [--variants]
 """
@@ -54,8 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
-from rljob.logprobs_fused import fused_logprobs
-from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
+from rljob.kernels.logprobs_fused import fused_logprobs
+from rljob.kernels.logprobs_vocab_parallel import vocab_parallel_logprobs
 
 Out = tuple[torch.Tensor, torch.Tensor | None]
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Out]
@@ -80,9 +81,9 @@ def fused_entropy(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
 
 @contextlib.contextmanager
 def cublas_path() -> Iterator[None]:
-    """`rljob.logprobs_fused` with the TMA kernels off inside (a call's backward follows
+    """`rljob.kernels.logprobs_fused` with the TMA kernels off inside (a call's backward follows
     the path of its forward)."""
-    import rljob.logprobs_fused as lf
+    import rljob.kernels.logprobs_fused as lf
 
     kept, lf._USE_TMA = lf._USE_TMA, False
     try:
@@ -414,7 +415,7 @@ def variants(
     """Forward+backward time (shuffled rounds, beside the naive path) and peak of the fused
     path over `_GRAD_Z_PARTS`, then the module as set beside `baseline` (another copy of
     `logprobs_fused.py`): forward and forward+backward, with and without the entropy."""
-    import rljob.logprobs_fused as lf
+    import rljob.kernels.logprobs_fused as lf
 
     hl = h.detach().requires_grad_(True)
     wl = w.detach().requires_grad_(True)
@@ -526,7 +527,7 @@ def sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor, re
 
 def _sweep(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, g: torch.Tensor,
            repeat: int) -> None:
-    import rljob.logprobs_fused as lf
+    import rljob.kernels.logprobs_fused as lf
 
     defaults = (lf._STATS_SPLIT, lf._GRAD_Z_PARTS, lf._STATS_BLOCK_M, lf._STATS_WARPS)
     hl = h.detach().requires_grad_(True)
@@ -655,15 +656,15 @@ def main() -> None:
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE",
-        help="set a knob of rljob.logprobs_fused (say _GRAD_Z_PARTS=5) for the whole run",
+        help="set a knob of rljob.kernels.logprobs_fused (say _GRAD_Z_PARTS=5) for the whole run",
     )
     args = parser.parse_args()
-    import rljob.logprobs_fused as lf
+    import rljob.kernels.logprobs_fused as lf
 
     for item in args.set:
         name, _, value = item.partition("=")
         if not hasattr(lf, name) or not name.startswith("_"):
-            sys.exit(f"--set {item}: rljob.logprobs_fused has no knob {name!r}")
+            sys.exit(f"--set {item}: rljob.kernels.logprobs_fused has no knob {name!r}")
         setattr(lf, name, json.loads(value.lower()) if value.lower() in ("true", "false")
                 else int(value))
     baseline = load_module(args.baseline) if args.baseline else None

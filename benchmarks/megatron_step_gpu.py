@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from rljob.algo.advantages import group_normalized
-from rljob.megatron_backend.shape import ModelShape
-from rljob.megatron_backend.training import (
+from rljob.trainer.megatron.shape import ModelShape
+from rljob.trainer.megatron.training import (
     MegatronTrainer,
     PolicyLossConfig,
     PolicyMicroBatch,
@@ -107,7 +107,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     if args.cublas_logits:
-        import rljob.logprobs_fused as lf
+        import rljob.kernels.logprobs_fused as lf
 
         lf._USE_TMA = False
     init_parallel(1, 1, 1, seed=0)

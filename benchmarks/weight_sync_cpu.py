@@ -92,7 +92,7 @@ def main() -> None:
                     [
                         sys.executable,
                         "-m",
-                        "rljob.weightsync.sidecar",
+                        "rljob.engine.sidecar",
                         "--trainer",
                         f"127.0.0.1:{publisher.port}",
                         "--engine-url",

@@ -26,8 +26,8 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from rljob.engine.tensor_payload import TensorReceiver
 from rljob.engine.weight_swap import flat_version, stage_version
+from rljob.weightsync.wire import TensorReceiver
 
 
 def main() -> None:

@@ -36,19 +36,19 @@ for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 
 import torch  # noqa: E402
 
-from rljob.checked_copy import copy_checked  # noqa: E402
 from rljob.engine.client import EngineClient  # noqa: E402
-from rljob.engine.tensor_payload import (  # noqa: E402
-    FLATTENED,
-    copy_into,
-    encode_flattened,
-    flat_span,
-)
-from rljob.nonfinite import nonfinite_names  # noqa: E402
+from rljob.weightsync.checked_copy import copy_checked  # noqa: E402
+from rljob.weightsync.nonfinite import nonfinite_names  # noqa: E402
 from rljob.weightsync.protocol import (  # noqa: E402
     pack_bucket,
     plan_buckets,
     unpack_bucket,
+)
+from rljob.weightsync.wire import (  # noqa: E402
+    FLATTENED,
+    copy_into,
+    encode_flattened,
+    flat_span,
 )
 
 DEVICE = "cuda:0"

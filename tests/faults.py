@@ -30,7 +30,7 @@ SETUP_HOOK = "tests.faults.install_from_env"
 
 def pause_saves_at(step: int) -> None:
     """Stop every save of `step` in this process before its manifest, for good."""
-    from rljob import checkpoint
+    from rljob.checkpoint import store as checkpoint
 
     original = checkpoint.write_manifest
 
@@ -45,7 +45,7 @@ def pause_saves_at(step: int) -> None:
 
 def corrupt_broadcast_once(engine: str, version: int) -> None:
     """The first broadcast copy of `version` that `engine`'s sidecar receives gets a NaN."""
-    from rljob.weightsync import sidecar
+    from rljob.engine import sidecar
     from rljob.weightsync.protocol import dtype_from_name
 
     original = sidecar.Sidecar._receive_broadcast
@@ -78,7 +78,7 @@ def install_from_env() -> None:
 def main() -> int:
     """`rljob` with the environment's faults installed."""
     install_from_env()
-    from rljob.cli import main as rljob_main
+    from rljob.cli.main import main as rljob_main
 
     return rljob_main(sys.argv[1:])
 

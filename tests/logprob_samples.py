@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rljob.sample import Sample, Status
+from rljob.rollout.sample import Sample, Status
 
 TEMPERATURE = 0.7
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rljob import metrics_log
+from rljob.reporting import metrics_log
 
 Series = dict[str, dict[int, float]]
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from e2e.sim.kubectl_view import RLJobsView
-from rljob.report import StatusReporter
+from rljob.reporting.reporter import StatusReporter
 from rljob_api.status import CheckpointStatus, Progress
 from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.report import StatusReporter
+from rljob.reporting.reporter import StatusReporter
 from rljob_api.status import RUNTIME_MANAGER as FIELD_MANAGER
 from rljob_api.status import CheckpointStatus, Progress
 from tests.controlplane import REPO, ControlPlane

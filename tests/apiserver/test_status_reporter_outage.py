@@ -17,8 +17,8 @@ import pytest
 import yaml
 from kubernetes import config
 
-from rljob import metrics_log
-from rljob.report import SETTLE_S, StatusReporter
+from rljob.reporting import metrics_log
+from rljob.reporting.reporter import SETTLE_S, StatusReporter
 from rljob_api import env
 from rljob_api.status import CheckpointStatus, Progress
 from rljob_api.status import timestamp as now

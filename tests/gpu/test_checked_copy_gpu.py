@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rljob.checked_copy import _fused_applies, copy_checked
+from rljob.weightsync.checked_copy import _fused_applies, copy_checked
 
 pytestmark = [
     pytest.mark.gpu,

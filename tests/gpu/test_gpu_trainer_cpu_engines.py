@@ -14,11 +14,11 @@ import pytest
 import ray
 import torch
 
-from rljob.cluster import RunOptions
-from rljob.driver import Job
+from rljob.cluster.cluster import RunOptions
+from rljob.cluster.placement import Devices
+from rljob.driver.job import Job
 from rljob.engine.client import EngineClient
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.placement import Devices
+from rljob_api.exits import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
 from tests.runtime.test_weight_sync_loop import engine_weights, local_ray

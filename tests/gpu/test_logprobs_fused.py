@@ -45,11 +45,11 @@ def _exact_fp32_matmuls() -> None:
 
 
 def _tma_runs() -> bool:
-    """Whether `rljob.logprobs_tma` can run on this GPU (Hopper or later, with the shared
+    """Whether `rljob.kernels.logprobs_tma` can run on this GPU (Hopper or later, with the shared
     memory its pipeline holds)."""
     if not HAS_CUDA:
         return False
-    from rljob import logprobs_tma
+    from rljob.kernels import logprobs_tma
 
     return logprobs_tma.gpu_fits(torch.device(DEVICE))
 
@@ -61,8 +61,8 @@ def logits_path(
     """Each 16-bit case on both logits paths: the TMA kernels with their epilogues in
     registers (skipped on GPUs that cannot run them) and cuBLAS logits with a Triton pass.
     The test fails if the path it names did not run, forward and backward."""
-    import rljob.logprobs_fused as lf
-    from rljob import logprobs_tma
+    import rljob.kernels.logprobs_fused as lf
+    from rljob.kernels import logprobs_tma
 
     tma = request.param == "tma"
     if tma and not _tma_runs():
@@ -151,7 +151,7 @@ def _run(
     chunk_bytes: int | None = None,
     seed: int = 0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from rljob.logprobs_fused import DEFAULT_CHUNK_BYTES, fused_logprobs
+    from rljob.kernels.logprobs_fused import DEFAULT_CHUNK_BYTES, fused_logprobs
 
     hidden, weight, targets, g_lp, g_ent = _inputs(n, v, h, dtype, seed)
     hl = hidden.clone().requires_grad_(True)
@@ -240,7 +240,7 @@ def test_statistics_pieces_and_gradient_pieces(
 ) -> None:
     """Statistics split across programs (pieces not a multiple of the column tile, ragged last
     pieces) and backward chunks filled from several fp32 logit pieces give the same results."""
-    import rljob.logprobs_fused as lf
+    import rljob.kernels.logprobs_fused as lf
 
     monkeypatch.setattr(lf, "_STATS_SPLIT", split)
     monkeypatch.setattr(lf, "_GRAD_Z_PARTS", parts)
@@ -274,7 +274,7 @@ def test_tma_forward_ranges_merge(ent: bool, monkeypatch: pytest.MonkeyPatch) ->
     columns (narrower than one tile); the TMA path must really run."""
     if not _tma_runs():
         pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
-    from rljob import logprobs_tma
+    from rljob.kernels import logprobs_tma
 
     launches: list[int] = []
     real = logprobs_tma.stats
@@ -297,8 +297,8 @@ def test_merge_kernel_agrees_with_the_statistics_algebra() -> None:
     pairwise (maxima far apart, a tile whose sums underflow beside the others)."""
     if not _tma_runs():
         pytest.skip("the TMA kernels need a GPU of compute capability 9.0 or later")
-    from rljob import logprobs_tma
-    from rljob.logprobs_stats import Stats, merge
+    from rljob.kernels import logprobs_tma
+    from rljob.kernels.logprobs_stats import Stats, merge
 
     g = torch.Generator(device=DEVICE).manual_seed(3)
     tiles, n = 7, 300
@@ -332,7 +332,7 @@ def test_tokens_times_vocab_over_2_pow_31(logits_path: str) -> None:
 @needs_cuda
 def test_trainer_entry_point_takes_the_fused_path() -> None:
     """`token_logprobs` on CUDA tensors runs the fused autograd function."""
-    from rljob.logprobs_vocab_parallel import token_logprobs
+    from rljob.kernels.logprobs_vocab_parallel import token_logprobs
 
     hidden, weight, targets, _, _ = _inputs(8, 300, 16, torch.bfloat16, 1)
     lp, _ = token_logprobs(hidden.requires_grad_(True), weight, targets)
@@ -345,10 +345,10 @@ def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
     tiled reference function on the same bf16 model: values, entropies, parameter gradients."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rljob.algo.logprobs import pad_responses, response_index
-    from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
-    from rljob.torch_backend.actor import response_logprobs
+    from rljob.kernels.logprobs import pad_responses, response_index
+    from rljob.kernels.logprobs_vocab_parallel import vocab_parallel_logprobs
     from rljob.trainer.batch import Batch
+    from rljob.trainer.torch.actor import response_logprobs
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -410,9 +410,9 @@ def _graph(fn: Any) -> list[Any]:
 def _shard_worker(rank: int, world: int, port: int, path: str, dtype_name: str,
                   tma: bool) -> None:
     try:
-        import rljob.logprobs_fused as lf
-        from rljob import logprobs_tma
-        from rljob.logprobs_fused import fused_logprobs
+        import rljob.kernels.logprobs_fused as lf
+        from rljob.kernels import logprobs_tma
+        from rljob.kernels.logprobs_fused import fused_logprobs
 
         lf._USE_TMA = tma
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

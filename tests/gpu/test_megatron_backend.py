@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from rljob.algo.losses import LossKind
-    from rljob.megatron_backend.training import MegatronTrainer, PolicyMicroBatch
+    from rljob.trainer.megatron.training import MegatronTrainer, PolicyMicroBatch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,7 +43,7 @@ SMALL: dict[str, Any] = {
 
 @pytest.fixture(scope="module", autouse=True)
 def parallel() -> None:
-    from rljob.megatron_backend.training import init_parallel
+    from rljob.trainer.megatron.training import init_parallel
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -76,8 +76,8 @@ def _hf_state(model: PreTrainedModel, tied: bool) -> dict[str, torch.Tensor]:
 def _trainer(
     model: PreTrainedModel, tied: bool, dtype: torch.dtype = torch.float32, kind: LossKind = "ppo"
 ) -> MegatronTrainer:
-    from rljob.megatron_backend.shape import ModelShape
-    from rljob.megatron_backend.training import MegatronTrainer, PolicyLossConfig
+    from rljob.trainer.megatron.shape import ModelShape
+    from rljob.trainer.megatron.training import MegatronTrainer, PolicyLossConfig
 
     return MegatronTrainer(
         ModelShape.from_hf(model.config),
@@ -92,7 +92,7 @@ def _trainer(
 
 
 def _batches(seed: int, n: int = 2, batch: int = 3, tis: bool = False) -> list[PolicyMicroBatch]:
-    from rljob.megatron_backend.training import PolicyMicroBatch
+    from rljob.trainer.megatron.training import PolicyMicroBatch
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -125,8 +125,8 @@ def _batches(seed: int, n: int = 2, batch: int = 3, tis: bool = False) -> list[P
 def _torch_path(model: PreTrainedModel, batches: list[PolicyMicroBatch], kind: LossKind = "ppo"
                 ) -> tuple[float, float]:
     """The torch backend's computation: HF model, chunked log-probs, the shared policy loss."""
-    from rljob.algo.logprobs import chunked_logprobs, pad_responses, response_index
     from rljob.algo.losses import policy_loss
+    from rljob.kernels.logprobs import chunked_logprobs, pad_responses, response_index
 
     model.zero_grad()
     total_tokens = sum(float(b.loss_mask.sum()) for b in batches)
@@ -200,7 +200,7 @@ def test_resume_from_distributed_checkpoint_is_exact(kind: str, tied: bool, tmp_
     before the save make Adam's step count (2) differ from a freshly allocated state's (1)."""
     import torch.distributed as dist
 
-    from rljob.checkpoint import CheckpointStore
+    from rljob.checkpoint.store import CheckpointStore
 
     model = _hf_model(kind, tied)
     first = _trainer(model, tied, dtype=torch.bfloat16)
@@ -238,7 +238,7 @@ def test_old_logprobs_match_training_forward() -> None:
     trainer = _trainer(model, False)
     batches = _batches(seed=3, n=1)
     (logp,) = trainer.logprobs(batches)
-    from rljob.algo.logprobs import naive_logprobs
+    from rljob.kernels.logprobs import naive_logprobs
 
     b = batches[0]
     tokens = b.tokens.cuda()
@@ -256,8 +256,8 @@ def test_actor_logprobs_are_the_policys_and_what_train_starts_from(tmp_path: Pat
     by its steps."""
     from transformers import AutoModelForCausalLM
 
-    from rljob.megatron_backend.actor import MegatronTrainerActor
-    from rljob.model_files import prepare_model
+    from rljob.driver.model_files import prepare_model
+    from rljob.trainer.megatron.actor import MegatronTrainerActor
     from tests.logprob_samples import TEMPERATURE, check_policy_logprobs, samples_of
     from tests.runtime.jobs import job_spec
 
@@ -286,8 +286,8 @@ def test_actor_clips_against_the_engines_logprobs_with_old_logprobs_rollout(tmp_
     trainer's own)."""
     from transformers import AutoModelForCausalLM
 
-    from rljob.megatron_backend.actor import MegatronTrainerActor
-    from rljob.model_files import prepare_model
+    from rljob.driver.model_files import prepare_model
+    from rljob.trainer.megatron.actor import MegatronTrainerActor
     from tests.logprob_samples import (
         ENGINE_EXCESS,
         NEGATIVE_ADVANTAGE_SHARE,

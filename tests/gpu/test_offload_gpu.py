@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from rljob.engine.hf_server import HFEngine
-from rljob.nonfinite import nonfinite_names
-from rljob.offload import Offload, device_bytes, module_tensors, optimizer_tensors
-from rljob.tiny_model import write_tiny
+from rljob.model.offload import Offload, device_bytes, module_tensors, optimizer_tensors
+from rljob.model.tiny_model import write_tiny
+from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob_api.spec import TinyModel
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.checkpoint import MANIFEST
-from rljob.report import StatusReporter
+from rljob.checkpoint.store import MANIFEST
+from rljob.reporting.reporter import StatusReporter
 from rljob_api.status import RuntimeFailure
 from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane

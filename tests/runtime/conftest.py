@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import ray
 
-from rljob.cluster import worker_env
+from rljob.cluster.cluster import worker_env
 from rljob_api.status import (
     CheckpointStatus,
     Progress,

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rljob.hooks import HookArgs, default_generate, default_reward
-from rljob.sample import Sample, Status
+from rljob.rollout.hooks import HookArgs, default_generate, default_reward
+from rljob.rollout.sample import Sample, Status
 
 
 async def nan_reward(args: HookArgs, sample: Sample) -> float:

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from rljob import metrics_log
+from rljob.reporting import metrics_log
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job
 from tests.controlplane import REPO

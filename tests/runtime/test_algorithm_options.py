@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rljob.cluster import RunOptions
-from rljob.driver import run_job
-from rljob.exit_codes import OK as EXIT_OK
+from rljob.cluster.cluster import RunOptions
+from rljob.driver.job import run_job
+from rljob_api.exits import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec, metric_rows
 

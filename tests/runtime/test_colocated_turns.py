@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import ray
 
-from rljob.cluster import Workers
-from rljob.driver import Job
-from rljob.loop_state import LoopState
-from rljob.rollout_pipeline import RolloutPipeline
-from rljob.tracking import Trackers
-from rljob.trainer.trainer_group import TrainerGroup
+from rljob.cluster.cluster import Workers
+from rljob.cluster.rollout_pipeline import RolloutPipeline
+from rljob.cluster.trainer_group import TrainerGroup
+from rljob.driver.checkpoints import LoopState
+from rljob.driver.job import Job
+from rljob.reporting.tracking import Trackers
 
 
 class Actor:

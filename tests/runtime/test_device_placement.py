@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 import ray
 
-from rljob import exit_codes
-from rljob.cluster import Cluster, RunOptions, slot_options, worker_env
+from rljob.cluster.cluster import Cluster, RunOptions, slot_options, worker_env
+from rljob.cluster.placement import Devices, plan
+from rljob.cluster.weight_sync import sidecar_placement
+from rljob.driver.stop import StopSignals
 from rljob.engine.slots import SlotHolder
-from rljob.exit_codes import JobError
-from rljob.placement import Devices, plan
-from rljob.stop import StopSignals
-from rljob.weightsync.wiring import sidecar_placement
+from rljob_api import exits
+from rljob_api.exits import JobError
 from rljob_api.spec import RLJobSpec
 
 pytestmark = pytest.mark.runtime
@@ -103,7 +103,7 @@ def test_a_trainer_asking_for_more_gpus_than_ray_has_stops_the_run(
     cluster = Cluster(RunOptions(tmp_path), StopSignals())
     with pytest.raises(JobError) as err:
         cluster.choose_devices(_spec("disaggregated", 2, 1))
-    assert err.value.code == exit_codes.INVALID
+    assert err.value.code == exits.INVALID
     message = str(err.value)
     assert message.startswith("spec.trainer.gpusPerReplica: the trainer asks for 2 GPUs")
     assert "Ray reports 1 GPU on this machine" in message

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.engine.tensor_payload import encode_named_tensors, flat_span
-from rljob.tiny_model import MAX_POSITIONS, write_tiny
+from rljob.model.tiny_model import MAX_POSITIONS, write_tiny
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
+from rljob.weightsync.wire import encode_named_tensors, flat_span
 from rljob_api.spec import TinyModel
 from tests.runtime.engine_progress import GenerationProgress
 

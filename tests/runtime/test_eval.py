@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from rljob import metrics_log
-from rljob.cluster import RunOptions
-from rljob.driver import run_job
+from rljob.cluster.cluster import RunOptions
+from rljob.driver.job import run_job
+from rljob.driver.model_files import prepare_model
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.model_files import prepare_model
-from rljob.rollout import EvalResult, RolloutWorker, sample_seed
-from rljob.sample import Sample
+from rljob.reporting import metrics_log
+from rljob.rollout.sample import Sample
+from rljob.rollout.worker import EvalResult, RolloutWorker, sample_seed
+from rljob_api.exits import OK as EXIT_OK
 from rljob_api.spec import RLJobSpec
 from tests.runtime import hooks_for_tests
 from tests.runtime.conftest import RecordingReporter

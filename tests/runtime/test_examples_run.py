@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob import metrics_log
-from rljob.exit_codes import OK as EXIT_OK
+from rljob.reporting import metrics_log
+from rljob_api.exits import OK as EXIT_OK
 from tests.processes import reap
 from tests.unit.test_examples import cpu_examples
 

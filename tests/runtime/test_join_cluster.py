@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from rljob.exit_codes import FAILED as EXIT_FAILED
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.ray_node import JoinedNode
-from rljob.whereabouts import parse_line
+from rljob.cluster.ray_node import JoinedNode
+from rljob.cluster.whereabouts import parse_line
+from rljob_api.exits import FAILED as EXIT_FAILED
+from rljob_api.exits import OK as EXIT_OK
 from rljob_api.layout import group_resource
 from tests.controlplane import free_port
 from tests.polling import wait_for

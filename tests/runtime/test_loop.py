@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from rljob import metrics_log
-from rljob.cluster import RunOptions
-from rljob.driver import run_job
-from rljob.exit_codes import NONFINITE as EXIT_NONFINITE
-from rljob.exit_codes import OK as EXIT_OK
+from rljob.cluster.cluster import RunOptions
+from rljob.driver.job import run_job
+from rljob.reporting import metrics_log
+from rljob_api.exits import NONFINITE as EXIT_NONFINITE
+from rljob_api.exits import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec, metric_rows
 

@@ -15,8 +15,8 @@ import torch
 
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.offload import Offload, TakesTurns, device_bytes, module_tensors, optimizer_tensors
-from rljob.tiny_model import write_tiny
+from rljob.model.offload import Offload, TakesTurns, device_bytes, module_tensors, optimizer_tensors
+from rljob.model.tiny_model import write_tiny
 from rljob_api.spec import TinyModel
 
 pytestmark = pytest.mark.runtime

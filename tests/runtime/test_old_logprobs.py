@@ -11,10 +11,10 @@ import pytest
 import ray
 from transformers import AutoModelForCausalLM
 
-from rljob.cluster import rendezvous_address
-from rljob.model_files import prepare_model
-from rljob.torch_backend.actor import TorchTrainer
-from rljob.trainer.trainer_group import TrainerGroup
+from rljob.cluster.cluster import rendezvous_address
+from rljob.cluster.trainer_group import TrainerGroup
+from rljob.driver.model_files import prepare_model
+from rljob.trainer.torch.actor import TorchTrainer
 from tests.logprob_samples import (
     ENGINE_EXCESS,
     NEGATIVE_ADVANTAGE_SHARE,

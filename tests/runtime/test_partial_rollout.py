@@ -22,15 +22,16 @@ from typing import Any
 import pytest
 import ray
 
-from rljob import loop_state, metrics_log
+from rljob.cluster.rollout_pipeline import RolloutPipeline
+from rljob.driver import checkpoints as loop_state
+from rljob.driver.checkpoints import Checkpoints, LoopState
 from rljob.engine.hf_server import HFEngine, ServerThread
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.loop_state import Checkpoints, LoopState
-from rljob.rollout import RolloutWorker
-from rljob.rollout_pipeline import RolloutPipeline
-from rljob.sample import Sample, Status
-from rljob.tasks import load_task
-from rljob.tiny_model import write_tiny
+from rljob.model.tiny_model import write_tiny
+from rljob.reporting import metrics_log
+from rljob.rollout.sample import Sample, Status
+from rljob.rollout.tasks import load_task
+from rljob.rollout.worker import RolloutWorker
+from rljob_api.exits import OK as EXIT_OK
 from rljob_api.spec import RLJobSpec, TinyModel
 from tests.runtime import hooks_for_tests
 from tests.runtime.conftest import RecordingReporter

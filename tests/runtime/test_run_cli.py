@@ -15,17 +15,17 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob import metrics_log
-from rljob.checkpoint import CheckpointStore
-from rljob.cluster import RunOptions
-from rljob.driver import run_job
-from rljob.exit_codes import FAILED as EXIT_FAILED
-from rljob.exit_codes import INTERRUPTED as EXIT_INTERRUPTED
-from rljob.exit_codes import INVALID as EXIT_INVALID
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.exit_codes import TERMINATED as EXIT_TERMINATED
-from rljob.rollout_pipeline import PENDING_FILE
+from rljob.checkpoint.store import CheckpointStore
+from rljob.cluster.cluster import RunOptions
+from rljob.cluster.rollout_pipeline import PENDING_FILE
+from rljob.driver.job import run_job
+from rljob.reporting import metrics_log
 from rljob_api import env
+from rljob_api.exits import FAILED as EXIT_FAILED
+from rljob_api.exits import INTERRUPTED as EXIT_INTERRUPTED
+from rljob_api.exits import INVALID as EXIT_INVALID
+from rljob_api.exits import OK as EXIT_OK
+from rljob_api.exits import TERMINATED as EXIT_TERMINATED
 from tests.controlplane import ControlPlane
 from tests.polling import wait_for
 from tests.processes import reap

@@ -16,13 +16,13 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob import metrics_log
 from rljob.engine.client import EngineClient
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.sglang_launcher import EngineStartError
 from rljob.engine.slots import SlotHolder
-from rljob.exit_codes import OK as EXIT_OK
-from rljob.tiny_model import write_tiny
+from rljob.model.tiny_model import write_tiny
+from rljob.reporting import metrics_log
+from rljob_api.exits import OK as EXIT_OK
 from rljob_api.spec import TinyModel
 from tests.polling import wait_for
 from tests.processes import reap

@@ -16,10 +16,10 @@ import pytest
 import ray
 import torch
 
-from rljob.cluster import RunOptions, worker_env
-from rljob.driver import WEIGHT_SYNC_LOG, Job
+from rljob.cluster.cluster import RunOptions, worker_env
+from rljob.driver.job import WEIGHT_SYNC_LOG, Job
 from rljob.engine.client import EngineClient
-from rljob.exit_codes import OK as EXIT_OK
+from rljob_api.exits import OK as EXIT_OK
 from tests.faults import CORRUPT_ENV, SETUP_HOOK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rljob.checked_copy import copy_checked
+from rljob.weightsync.checked_copy import copy_checked
 
 RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 
@@ -25,7 +25,7 @@ RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
 # kernel masking its tail wrongly would miss), and a finite run: verdicts and bytes.
 _INTERPRETED = r"""
 import torch
-from rljob.checked_copy import _fused_applies, copy_checked
+from rljob.weightsync.checked_copy import _fused_applies, copy_checked
 
 n = 8192 * 2 + 77
 for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2,

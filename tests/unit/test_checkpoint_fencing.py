@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rljob.checkpoint import CheckpointConflict, CheckpointStore, LeaseHeld, verify
+from rljob.checkpoint.store import CheckpointConflict, CheckpointStore, LeaseHeld, verify
 from tests.controlplane import REPO
 from tests.polling import wait_for
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 WRITER = """
 import sys
 from pathlib import Path
-from rljob.checkpoint import CheckpointConflict, CheckpointStore, LeaseLost
+from rljob.checkpoint.store import CheckpointConflict, CheckpointStore, LeaseLost
 store = CheckpointStore(Path(sys.argv[1]), keep_last=10, writer="old-driver",
                         lease_ttl_s=float(sys.argv[2]))
 store.acquire()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rljob.cli import main
+from rljob.cli.main import main
 from rljob_api.crd import spec_schema, status_schema
 from rljob_api.docs import DOCS_FILE, bounds, render_reference, type_name, walk
 from rljob_api.rules import RULES

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rljob import exit_codes
 from rljob_api import exits
+from rljob_api import exits as exit_codes
 
 pytestmark = pytest.mark.unit
 

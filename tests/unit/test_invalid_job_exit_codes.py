@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob.exit_codes import INVALID
+from rljob_api.exits import INVALID
 from rljob_api.validate import manifest_problems
 from tests.specs import base_job
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rljob.logprobs_stats import Stats, all_reduce_stats, finish, merge, stats_of
+from rljob.kernels.logprobs_stats import Stats, all_reduce_stats, finish, merge, stats_of
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rljob.logprobs_vocab_parallel import vocab_parallel_logprobs
+from rljob.kernels.logprobs_vocab_parallel import vocab_parallel_logprobs
 
 pytestmark = pytest.mark.unit
 

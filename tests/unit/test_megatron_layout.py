@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rljob.megatron_backend.shape import ModelShape, UnsupportedModel
-from rljob.megatron_backend.tensor_layout import (
+from rljob.trainer.megatron.shape import ModelShape, UnsupportedModel
+from rljob.trainer.megatron.tensor_layout import (
     fuse_qkv,
     hf_to_megatron,
     megatron_to_hf,

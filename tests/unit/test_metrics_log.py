@@ -8,7 +8,7 @@ from typing import Any
 import matplotlib.image
 import pytest
 
-from rljob import metrics_log
+from rljob.reporting import metrics_log
 
 
 def _write_run(path: Path) -> None:

@@ -1,11 +1,11 @@
-"""The staleness and fit rules of the loop's batches (rljob.rollout_pipeline), as pure logic:
-what lag a batch has, and when a batch a checkpoint kept is generated again."""
+"""The staleness and fit rules of the loop's batches (rljob.cluster.rollout_pipeline), as pure
+logic: what lag a batch has, and when a batch a checkpoint kept is generated again."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rljob.rollout_pipeline import Batch, Staleness
+from rljob.cluster.rollout_pipeline import Batch, Staleness
 
 
 def _sample(version: str, spans: list[tuple[str, int]] | None = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rljob.checkpoint import CheckpointStore, verify
+from rljob.checkpoint.store import CheckpointStore, verify
 from tests.controlplane import REPO
 from tests.faults import PAUSE_MARKER, PAUSE_SAVE_ENV
 from tests.polling import wait_for
@@ -57,7 +57,7 @@ def test_a_checkpoint_missing_a_file_is_passed_over(tmp_path: Path) -> None:
 SAVER = """
 import sys
 from pathlib import Path
-from rljob.checkpoint import CheckpointStore
+from rljob.checkpoint.store import CheckpointStore
 from tests.faults import install_from_env
 install_from_env()
 store = CheckpointStore(Path(sys.argv[1]), keep_last=3)

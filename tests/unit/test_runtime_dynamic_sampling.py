@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from rljob.hooks import HookError
-from rljob.rollout import RolloutWorker
-from rljob.tasks import load_task
-from rljob.tiny_model import write_tiny
+from rljob.model.tiny_model import write_tiny
+from rljob.rollout.hooks import HookError
+from rljob.rollout.tasks import load_task
+from rljob.rollout.worker import RolloutWorker
 from rljob_api.spec import RLJobSpec, TinyModel
 from tests.operator.edits import merge
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rljob.hooks import HookError, as_reward, default_reward, load_generate, load_reward
+from rljob.rollout.hooks import HookError, as_reward, default_reward, load_generate, load_reward
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rljob.algo.logprobs import chunked_logprobs, naive_logprobs, pad_responses, response_index
+from rljob.kernels.logprobs import chunked_logprobs, naive_logprobs, pad_responses, response_index
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from rljob.algo.advantages import (
     whiten,
 )
 from rljob.algo.losses import kl_estimate, policy_loss, truncated_is_weights, value_loss
-from rljob.sample import Sample
+from rljob.rollout.sample import Sample
 from rljob.trainer.batch import advantages, policy_settings, rollout_summary, truncated_is
 from rljob_api.spec import AlgorithmSpec
 

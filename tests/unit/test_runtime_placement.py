@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 
-from rljob.engine.slots import SlotDeviceError, engine_gpus
-from rljob.placement import (
+from rljob.cluster.placement import (
     SIDECAR_SHARE,
     DeviceError,
     Devices,
@@ -18,8 +17,9 @@ from rljob.placement import (
     plan,
     port_clashes,
 )
-from rljob.weightsync.sidecar import SidecarConfig, parse_args
-from rljob.weightsync.wiring import SyncSettings, sidecar_device
+from rljob.cluster.weight_sync import SyncSettings, sidecar_device
+from rljob.engine.sidecar import SidecarConfig, parse_args
+from rljob.engine.slots import SlotDeviceError, engine_gpus
 from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.layout import slots_per_pod
 from rljob_api.spec import RLJobSpec, RolloutBackend, WeightSyncMode

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob.data_source import DataSource
-from rljob.tasks import (
+from rljob.rollout.data_source import DataSource
+from rljob.rollout.tasks import (
     DatasetError,
     arithmetic,
     char_accuracy_reward,
@@ -74,8 +74,8 @@ def test_buffered_prompts_are_served_first_and_persisted() -> None:
 
 
 def test_a_bad_eval_dataset_is_named_as_spec_eval_dataset(tmp_path: Path) -> None:
-    from rljob.exit_codes import INVALID, JobError
-    from rljob.model_files import prepare_model
+    from rljob.driver.model_files import prepare_model
+    from rljob_api.exits import INVALID, JobError
     from rljob_api.spec import RLJobSpec
 
     spec = RLJobSpec.model_validate(

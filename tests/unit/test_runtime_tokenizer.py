@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from rljob.text_codec import load_codec
-from rljob.tiny_model import build_tiny, write_tiny
-from rljob.tokenizer import CharTokenizer
+from rljob.model.text_codec import load_codec
+from rljob.model.tiny_model import build_tiny, write_tiny
+from rljob.model.tokenizer import CharTokenizer
 from rljob_api.spec import TinyModel
 
 pytestmark = pytest.mark.unit

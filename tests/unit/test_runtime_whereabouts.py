@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rljob.cluster import attempt_number, expected_group
-from rljob.ray_node import node_ip, parse_address, ray_start_command, redacted
-from rljob.whereabouts import Placed, dead_hosts, json_line, node_groups, parse_line, table
+from rljob.cluster.cluster import attempt_number, expected_group
+from rljob.cluster.ray_node import node_ip, parse_address, ray_start_command, redacted
+from rljob.cluster.whereabouts import Placed, dead_hosts, json_line, node_groups, parse_line, table
 
 pytestmark = pytest.mark.unit
 

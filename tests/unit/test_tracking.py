@@ -1,4 +1,4 @@
-"""`rljob.tracking` without a run: ±Inf and NaN reach every tracker as they are, a resumed
+"""`rljob.reporting.tracking` without a run: ±Inf and NaN reach every tracker as they are, a resumed
 attempt's TensorBoard steps replace the earlier attempt's, and a tracker whose package is
 missing is a warning (in `rljob validate` and at start) naming the field and the extra."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob import cli
-from rljob.tracking import Trackers, missing_packages
+from rljob.cli import main as cli
+from rljob.reporting.tracking import Trackers, missing_packages
 from rljob_api.spec import RLJobSpec, TrackingSpec
 from tests import trackers
 from tests.controlplane import REPO
@@ -107,7 +107,7 @@ def recording(host, *args, **kwargs):
 socket.getaddrinfo = recording
 # Registered first, so it runs last: after W&B's own exit hooks.
 atexit.register(lambda: print("LOOKED UP " + json.dumps(looked_up)))
-from rljob.tracking import Trackers
+from rljob.reporting.tracking import Trackers
 from rljob_api.spec import TrackingSpec
 spec = TrackingSpec.model_validate({"wandb": {"enabled": True, "project": "tests"}})
 started = Trackers.start(spec, "job", Path(sys.argv[1]), first_step=0, attempt=0, config={})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rljob.torch_backend.actor import TorchTrainer
-from rljob.trainer_backend import trainer_class
+from rljob.trainer.select import trainer_class
+from rljob.trainer.torch.actor import TorchTrainer
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job
 

@@ -113,7 +113,7 @@ def test_a_refused_version_cannot_be_switched_to() -> None:
 
 _FUSED = r"""
 import torch
-from rljob.checked_copy import _fused_applies
+from rljob.weightsync.checked_copy import _fused_applies
 from rljob.engine.weight_swap import flat_version, stage_version
 
 params = {"a": torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16)),

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from rljob.tiny_model import build_tiny, write_tiny
+from rljob.model.tiny_model import build_tiny, write_tiny
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 from rljob_api.spec import TinyModel
 from tests.controlplane import REPO
@@ -99,7 +99,7 @@ class Cluster:
             [
                 sys.executable,
                 "-m",
-                "rljob.weightsync.sidecar",
+                "rljob.engine.sidecar",
                 "--trainer",
                 f"127.0.0.1:{self.publisher.port}",
                 "--engine-url",

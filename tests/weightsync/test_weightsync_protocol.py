@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import HashStore
 
+from rljob.cluster.weight_sync import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
 from rljob.engine.sglang_launcher import (
     EngineStartError,
     ReservedArgumentError,
@@ -19,17 +20,10 @@ from rljob.engine.sglang_launcher import (
     build_command,
     wait_healthy,
 )
-from rljob.engine.tensor_payload import (
-    TensorReceiver,
-    decode_named_tensors,
-    encode_flattened,
-    encode_named_tensors,
-    flat_span,
-    update_problems,
-)
-from rljob.nonfinite import SCREEN_ALONE, nonfinite_names, nonfinite_report
+from rljob.engine.sidecar import Sidecar, SidecarConfig, parse_args
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup
+from rljob.weightsync.nonfinite import SCREEN_ALONE, nonfinite_names, nonfinite_report
 from rljob.weightsync.protocol import (
     ALIGN_BYTES,
     Announcement,
@@ -44,8 +38,14 @@ from rljob.weightsync.protocol import (
     version_digest,
 )
 from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
-from rljob.weightsync.sidecar import Sidecar, SidecarConfig, parse_args
-from rljob.weightsync.wiring import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
+from rljob.weightsync.wire import (
+    TensorReceiver,
+    decode_named_tensors,
+    encode_flattened,
+    encode_named_tensors,
+    flat_span,
+    update_problems,
+)
 from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 from rljob_api.spec import WeightSyncSpec
@@ -227,7 +227,7 @@ def test_shared_memory_handoff_reaches_another_process() -> None:
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
     entry = encode_named_tensors([("w", t)])
     code = (
-        "import sys; from rljob.engine.tensor_payload import decode_named_tensors as d;"
+        "import sys; from rljob.weightsync.wire import decode_named_tensors as d;"
         "(n, x), = d(sys.stdin.read()); print(n, x.sum().item(), tuple(x.shape))"
     )
     out = subprocess.run(

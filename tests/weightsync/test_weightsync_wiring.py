@@ -16,9 +16,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob.cluster import worker_env
-from rljob.placement import Devices, plan
-from rljob.weightsync.wiring import sidecar_options
+from rljob.cluster.cluster import worker_env
+from rljob.cluster.placement import Devices, plan
+from rljob.cluster.weight_sync import sidecar_options
 from rljob_api.spec import RLJobSpec
 
 pytestmark = pytest.mark.runtime

@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import torch
 
-from rljob.engine.tensor_payload import (
+from rljob.weightsync.wire import (
     FLATTENED,
     encode_flattened,
     encode_named_tensors,

@@ -30,17 +30,17 @@ from aiohttp import web
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rljob.engine.tensor_payload import (
+from rljob.engine.weight_swap import flat_version, stage_version
+from rljob.model.offload import Offload, module_tensors
+from rljob.model.text_codec import TextCodec, load_codec
+from rljob.model.tiny_model import torch_dtype
+from rljob.weightsync.wire import (
     FLATTENED,
     NamedTensors,
     TensorReceiver,
     copy_into,
     update_problems,
 )
-from rljob.engine.weight_swap import flat_version, stage_version
-from rljob.offload import Offload, module_tensors
-from rljob.text_codec import TextCodec, load_codec
-from rljob.tiny_model import torch_dtype
 from rljob_api.layout import ENGINE_PORT
 
 

@@ -16,12 +16,12 @@ import sys
 
 import ray
 
-from rljob import worker_metrics
 from rljob.engine.client import EngineClient
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
 from rljob.engine.slots import SlotDevices, engine_gpus, here
-from rljob.whereabouts import Locatable
+from rljob.reporting import worker_metrics
+from rljob.reporting.locatable import Locatable
 
 STARTUP_TIMEOUT_S = 900.0
 # Releasing or resuming an engine's memory moves at most its weights and KV cache.

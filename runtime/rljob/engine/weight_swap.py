@@ -4,8 +4,8 @@ Checking a version before copying it in reads its bytes twice (0.6 of the copy r
 best); checking while copying into the served weights would leave an engine that refuses a
 version with neither v-1 nor v. So a version that arrives as one flat buffer (the sidecar's
 staging, sent as SGLang's flattened bucket) is copied, with its NaN/Inf check in the same
-pass (`rljob.checked_copy`), into a new buffer laid out like the one it came in, and only a
-finite version is switched to: each parameter becomes a view of that buffer, between
+pass (`rljob.weightsync.checked_copy`), into a new buffer laid out like the one it came
+in, and only a finite version is switched to: each parameter becomes a view of that buffer, between
 requests. The buffer the parameters leave goes back to the allocator once no parameter
 views it (a version that leaves a tensor out keeps its old buffer alive); on a GPU it stays
 in torch's cache, where the next version's buffer is found again. The price: the engine
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rljob.checked_copy import start_copy_checked
-from rljob.engine.tensor_payload import fit_problems, flat_span
-from rljob.nonfinite import nonfinite_names
+from rljob.weightsync.checked_copy import start_copy_checked
+from rljob.weightsync.nonfinite import nonfinite_names
+from rljob.weightsync.wire import fit_problems, flat_span
 
 
 @dataclass

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from rljob.algo import advantages as adv_fns
 from rljob.algo.losses import LossKind, truncated_is_weights
-from rljob.sample import Sample
+from rljob.rollout.sample import Sample
 from rljob_api.spec import AlgorithmSpec, OldLogprobs
 
 

@@ -1,8 +1,8 @@
 """What the driver calls on a trainer rank, whatever the backend.
 
-Both backends (`rljob.torch_backend.actor.TorchTrainer`,
-`rljob.megatron_backend.actor.MegatronTrainerActor`) implement `TrainerActor`, so the driver
-places and drives either one the same way through `rljob.trainer.trainer_group.TrainerGroup`.
+Both backends (`rljob.trainer.torch.actor.TorchTrainer`,
+`rljob.trainer.megatron.actor.MegatronTrainerActor`) implement `TrainerActor`, so the driver
+places and drives either one the same way through `rljob.cluster.trainer_group.TrainerGroup`.
 Weight sync runs on rank 0 alone: the backend only supplies its weights in HF names
 (`named_weights`); publishing them is the same for every backend (`TrainerSync`).
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Any
 
-from rljob.engine.tensor_payload import NamedTensors
-from rljob.offload import TakesTurns
+from rljob.model.offload import TakesTurns
+from rljob.reporting.locatable import Locatable
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.publisher import SyncResult
-from rljob.whereabouts import Locatable
+from rljob.weightsync.wire import NamedTensors
 
 
 class TrainerActor(Locatable, TakesTurns):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from rljob import worker_metrics
-from rljob.engine.tensor_payload import NamedTensors
+from rljob.reporting import worker_metrics
 from rljob.weightsync.group import rank_device
 from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
+from rljob.weightsync.wire import NamedTensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from rljob.checkpoint import fsync_path
+from rljob.checkpoint.store import fsync_path
 from rljob.weightsync.protocol import BucketMeta, layout_to_json, pack_bucket
 
 INDEX = "model.safetensors.index.json"

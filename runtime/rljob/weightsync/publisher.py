@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from rljob.engine.tensor_payload import encode_named_tensors
-from rljob.nonfinite import nonfinite_report
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
+from rljob.weightsync.nonfinite import nonfinite_report
 from rljob.weightsync.protocol import (
     Announcement,
     BucketMeta,
@@ -43,6 +42,7 @@ from rljob.weightsync.protocol import (
     plan_buckets,
     version_digest,
 )
+from rljob.weightsync.wire import encode_named_tensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,388 @@
+"""Start-up and placement: this run's Ray (joined, connected to or started), the placement
+group, and every worker on it — trainer ranks, engines, the rollout worker — and their
+shutdown. The loop (`rljob.driver.job`) gets the workers from here and places nothing itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rljob.cluster import ray_node, whereabouts
+from rljob.cluster.placement import (
+    DeviceError,
+    Devices,
+    Layout,
+    choose_devices,
+    engine_port,
+    plan,
+    port_clashes,
+    trainer_world,
+)
+from rljob.cluster.trainer_group import TrainerGroup
+from rljob.cluster.weight_sync import WeightSyncActors
+from rljob.cluster.whereabouts import Placed
+from rljob.driver.stop import StopSignals
+from rljob.engine.launcher import EngineProcess
+from rljob.engine.slots import SlotHolder
+from rljob.rollout.worker import RolloutWorker
+from rljob.trainer.select import trainer_class
+from rljob_api import env, exits
+from rljob_api.exits import JobError
+from rljob_api.layout import COLOCATED, DRIVER, DRIVER_RESOURCE, HEAD, ROLLOUT, TRAINER
+from rljob_api.spec import Placement, RLJobSpec
+
+PLACEMENT_TIMEOUT_S = 300.0
+# How long a driver on a cluster waits for Ray to count the GPUs its pods requested.
+GPU_WAIT_S = 60.0
+STOP_TIMEOUT_S = 30.0  # what each engine and trainer rank gets to stop cleanly
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    workdir: Path
+    max_steps: int | None = None
+    ray_address: str | None = None  # a cluster this machine already is a node of
+    join: str | None = None  # HOST:PORT of a head to join as a node of our own (pods)
+
+    @property
+    def on_cluster(self) -> bool:
+        """Workers run in other pods: placement asks for the operator's Ray resources."""
+        return bool(self.ray_address or self.join)
+
+
+def worker_env(local: bool = True) -> dict[str, str]:
+    """Environment of Ray workers. On one machine they import what this process imports
+    (its sys.path, e.g. a source checkout); in pods each image has its own installation,
+    which the driver's paths must not shadow."""
+    quiet = {
+        "TRANSFORMERS_VERBOSITY": "error",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if not local:
+        return quiet
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    existing = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join([*paths, *([existing] if existing else [])]),
+            **quiet}
+
+
+def attempt_number(environ: dict[str, str]) -> int:
+    """Which attempt this run is: the operator's restart count when it created the driver
+    (RLJOB_RESTARTS), 0 outside a cluster."""
+    raw = environ.get(env.RESTARTS, "0")
+    return int(raw) if raw.isdigit() else 0
+
+
+def expected_group(role: str, colocated: bool) -> str:
+    """The kind of pod an actor of `role` is meant to run on, on a cluster."""
+    if role in (whereabouts.TRAINER, whereabouts.ENGINE, whereabouts.SIDECAR):
+        if colocated:
+            return COLOCATED
+        return TRAINER if role == whereabouts.TRAINER else ROLLOUT
+    return {whereabouts.ROLLOUT_WORKER: DRIVER, whereabouts.STORE: HEAD}[role]
+
+
+def slot_options(pg: PlacementGroup, layout: Layout, devices: Devices, slot: int
+                 ) -> dict[str, Any]:
+    """Ray options of the trainer rank, engine or slot holder at `slot`: in that slot's
+    bundle, with a share of its GPU (Ray shows the actor that GPU alone) or of its CPU."""
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+        pg, placement_group_bundle_index=slot), **layout.actor_resources(slot, devices)}
+
+
+def rendezvous_address() -> str:
+    """`tcp://<this node's IP>:<free port>`, run where trainer rank 0 will run."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+
+def _ray_nodes(timeout_s: float) -> list[dict[str, Any]] | None:
+    """`ray.nodes()`, or None when the GCS does not answer in time (its client retries for
+    a minute when the head is gone, and a failing attempt must not hang on that)."""
+    box: list[list[dict[str, Any]]] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):
+            box.append(ray.nodes())
+
+    thread = threading.Thread(target=ask, name="ray-nodes", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else None
+
+
+@dataclass
+class Workers:
+    """The actors of one attempt, filled in as they are placed (a failed start-up shuts
+    down those that exist)."""
+
+    trainers: TrainerGroup = field(default_factory=lambda: TrainerGroup([]))
+    engines: list[Any] = field(default_factory=list)
+    slot_holders: list[Any] = field(default_factory=list)  # further slots of multi-GPU engines
+    rollout: Any = None
+    urls: list[str] = field(default_factory=list)
+    # Colocated on GPUs: trainer and engines take turns on the memory (`Job.one_step`).
+    offload: bool = False
+    # Each role's device; weight sync travels GPU to GPU only when both are GPUs.
+    devices: Devices = field(default_factory=lambda: Devices(False, False))
+
+    def release_engines(self) -> None:
+        """The engines' weights and caches leave the GPUs."""
+        ray.get([e.release_memory.remote() for e in self.engines])
+
+    def resume_engines(self) -> bool:
+        """The engines' memory comes back; False when one dropped its weights (SGLang)."""
+        return all(ray.get([e.resume_memory.remote() for e in self.engines]))
+
+
+class Cluster:
+    def __init__(self, options: RunOptions, stop: StopSignals) -> None:
+        self.options = options
+        self.stop = stop
+        self.started_ray = False
+        self.node: ray_node.JoinedNode | None = None
+        self.pg: PlacementGroup | None = None
+        self.workers = Workers()
+        self.placed: list[Placed] = []  # where this attempt's actors run, from Ray
+
+    def start_ray(self, layout: Layout) -> None:
+        runtime_env = {"env_vars": worker_env(local=not self.options.on_cluster)}
+        if ray.is_initialized():
+            return  # an embedding program (a test, a notebook) owns Ray
+        if self.options.join:
+            # This host becomes a Ray node first: a driver needs a local raylet (ray_node).
+            try:
+                self.node = ray_node.join(self.options.join)
+            except (ray_node.JoinError, ValueError) as err:
+                raise JobError(exits.FAILED, f"RayJoinFailed: {err}") from None
+            ray.init(**self.node.init_kwargs(), runtime_env=runtime_env, log_to_driver=False)
+            self.started_ray = True
+            print(f"ray: joined {self.options.join} as node "
+                  f"{ray.get_runtime_context().get_node_id()} (resource {DRIVER_RESOURCE}, "
+                  f"temp dir {self.node.temp_dir})", flush=True)
+        elif self.options.ray_address:
+            ray.init(address=self.options.ray_address, runtime_env=runtime_env,
+                     log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
+                     runtime_env=runtime_env, log_to_driver=False)
+            self.started_ray = True
+        self.stop.install()  # ray.init replaced the SIGTERM handler with an exit that saves nothing
+
+    def stop_stale_drivers(self) -> None:
+        """Stop the Ray node of any other live driver of this cluster. The operator starts a
+        driver only once the previous driver pod is gone, but a pod force-deleted from a node
+        Kubernetes lost (a kubelet cut off from the API server) may still run there, still
+        reach Ray and the checkpoint storage, and hold the trainers, the engines and the
+        store's lease: its node is stopped (Ray's GCS stops the raylet and every process of
+        the old driver's job with it), which frees them for this attempt."""
+        own = ray.get_runtime_context().get_node_id()
+        stale = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != own
+                 and DRIVER_RESOURCE in (n.get("Resources") or {})]
+        if not stale:
+            return
+        # Ray's own client of its GCS (what its autoscaler stops nodes with).
+        gcs: Any = getattr(ray._private.worker.global_worker, "gcs_client")  # noqa: B009
+        gcs.drain_nodes(node_ids=[bytes.fromhex(str(n["NodeID"])) for n in stale])
+        for node in stale:
+            print(f"ray: stopped the Ray node of an earlier driver "
+                  f"({node.get('NodeManagerHostname')}, node {node['NodeID']}): a driver left "
+                  "behind by a restart", flush=True)
+
+    def choose_devices(self, spec: RLJobSpec) -> Devices:
+        """Each role's device (`placement.choose_devices`) from the GPUs Ray reports. On a
+        cluster the GPUs of pods Ray has not counted yet are waited for, up to GPU_WAIT_S;
+        then, or at once on one machine, a shortfall stops the run with the fields to change
+        (INVALID on one machine, which will not grow; FAILED on a cluster, where replaced
+        pods may bring the GPUs)."""
+        on_cluster = self.options.on_cluster
+        deadline = time.monotonic() + (GPU_WAIT_S if on_cluster else 0.0)
+        while True:
+            gpus = float(ray.cluster_resources().get("GPU", 0.0))
+            try:
+                devices = choose_devices(spec, gpus, on_cluster)
+            except DeviceError as err:
+                if time.monotonic() >= deadline:
+                    code = exits.FAILED if on_cluster else exits.INVALID
+                    raise JobError(code, str(err)) from None
+                time.sleep(2.0)
+                continue
+            if not on_cluster and gpus < 1 and spec.trainer.gpus_per_replica > 0:
+                print("devices: no GPU on this machine: spec.trainer.gpusPerReplica and "
+                      "spec.rollout.gpus count CPU slots here", flush=True)
+            print(devices.describe(spec.weight_sync.mode), flush=True)
+            return devices
+
+    def reserve(self, layout: Layout, devices: Devices) -> PlacementGroup:
+        """The placement group of `layout`, each slot a GPU or a CPU as `devices` says, once
+        Ray has placed every bundle (JobError after PLACEMENT_TIMEOUT_S)."""
+        pg: PlacementGroup = placement_group(layout.bundles(devices, self.options.on_cluster),
+                                             strategy="PACK")
+        self.pg = pg
+        ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            have = ray.cluster_resources()
+            kind = "colocated" if layout.colocated else "disaggregated"
+            raise JobError(exits.FAILED, (
+                f"placement: {layout.slots} slots ({layout.gpus(devices)} of them GPUs, "
+                f"{kind}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has "
+                f"{have}. Lower trainer/rollout GPU counts or add nodes."))
+        return pg
+
+    def place(self, spec: RLJobSpec, model_dir: Path, engine_port_base: int) -> Workers:
+        """Every worker of the job on its slot of one placement group; `engine_port_base` is
+        0 on one machine (any free port) and the operator's engine port in pods."""
+        layout = plan(spec)
+        self.start_ray(layout)
+        w = self.workers
+        devices = w.devices = self.choose_devices(spec)
+        try:
+            actor = trainer_class(spec, devices.trainer_gpu)
+        except ValueError as err:
+            raise JobError(exits.INVALID, str(err)) from None
+        on_cluster = self.options.on_cluster
+        pg = self.reserve(layout, devices)
+        # Colocated on GPUs: trainer and engines take turns on each GPU's memory.
+        w.offload = layout.colocated and devices.trainer_gpu
+
+        def at(slot: int) -> dict[str, Any]:
+            return slot_options(pg, layout, devices, slot)
+
+        engine_cls = ray.remote(EngineProcess)
+        bind = "0.0.0.0" if on_cluster else "127.0.0.1"
+        ports = [engine_port(spec, engine_port_base, s) for s in layout.engine_slots]
+        if engine_port_base:
+            nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            clashes = port_clashes([nodes[s] for s in layout.engine_slots], ports)
+            if clashes:
+                raise JobError(exits.FAILED, "placement: " + "; ".join(clashes) + ": Ray "
+                               "did not keep each pod's slots together; retry the job")
+        holder_cls = ray.remote(SlotHolder)
+        groups = layout.engine_slot_groups()
+        holders: list[list[Any]] = [[holder_cls.options(**at(s)).remote() for s in group[1:]]
+                                    for group in groups]
+        w.slot_holders = [h for hs in holders for h in hs]
+        w.engines = [
+            engine_cls.options(**at(group[0])).remote(
+                spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
+                ray.get([h.where.remote() for h in hs]), w.offload)
+            for group, hs, port in zip(groups, holders, ports, strict=True)
+        ]
+        # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
+        init = "" if trainer_world(spec) == 1 else ray.get(
+            ray.remote(rendezvous_address).options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=layout.trainer_slots[0]),
+                num_cpus=0).remote())
+        spec_json = spec.model_dump_json(by_alias=True)
+        w.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
+                                        str(model_dir), init, devices.trainer)
+        w.urls = ray.get([e.address.remote() for e in w.engines])
+        # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
+        # joined cluster it runs next to the driver, on the driver pod's own Ray node.
+        worker_cls = ray.remote(RolloutWorker)
+        next_to_driver = {"resources": {DRIVER_RESOURCE: 0.01}} if self.node else {}
+        w.rollout = worker_cls.options(num_cpus=0, **next_to_driver).remote(
+            spec_json, str(model_dir), w.urls)
+        problems = ray.get(w.rollout.setup.remote())
+        if problems:
+            raise JobError(exits.INVALID, "\n".join(problems))
+        return w
+
+    def engine_placement(self, spec: RLJobSpec) -> tuple[PlacementGroup, list[int]]:
+        """Where the engines' first slots are: sidecars (local runs) go next to them."""
+        assert self.pg is not None
+        return self.pg, list(plan(spec).engine_slots)
+
+    def report_placement(self, spec: RLJobSpec, weight_sync: WeightSyncActors) -> None:
+        """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on
+        the kind of pod it is meant for."""
+        w = self.workers
+        actors: list[tuple[str, int, Any]] = [
+            *((whereabouts.TRAINER, i, t) for i, t in enumerate(w.trainers.handles)),
+            *((whereabouts.ENGINE, i, e) for i, e in enumerate(w.engines)),
+            (whereabouts.ROLLOUT_WORKER, 0, w.rollout),
+            (whereabouts.STORE, 0, weight_sync.store),
+            *((whereabouts.SIDECAR, i, s) for i, s in enumerate(weight_sync.sidecars)),
+        ]
+        facts = ray.get([handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
+        # Kinds of pod exist on a cluster only; on one machine every actor shares one node.
+        checked = self.options.on_cluster
+        groups = whereabouts.node_groups(ray.nodes()) if checked else {}
+        colocated = spec.placement == Placement.colocated
+        # The rollout worker is pinned next to the driver only when the driver is a node.
+        rows = [
+            Placed(role, index, fact["node_id"], fact["host"], groups.get(fact["node_id"], ""),
+                   expected_group(role, colocated)
+                   if checked and (role != whereabouts.ROLLOUT_WORKER or self.node) else None)
+            for (role, index, _), fact in zip(actors, facts, strict=True)
+        ]
+        self.placed = rows
+        print(whereabouts.table(rows), flush=True)
+        print(whereabouts.json_line(rows), flush=True)
+        wrong = [f"{r.role}-{r.index} on {r.host} ({r.group or 'no rljob pod'}), meant for "
+                 f"{r.expected}" for r in rows if not r.ok]
+        if wrong:
+            raise JobError(exits.FAILED, "PlacementMismatch: " + "; ".join(wrong))
+
+    def lost_pods(self, wait_s: float) -> dict[str, str]:
+        """Pods whose Ray node died under this attempt (pod → Ray's reason), waiting up to
+        `wait_s` for Ray to notice. A worker's death shows first as an error in whichever
+        call touched it (often a collective on a surviving peer); which pod went away is what
+        the operator needs to name the cause (a lost node, a deleted pod). Empty on one
+        machine, before placement, and when no node of the attempt died."""
+        if not self.options.on_cluster or not self.placed:
+            return {}
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            nodes = _ray_nodes(max(1.0, min(10.0, left)))
+            dead = whereabouts.dead_hosts(self.placed, nodes or [])
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(1.0)
+
+    def shutdown(self, weight_sync: WeightSyncActors, graceful: bool) -> None:
+        """Stop sidecars, engines and trainers (only when `graceful`: otherwise, or when a
+        signal arrives meanwhile, every actor is killed at once), free the slots; stop Ray
+        if this run started it."""
+        w = self.workers
+        if graceful:
+            try:
+                weight_sync.shutdown()
+                for engine in w.engines:
+                    with contextlib.suppress(ray.exceptions.RayError):  # dead: nothing to stop
+                        ray.get(engine.stop.remote(), timeout=STOP_TIMEOUT_S)
+                w.trainers.shutdown(STOP_TIMEOUT_S)
+            except KeyboardInterrupt:
+                pass  # a second signal (Aborted, or as ray.get re-raises it): kill the rest
+        weight_sync.shutdown(graceful=False)
+        for handle in [*w.engines, *w.slot_holders]:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(handle)
+        w.trainers.kill()
+        if w.rollout is not None:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(w.rollout)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+        if self.started_ray:
+            ray.shutdown()
+        if self.node is not None:
+            self.node.stop()

@@ -1,0 +1,214 @@
+"""Weight sync inside a Ray job: where the coordination store runs, and who runs sidecars.
+
+The store needs an address every pod can reach. On a cluster the driver is a pod of its
+own, but the Ray head pod sits behind KubeRay's stable Service `<job>-head-svc` (whose
+ports are the head container's ports), so the driver starts the store as an actor pinned
+to the Ray head node on a fixed port. The actor is the driver's: it ends with the driver,
+and the sidecars notice and register again with the next driver. Locally the head is this
+machine and the port is any free one.
+
+Sidecars: on a cluster the operator runs one `weight-sync` container per engine in every pod
+that holds engines (`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one
+sidecar per engine as an actor on the engine's node (the handoff to the engine goes through
+that node's shared memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a
+crash. When weights travel GPU to GPU (trainer and engines on GPUs,
+`placement.Devices.sync_on_gpu`) a GPU engine's sidecar asks Ray for
+`placement.SIDECAR_SHARE` of the placement-group bundle of the engine's first slot: Ray then
+shows it exactly that GPU, where it joins the NCCL group (or reads the trainer's buckets by
+CUDA IPC) and stages what the engine loads. Otherwise (a CPU engine, or a CPU trainer, whose
+group is gloo) it stages on the CPU next to its engine and holds no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from rljob.cluster.placement import SIDECAR_SHARE
+from rljob.engine.sidecar import Sidecar, SidecarConfig
+from rljob.reporting.locatable import Locatable
+from rljob.weightsync.group import open_store
+from rljob_api import env
+from rljob_api.layout import HEAD_RESOURCE
+
+SIDECARS_ENV = env.WEIGHT_SYNC_SIDECARS
+PORT_ENV = env.WEIGHT_SYNC_PORT
+ENGINE_PORT_ENV = env.ENGINE_PORT
+BIND_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    """What the environment says about the pods: the operator sets these on the driver."""
+
+    pod_sidecars: bool = False
+    store_port: int = 0  # 0: any free port
+    engine_port: int = 0  # 0: any free port; else the first engine port of each pod
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SyncSettings:
+        mode = env.get(SIDECARS_ENV, "local")
+        if mode not in ("local", "pods"):
+            raise ValueError(f"{SIDECARS_ENV} must be 'local' or 'pods', got {mode!r}")
+
+        def port(name: str) -> int:
+            raw = env.get(name, "0")
+            if not raw.isdigit() or int(raw) > 65535:
+                raise ValueError(f"{name} must be a port number (0 for any), got {raw!r}")
+            return int(raw)
+
+        return cls(mode == "pods", port(PORT_ENV), port(ENGINE_PORT_ENV))
+
+
+class StoreHost(Locatable):
+    """The weight-sync coordination store, served from this actor's process."""
+
+    def __init__(self, port: int, bind_timeout_s: float) -> None:
+        deadline = time.monotonic() + bind_timeout_s
+        while True:
+            try:
+                self.store = open_store("0.0.0.0", port, server=True, timeout_s=30.0)
+                break
+            except RuntimeError:
+                # The previous driver's store may hold the fixed port until Ray reaps it.
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
+
+    def address(self) -> tuple[str, int]:
+        return str(ray.util.get_node_ip_address()), int(self.store.port)
+
+
+class SidecarActor(Locatable):
+    """`rljob-weight-sync` as a Ray actor: the sidecar loop on a thread of this process."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        if not config.advertise_host:
+            config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
+        self.sidecar = Sidecar(config)
+        threading.Thread(target=self.sidecar.run, name="weight-sync", daemon=True).start()
+
+    def health(self) -> dict[str, Any]:
+        return self.sidecar.health()
+
+    def stop(self) -> None:
+        self.sidecar.stop()
+
+
+def sidecar_options(
+    pg: PlacementGroup, slot: int, node_id: str, on_gpu: bool
+) -> dict[str, Any]:
+    """Ray options of the sidecar of the engine whose first slot is `slot` on `node_id`.
+
+    A GPU engine's sidecar takes `SIDECAR_SHARE` of that slot's bundle, so Ray accounts for
+    it and sets its CUDA_VISIBLE_DEVICES to the engine's GPU; a CPU engine's needs no slot.
+    """
+    if on_gpu:
+        return {
+            "num_cpus": 0,
+            "num_gpus": SIDECAR_SHARE,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=slot
+            ),
+        }
+    return {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+    }
+
+
+def sidecar_device(engine_cuda_visible: str, sync_on_gpu: bool) -> str:
+    """Where the sidecar of an engine that sees `engine_cuda_visible` stages: that engine's
+    GPU when weights travel GPU to GPU (Ray shows the sidecar's share that GPU alone, as
+    index 0), else the CPU (a CPU engine, or a gloo group, which takes CPU buffers only)."""
+    return "cuda:0" if sync_on_gpu and engine_cuda_visible else "cpu"
+
+
+def sidecar_placement(
+    pg: PlacementGroup, slot: int, locality: dict[str, str], sync_on_gpu: bool
+) -> tuple[str, dict[str, Any]]:
+    """The device the sidecar of an engine stages on, and the Ray options that start it
+    there: `slot` is the engine's first slot, `locality` what the engine reports of itself
+    (`node_id`, `cuda_visible_devices`)."""
+    device = sidecar_device(locality["cuda_visible_devices"], sync_on_gpu)
+    return device, sidecar_options(pg, slot, locality["node_id"], on_gpu=device != "cpu")
+
+
+class WeightSyncActors:
+    """The store actor and (for local runs) the sidecar actors of one driver."""
+
+    def __init__(self, settings: SyncSettings) -> None:
+        self.settings = settings
+        self.store: Any = None
+        self.sidecars: list[Any] = []
+
+    def start_store(self) -> tuple[str, int]:
+        """Start the store on the Ray head node; returns the address the trainer joins."""
+        self.store = (
+            ray.remote(StoreHost)
+            .options(num_cpus=0, resources={HEAD_RESOURCE: 0.001})
+            .remote(self.settings.store_port, BIND_TIMEOUT_S)
+        )
+        host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
+        return str(host), int(port)
+
+    def start_sidecars(
+        self,
+        engines: list[Any],
+        urls: list[str],
+        store: tuple[str, int],
+        loopback: bool,
+        placement: tuple[PlacementGroup, list[int]],
+        sync_on_gpu: bool,
+    ) -> None:
+        """One sidecar per engine, named `engine-<i>` (not on pods): on the engine's node,
+        and when it stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the
+        engine's first slot (`placement`: the group and each engine's first slot) holding a
+        share of that GPU."""
+        if self.settings.pod_sidecars:
+            return
+        where = ray.get([e.locality.remote() for e in engines])
+        cls = ray.remote(SidecarActor)
+        pg, slots = placement
+        for i, (url, loc, slot) in enumerate(zip(urls, where, slots, strict=True)):
+            device, options = sidecar_placement(pg, slot, loc, sync_on_gpu)
+            config = SidecarConfig(
+                engine_name=f"engine-{i}",
+                engine_url=url,
+                trainer_host=store[0],
+                trainer_port=store[1],
+                listen_host="127.0.0.1" if loopback else "0.0.0.0",
+                listen_port=0,
+                advertise_host="127.0.0.1" if loopback else "",
+                device=device,
+            )
+            self.sidecars.append(cls.options(**options).remote(config))
+
+    def health(self) -> list[dict[str, Any]]:
+        """Each local sidecar's `/health` answer (empty when the pods run them)."""
+        return list(ray.get([s.health.remote() for s in self.sidecars]))
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the sidecars (each within a deadline, unless not `graceful`), then kill them
+        and the store."""
+        for sidecar in self.sidecars if graceful else []:
+            # One already gone needs no stopping: killing it below is all that is left.
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(sidecar.stop.remote(), timeout=STOP_TIMEOUT_S)
+        for handle in [*self.sidecars, *([self.store] if self.store is not None else [])]:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(handle)
+        self.sidecars, self.store = [], None

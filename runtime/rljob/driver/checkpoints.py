@@ -1,0 +1,146 @@
+"""The loop's state and its save and resume: everything a run needs to continue after a
+crash — step, weight version, data cursor, buffer, RNG — goes into one verified checkpoint
+with the trainers' weights and optimizer state, and comes back from the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rljob.checkpoint import rng
+from rljob.checkpoint.lease import writer_identity
+from rljob.checkpoint.store import CheckpointStore, LeaseHeld, Verified
+from rljob.cluster.rollout_pipeline import RolloutPipeline
+from rljob.cluster.trainer_group import TrainerGroup
+from rljob.reporting.reporter import Reporter
+from rljob_api import exits
+from rljob_api.exits import JobError
+from rljob_api.status import CheckpointRecord, CheckpointStatus, timestamp
+
+STATE_FILE = "state.json"
+ROLLOUT_FILE = "rollout_state.json"
+DRIVER_RNG_FILE = "driver_rng.pt"
+HISTORY = 16  # checkpoints listed in status.checkpoint.history
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # rollout steps completed
+    train_step: int = 0
+    samples: int = 0
+    weight_version: int = 0
+    skipped_steps: int = 0
+    consecutive_nonfinite: int = 0
+
+    def count_train(self, metrics: Mapping[str, Any]) -> None:
+        """Add one rollout step's optimizer steps, taken and skipped (non-finite)."""
+        for skipped in metrics["step_skipped"]:
+            self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped else 0
+        self.skipped_steps += metrics["skipped_steps"]
+        self.train_step += metrics["optimizer_steps"]
+
+
+def _mtime(path: Path) -> str:
+    return timestamp(datetime.fromtimestamp(path.stat().st_mtime, UTC))
+
+
+class Checkpoints:
+    """The job's checkpoint store as the loop uses it: this attempt its only writer."""
+
+    def __init__(self, root: Path, keep_last: int, attempt: int, reporter: Reporter) -> None:
+        self.store = CheckpointStore(root, keep_last, writer=writer_identity(attempt))
+        self.reporter = reporter
+        self.step: int | None = None  # the latest verified one: resumed or saved
+
+    def take(self) -> None:
+        """Become the checkpoint store's only writer before reading or writing it: a driver
+        of an earlier attempt that still runs is waited for, then this attempt gives up
+        (retryable: the next attempt finds the store free)."""
+        try:
+            self.store.acquire(on_wait=lambda why: print(f"checkpoints: {why}",
+                                                         file=sys.stderr, flush=True))
+        except LeaseHeld as err:
+            raise JobError(exits.FAILED, f"CheckpointStoreBusy: {err}") from None
+
+    def check_writer(self) -> None:
+        """Raise LeaseLost when another driver took the store over (this one was left
+        behind by a restart, e.g. on a partitioned node)."""
+        self.store.lease.check()
+
+    def resume(self, trainers: TrainerGroup, rollout: RolloutPipeline
+               ) -> tuple[Verified, LoopState] | None:
+        """Trainers, rollout worker (and the batch it had generated ahead) and this process's
+        RNG back to the latest verified checkpoint; None (nothing restored) when there is
+        none."""
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        trainers.load(str(latest.path))
+        state = LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
+        ray.get(rollout.rollout.load.remote(
+            json.loads((latest.path / ROLLOUT_FILE).read_text())))
+        rollout.load(latest.path)
+        rng.load(latest.path / DRIVER_RNG_FILE)
+        self.step = latest.step
+        return latest, state
+
+    def save(self, state: LoopState, trainers: TrainerGroup, rollout: RolloutPipeline,
+             hf_export: bool, stopping: bool = False) -> Verified:
+        """Write and publish the checkpoint of `state.step`. A failure of the batch being
+        generated ahead is raised after the checkpoint is published (it holds the rollout
+        state from before that batch), so the trained step is never lost to it."""
+        tmp = self.store.begin(state.step)
+        trainers.save(str(tmp), hf_export)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+        rollout_state, pending, failed = rollout.for_checkpoint(stopping)
+        if pending is not None:
+            pending.write(tmp)
+        (tmp / ROLLOUT_FILE).write_text(json.dumps(rollout_state))
+        rng.save(tmp / DRIVER_RNG_FILE, cuda=False)
+        verified = self.store.commit(tmp, state.step)
+        self.step = verified.step
+        history = [CheckpointRecord(step=s, path=str(p), saved_at=_mtime(p))
+                   for s, p in self.store.published()[-HISTORY:]]
+        self.reporter.checkpoint(CheckpointStatus(
+            step=verified.step, path=str(verified.path), saved_at=timestamp(),
+            size_bytes=verified.size_bytes, checksum=verified.checksum, verified=True,
+            history=history))
+        if failed is not None:
+            raise failed
+        return verified
+
+    def latest_step(self) -> int | None:
+        """The step the next attempt resumes from."""
+        if self.step is not None:
+            return self.step
+        published = self.store.published()  # before this attempt resumed: the store's own
+        return published[-1][0] if published else None
+
+    def save_evidence(self, root: Path, state: LoopState, trainers: TrainerGroup,
+                      samples: list[dict[str, Any]], reason: str) -> Path:
+        """The offending batch and the trainer state, to reproduce a non-finite stop (only by
+        the store's writer: a driver left behind writes nothing, nor the failure after it)."""
+        self.check_writer()
+        target = root / f"step_{state.step + 1:08d}"
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        (target / "batch.json").write_text(json.dumps(samples, default=str))
+        (target / "state.json").write_text(json.dumps({**asdict(state), "reason": reason}))
+        trainers.save(str(target), False)
+        return target
+
+    def release(self) -> None:
+        """Let the next writer in."""
+        self.store.release()
+
+    def latest(self) -> Verified | None:
+        return self.store.latest()

@@ -1,0 +1,24 @@
+"""Where the calling actor runs: every actor class the driver creates can say it, from inside
+its own process, so the driver checks placement against Ray's facts (`rljob.cluster.whereabouts`).
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def here() -> dict[str, str]:
+    """The Ray node and host of the calling process."""
+    # Imported here: the trainer and engine classes inherit `Locatable` and also run where
+    # Ray is not installed (the GPU measurements in benchmarks/).
+    import ray
+
+    return {"node_id": str(ray.get_runtime_context().get_node_id()),
+            "host": socket.gethostname()}
+
+
+class Locatable:
+    """Mixed into every actor class the driver creates, so each can say where it runs."""
+
+    def whereabouts(self) -> dict[str, str]:
+        return here()

@@ -1,0 +1,137 @@
+"""User hooks (reward and generate functions) by import path, slime-style and async.
+
+Signatures (see docs/hooks.md):
+    async def reward(args: HookArgs, sample: Sample) -> float
+    async def generate(args: HookArgs, sample: Sample, sampling_params: dict) -> Sample
+
+They are imported and called only inside the rollout worker, never in the driver or the
+operator, so a user's code and its dependencies only have to exist in the job's image.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rljob.engine.client import EngineClient
+from rljob.model.text_codec import TextCodec
+from rljob.rollout.sample import Sample, Status
+from rljob.rollout.tasks import Task
+from rljob_api.spec import RLJobSpec
+
+RewardFn = Callable[["HookArgs", Sample], Awaitable[float]]
+GenerateFn = Callable[["HookArgs", Sample, dict[str, Any]], Awaitable[Sample]]
+
+
+class HookError(ValueError):
+    """A hook that cannot be used; the message names the spec field and the fix."""
+
+
+@dataclass
+class HookArgs:
+    """What a hook may use: the job spec, the engines, the tokenizer and the task."""
+
+    spec: RLJobSpec
+    engines: list[EngineClient]
+    tokenizer: TextCodec
+    task: Task
+
+    def engine_for(self, sample: Sample) -> EngineClient:
+        """The engine a sample is assigned to (fixed by its position, so runs repeat)."""
+        n = self.spec.algorithm.n_samples_per_prompt
+        return self.engines[(sample.group_index * n + sample.index) % len(self.engines)]
+
+
+async def default_reward(args: HookArgs, sample: Sample) -> float:
+    """The task's exact reward of the response against the label."""
+    return args.task.reward(sample.response, sample.label)
+
+
+async def default_generate(
+    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """One completion from the sample's engine, with the engine's log-probs and version.
+
+    A sample that already holds a partial response (partial rollout aborted it at a step
+    boundary) is continued rather than started over: the engine gets the prompt and the
+    partial response as its input and `max_new_tokens` less what the response already
+    has, and the new tokens, log-probs and loss mask are appended, the version that made
+    them recorded in `Sample.version_spans`. An aborted generation keeps what it got, with
+    status aborted; the rollout worker decides whether it is carried or started over.
+    """
+    prior = sample.response_tokens()
+    params = dict(sampling_params, sampling_seed=sample.seed)
+    if prior and params.get("max_new_tokens") is not None:
+        params["max_new_tokens"] = int(params["max_new_tokens"]) - len(prior)
+        if params["max_new_tokens"] <= 0:  # a full-length response was never aborted
+            sample.status = Status.truncated
+            return sample
+    out = await args.engine_for(sample).generate(list(sample.prompt_tokens) + prior, params)
+    meta = out["meta_info"]
+    new = [int(t) for t in out["output_ids"]]
+    text = str(out.get("text", args.tokenizer.decode(new)))
+    if not prior:  # a fresh generation: nothing of an earlier attempt stays
+        sample.response, sample.rollout_log_probs, sample.loss_mask = "", [], []
+        sample.version_spans = []
+    sample.tokens = list(sample.prompt_tokens) + prior + new
+    sample.response_length = len(prior) + len(new)
+    sample.response += text
+    sample.rollout_log_probs += [float(lp[0]) for lp in meta["output_token_logprobs"]]
+    sample.loss_mask += [1] * len(new)
+    version = str(meta.get("weight_version", ""))
+    if new or not prior:  # the version of the last token: unchanged if this call added none
+        sample.weight_version = version
+    if new:
+        sample.add_span(version, len(prior))
+    finish = (meta.get("finish_reason") or {}).get("type")
+    sample.status = {"stop": Status.completed, "length": Status.truncated}.get(
+        str(finish), Status.aborted
+    )
+    return sample
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"builtin:default": default_reward}
+BUILTIN_GENERATES: dict[str, GenerateFn] = {"builtin:default": default_generate}
+
+
+def _import(path: str, field: str, builtins: dict[str, Any], arity: int) -> Any:
+    if path.startswith("builtin:"):
+        if path not in builtins:
+            raise HookError(f"{field}: unknown built-in {path!r}; use one of "
+                            + ", ".join(sorted(builtins)))
+        return builtins[path]
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise HookError(f"{field}: cannot import module {module_name!r} ({err}); make it "
+                        "importable in the job's image (PYTHONPATH)") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise HookError(f"{field}: module {module_name!r} has no attribute {attr!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise HookError(f"{field}: {path} must be an `async def` function")
+    if len(inspect.signature(fn).parameters) != arity:
+        raise HookError(f"{field}: {path} must take {arity} arguments (see docs/hooks.md)")
+    return fn
+
+
+def load_reward(path: str) -> RewardFn:
+    fn: RewardFn = _import(path, "spec.reward.function", BUILTIN_REWARDS, 2)
+    return fn
+
+
+def load_generate(path: str) -> GenerateFn:
+    fn: GenerateFn = _import(path, "spec.generate.function", BUILTIN_GENERATES, 3)
+    return fn
+
+
+def as_reward(value: Any, path: str) -> float:
+    """A hook's return value as a float; NaN/Inf pass through (the trainer counts them)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise HookError(f"spec.reward.function {path} returned {type(value).__name__}, "
+                        "expected a float")
+    return float(value)
