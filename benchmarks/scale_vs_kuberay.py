@@ -226,9 +226,10 @@ def watch_forever(list_fn: Callable[..., Any], handle: Callable[[str, dict[str, 
                   stop: threading.Event, **kw: Any) -> None:
     """Watch for as long as the run lasts, each re-opened watch resuming where the last one
     ended. Events are parsed as JSON only: turning each into the client's model objects, and
-    listing everything again at every re-opening, made this script the slowest reader at
-    500 jobs; its watch then fell minutes behind, and the namespace listed last (the RLJobs')
-    was seen late. Only a watch too old to resume (410 Gone) lists again."""
+    listing everything again at every re-opening, would make this script the slowest reader
+    at 500 jobs, its watch minutes behind and the namespace listed last (the RLJobs') seen
+    late (docs/benchmarks/operator-scale.md). Only a watch too old to resume (410 Gone)
+    lists again."""
     from kubernetes.watch.watch import iter_resp_lines
 
     version: str | None = None

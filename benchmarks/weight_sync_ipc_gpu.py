@@ -11,8 +11,8 @@ copies the version beside its served tensors with the NaN/Inf check in the same 
 (`weight_swap.stage_version`, `checked_copy.copy_checked`: one Triton kernel, one
 synchronisation) and switches its tensors to the copy before answering; it reports how
 long each of those phases took. Timed: from the staged version to the engine's answer.
-Printed beside it: that GPU work alone in this process, the check-then-copy it replaced, and
-a device-to-device copy.
+Printed beside it: that GPU work alone in this process, the GPU work of an install that
+checks, then copies (what the one-pass copy saves), and a device-to-device copy.
 
     python benchmarks/weight_sync_ipc_gpu.py --size-gb 1 --bucket-mb 512
 """
@@ -101,7 +101,7 @@ def checked_copy_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
 
 def check_then_copy_gbs(views: list[tuple[str, torch.Tensor]], reps: int) -> float:
     """The GPU work of an install that checks before it copies (`nonfinite_names`, then
-    `copy_into`): what the engine did before the copy carried the check."""
+    `copy_into`): the anchor for what the copy that carries the check saves."""
     targets = [torch.empty_like(t) for _, t in views]
 
     def work() -> None:

@@ -786,8 +786,8 @@ class RLJobSpec(ApiModel):
         """The old policy the loss uses, `algorithm.oldLogprobs` or its default for the mode.
 
         Async samples come from the version before the trainer's. On the tiny CPU job
-        (docs/algorithms.md, 16 seeds) async with the trainer's recompute as the old policy
-        learned more slowly than sync; with the engine's it did not."""
+        (docs/benchmarks/async-rollout.md, 16 seeds) async with the trainer's recompute as
+        the old policy learned more slowly than sync; with the engine's it did not."""
         chosen = self.algorithm.old_logprobs
         if chosen is not None:
             return OldLogprobs(chosen)

@@ -106,7 +106,8 @@ def _overlaps(read: tuple[str, ...], bad: tuple[str, ...]) -> bool:
     return read[:shorter] == bad[:shorter]
 
 
-# Fields of earlier versions of this API and where they are now (below `spec`).
+# Renamed fields: the old path (below `spec`) and the field that takes its place, so a
+# manifest that still sets the old one is told where it goes.
 MOVED_FIELDS: dict[tuple[str, ...], str] = {
     ("data", "evalDataset"): "spec.eval.dataset",
     ("data", "evalInterval"): "spec.eval.interval",

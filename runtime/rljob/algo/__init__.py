@@ -1,5 +1,6 @@
-"""RL math shared by every trainer backend: log-probs, advantages, losses.
+"""RL math shared by every trainer backend: advantages and losses.
 
-Backends (torch here, megatron elsewhere) hand in hidden states, the output-layer weight
-and padded response tensors; nothing in this package knows about Ray or checkpoints.
+Backends (`rljob.trainer.torch`, `rljob.trainer.megatron`) hand in padded response tensors
+(log-probs from `rljob.kernels`, rewards, masks); nothing in this package knows about Ray,
+models or checkpoints, so both backends give the same numbers for the same samples.
 """

@@ -29,7 +29,7 @@ def load(path: Path) -> dict[str, Any]:
         np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
-    if isinstance(cuda, torch.Tensor):  # one GPU's state, as checkpoints before this helper
+    if isinstance(cuda, torch.Tensor):  # one GPU's state (`torch.cuda.get_rng_state()`)
         torch.cuda.set_rng_state(cuda)
     elif cuda:
         torch.cuda.set_rng_state_all(cuda)

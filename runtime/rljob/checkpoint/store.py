@@ -6,7 +6,7 @@ of SHA-256 digests is written last, and only then is the directory renamed to
 complete new checkpoint or none; readers only trust a directory whose files all match
 its manifest, so a torn or tampered checkpoint is skipped in favour of the one before.
 
-One writer at a time (store_lease): a store publishes only while its writer holds the
+One writer at a time (`rljob.checkpoint.lease`): a store publishes only while its writer holds the
 store's lease, checked right before each publish, and never replaces a published
 checkpoint, so a writer that lost its lease (a driver left behind by a restart) can neither
 add a checkpoint nor remove one.

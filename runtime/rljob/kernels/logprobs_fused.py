@@ -31,8 +31,8 @@ warp-specialised;
 the fp32 logits stay in registers): forward 21.1 ms against 24.1 ms for cuBLAS plus
 `_chunk_stats_kernel` on an H200 at 11,600 x 151,936 x 4,096. The backward's logit gradient
 comes from the same matmul, so its chunk holds only the 16-bit gradient and is wider. The
-gradient matmuls stay cuBLAS: earlier Triton matmuls without TMA (commit 1481f7e) ran the
-fp32-accumulating hidden-gradient product at ~46 TFLOP/s. Elsewhere (older GPUs, fp32
+gradient matmuls stay cuBLAS: Triton matmuls without TMA run the fp32-accumulating
+hidden-gradient product at ~46 TFLOP/s on an H200. Elsewhere (older GPUs, fp32
 inputs, Triton's CPU interpreter) the cuBLAS path below runs.
 
 Vocabulary parallelism: the weight is this rank's rows `[vocab_start, vocab_start + local)`;

@@ -94,8 +94,9 @@ def _logits_tile(a_desc, b_desc, tile, n_rows, n_cols, k, GROUP_M: tl.constexpr)
     `[n_rows, n_cols]`: its column-tile index, rows, columns, row mask and fp32 logits (before
     the temperature). One helper so that the statistics and the gradient take the same tiles in
     the same order, summed alike; the tile is the descriptors' blocks (`[BLOCK_M, BLOCK_K]` of
-    the hidden states, `[BLOCK_N, BLOCK_K]` of the weight). Triton inlines it; on an H200 both
-    kernels gave bitwise the same outputs as with this written out in each."""
+    the hidden states, `[BLOCK_N, BLOCK_K]` of the weight). Triton inlines it, so both
+    kernels compute what they would with it written out in each (bitwise the same outputs
+    on an H200)."""
     BLOCK_M: tl.constexpr = a_desc.block_shape[0]
     BLOCK_K: tl.constexpr = a_desc.block_shape[1]
     BLOCK_N: tl.constexpr = b_desc.block_shape[0]

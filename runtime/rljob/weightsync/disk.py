@@ -38,8 +38,9 @@ def attempt_dir(root: Path, attempt: str) -> Path:
 
 
 def clear_other_attempts(root: Path, attempt: str) -> list[Path]:
-    """Remove every version an earlier attempt left under `root` (its attempt directory, or
-    a bare `v…` directory of the layout before attempts); returns what was removed."""
+    """Remove every version another attempt left under `root` (its attempt directory, or a
+    `v…` version or `.v…` temporary lying directly under `root`, outside any attempt's
+    namespace); returns what was removed."""
     if not root.exists():
         return []
     ours = attempt_dir(root, attempt).name

@@ -86,10 +86,10 @@ def _screen(span: torch.Tensor) -> torch.Tensor:
     """A one-element bool tensor on the span's device: True when its float32 sum is finite.
 
     A NaN or Inf makes the sum non-finite; finite values can overflow it too, so the
-    members of a flagged span are checked one by one. torch's sum reads a bf16 buffer at
-    3.6 TB/s on an H200, faster than a Triton kernel testing exponent bits that was tried
-    in its place (2.9 TB/s, benchmarks/weight_sync_ipc_gpu.py, 2026-12-01). A one-byte
-    float is tested by its bits (`BYTE_NONFINITE`).
+    members of a flagged span are checked one by one. A sum rather than a bit test: on an
+    H200 torch's sum reads a bf16 buffer at 3.6 TB/s, a Triton kernel testing exponent bits
+    at 2.9 TB/s (docs/benchmarks/weight-sync.md). A one-byte float is tested by its bits
+    (`BYTE_NONFINITE`).
     """
     if span.dtype.itemsize == 1:
         mask, value = BYTE_NONFINITE.get(span.dtype, (0, 1))  # (0, 1): none of these

@@ -123,8 +123,9 @@ def decode_named_tensors(entry: str) -> NamedTensors:
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
     """Copy each source into its target: a large tensor by its own copy (which runs at the
     device's copy rate), the small ones together in one multi-tensor copy (one launch where
-    a copy each would cost more than its bytes). `torch._foreach_copy_` alone moved 1 GB of
-    128 MB tensors at two thirds of the copy rate on an H200."""
+    a copy each would cost more than its bytes). Not one multi-tensor copy for all: on an
+    H200 `torch._foreach_copy_` moves 1 GB of 128 MB tensors at two thirds of the copy rate
+    (docs/benchmarks/weight-sync.md)."""
     small: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for target, source in zip(targets, sources, strict=True):
         if target.numel() >= SCREEN_ALONE:
