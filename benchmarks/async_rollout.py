@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from rljob.cluster.cluster import RunOptions
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob.reporting import metrics_log
 from rljob.reporting.reporter import PrintReporter
 from rljob_api.spec import RLJobSpec

@@ -4,7 +4,7 @@ generates, the engine's memory released while the trainer trains, then back.
 One process holds the trainer of an example job (`MegatronTrainerActor`, or `TorchTrainer`
 with `--backend torch` or where megatron-core is missing) and its `hf` engine on the same GPU,
 and walks through `--steps` rollout steps as the driver does for `placement: colocated` on
-GPUs (`Job.one_step`): `trainer.offload()` before generating, `engine.release_memory()`
+GPUs (`rljob.driver.loop`): `trainer.offload()` before generating, `engine.release_memory()`
 before training (the trainer comes back on its first use), `engine.resume_memory()` after,
 and the new weights installed. Each phase prints what the device has in use
 (`cudaMemGetInfo`, the CUDA context included), what torch has allocated, the bytes the

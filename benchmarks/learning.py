@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from rljob.cluster.cluster import RunOptions
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob.reporting import metrics_log
 from rljob.reporting.reporter import PrintReporter
 from rljob_api.validate import load_job

@@ -16,7 +16,8 @@ import torch
 
 from rljob.cluster.cluster import RunOptions
 from rljob.cluster.placement import Devices
-from rljob.driver.job import Job
+from rljob.driver.attempt import Attempt
+from rljob.driver.run import run_attempt
 from rljob.engine.client import EngineClient
 from rljob_api.exits import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
@@ -37,17 +38,19 @@ def test_a_gpu_trainer_feeds_cpu_engines_over_gloo(tmp_path: Path) -> None:
                                "algorithm": {"totalSteps": STEPS},
                                "checkpoint": {"interval": STEPS}})
     with local_ray({}, num_gpus=1):
-        job = Job("job", spec, RunOptions(tmp_path / "w"), RecordingReporter())
+        attempt = Attempt.begin("job", spec, RunOptions(tmp_path / "w"), RecordingReporter())
         try:
-            assert job.run() == EXIT_OK
-            assert job.workers.devices == Devices(trainer_gpu=True, engine_gpu=False)
-            trainer = dict(ray.get(job.workers.trainers.rank0.named_weights.remote()))
+            assert run_attempt(attempt) == EXIT_OK
+            job = attempt.job
+            assert job is not None
+            assert job.roles.devices == Devices(trainer_gpu=True, engine_gpu=False)
+            trainer = dict(ray.get(job.roles.trainers.rank0.named_weights.remote()))
             assert {t.device.type for t in trainer.values()} == {"cuda"}
             on_cpu = {n: t.cpu() for n, t in trainer.items()}
-            for url in job.workers.urls:
+            for url in job.roles.engines.urls:
                 got = engine_weights(url, on_cpu)
                 differing = [n for n, t in on_cpu.items() if not torch.equal(got[n], t)]
                 assert not differing, f"engine {url} differs from the trainer in {differing}"
                 assert EngineClient(url).weight_version() == str(STEPS)
         finally:
-            job.shutdown(EXIT_OK)
+            attempt.shutdown(EXIT_OK)

@@ -12,7 +12,7 @@ import pytest
 
 from rljob.cluster.cluster import RunOptions
 from rljob.cluster.rollout_pipeline import PENDING_FILE
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob_api.exits import OK as EXIT_OK
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec, metric_rows

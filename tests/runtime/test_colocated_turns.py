@@ -1,4 +1,4 @@
-"""The driver's colocated turns (`Job.one_step` with offload on), with the Ray actors
+"""The driver's colocated turns (the loop with offload on), with the Ray actors
 stood in by recorders: the trainers leave the GPU before the rollout, the engines after it
 and before training, the engines come back before a version is published, and an engine
 that lost its weights (SGLang) gets the version again when the step made no update."""
@@ -12,12 +12,18 @@ from typing import Any
 import pytest
 import ray
 
-from rljob.cluster.cluster import Workers
+from rljob.cluster.cluster import Roles
+from rljob.cluster.engine_group import EngineGroup
+from rljob.cluster.placement import Devices
 from rljob.cluster.rollout_pipeline import RolloutPipeline
 from rljob.cluster.trainer_group import TrainerGroup
-from rljob.driver.checkpoints import LoopState
+from rljob.driver import loop
 from rljob.driver.job import Job
+from rljob.driver.state import LoopState
+from rljob.driver.stop import StopSignals
 from rljob.reporting.tracking import Trackers
+from rljob.rollout.stats import RolloutStats
+from rljob.trainer.metrics import TrainMetrics
 
 
 class Actor:
@@ -36,30 +42,34 @@ class Actor:
 
 def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool,
          log: list[str]) -> Job:
-    job = object.__new__(Job)
-    metrics = {"step_skipped": [False], "skipped_steps": 0, "optimizer_steps": optimizer_steps,
-               "nonfinite": [], "reward": 0.5}
-    job.workers = Workers(
+    metrics = TrainMetrics(step_means={}, reward=0.5, kl=0.0, logprob_gap=0.0,
+                           logprob_gap_max=0.0, response_length=0.0,
+                           step_skipped=[False] * optimizer_steps or [True],
+                           nonfinite=[] if optimizer_steps else ["skipped"])
+    spec = SimpleNamespace(
+        algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10,
+                                  rollout_batch_size=0, n_samples_per_prompt=1),
+        eval=SimpleNamespace(dataset=None, interval=0),
+        checkpoint=SimpleNamespace(interval=100, format="torch"))
+    attempt = SimpleNamespace(  # one step from step 3; the save at its end records nothing
+        spec=spec, options=SimpleNamespace(workdir=tmp_path, max_steps=1), stop=StopSignals(),
+        checkpoints=SimpleNamespace(check_writer=lambda: None, save=lambda *_, **__: None),
+        reporter=SimpleNamespace(progress=lambda _: None), loop_started=False)
+    rollout = Actor("rollout", log, {"generate": (
+        [], RolloutStats(rollout_seconds=0.1, response_tokens=0.0, tokens_per_second=1.0,
+                         generation_rounds=1.0, generated_groups=0.0))})
+    roles = Roles(
         offload=offload,
         trainers=TrainerGroup([Actor(f"trainer{r}", log, {
             "train": metrics, "nonfinite_weights": [], "offload": 1}) for r in range(2)]),
-        engines=[Actor(f"engine{e}", log, {"resume_memory": weights_kept})
-                 for e in range(2)],
-        rollout=Actor("rollout", log, {"generate": (
-            [], {"tokens_per_second": 1.0, "rollout_seconds": 0.1})}))
-    job.state = LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
-                          skipped_steps=0, train_step=3, samples=0)
-    job.batches = RolloutPipeline(job.workers.rollout)
-    job.max_staleness, job.engine_version = None, 3  # colocated: sync
-    job.spec = SimpleNamespace(  # type: ignore[assignment]
-        algorithm=SimpleNamespace(max_consecutive_nonfinite=3, total_steps=10,
-                                  rollout_batch_size=0, n_samples_per_prompt=1),
-        eval=SimpleNamespace(dataset=None, interval=0))
-    job.last_eval, job.last_eval_read = None, True
-    job.checkpoints = SimpleNamespace(check_writer=lambda: None)  # type: ignore[assignment]
-    job.metrics_path = tmp_path / "metrics.jsonl"
-    job.tracking = Trackers()  # none enabled
-    job.reporter = SimpleNamespace(progress=lambda _: None)
+        engines=EngineGroup([Actor(f"engine{e}", log, {"resume_memory": weights_kept})
+                             for e in range(2)], [], []),
+        rollout=RolloutPipeline(rollout), devices=Devices(True, True))
+    job = Job(attempt, roles, weight_sync=None, tracking=Trackers(),  # type: ignore[arg-type]
+              state=LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
+                              skipped_steps=0, train_step=3, samples=0),
+              resumed=True, max_staleness=None, engine_version=3,  # colocated: sync
+              last_eval=None)
     job.publish = lambda again=False: log.append(  # type: ignore[method-assign]
         f"publish(again={again}, version={job.state.weight_version})")
     return job
@@ -72,8 +82,7 @@ def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _step(tmp_path: Path, **kw: Any) -> list[str]:
     log: list[str] = []
-    _job(tmp_path, log=log, **kw).one_step(
-        SimpleNamespace(update=lambda *_: None))  # type: ignore[arg-type]
+    loop.train(_job(tmp_path, log=log, **kw))
     return log
 
 

@@ -20,6 +20,7 @@ from rljob.cluster.cluster import Cluster, RunOptions, slot_options, worker_env
 from rljob.cluster.placement import Devices, plan
 from rljob.cluster.weight_sync import sidecar_placement
 from rljob.driver.stop import StopSignals
+from rljob.engine.launcher import Locality
 from rljob.engine.slots import SlotHolder
 from rljob_api import exits
 from rljob_api.exits import JobError
@@ -61,7 +62,7 @@ def test_each_actor_gets_the_device_of_its_slot(
     its slot holder and its sidecar run on CPU (weights staged on the CPU); colocated, all
     of them share the GPU and the sidecar stages on it."""
     spec = _spec(placement, 1, 1)
-    cluster = Cluster(RunOptions(tmp_path), StopSignals())
+    cluster = Cluster(RunOptions(tmp_path), StopSignals().install)
     devices = cluster.choose_devices(spec)
     colocated = placement == "colocated"
     assert devices == (Devices(True, True) if colocated else Devices(True, False))
@@ -81,8 +82,8 @@ def test_each_actor_gets_the_device_of_its_slot(
         assert engine_ids == (["0"] if colocated else [])
         # The sidecar, placed as `WeightSyncActors.start_sidecars` places it from what the
         # engine reports of itself.
-        locality = {"node_id": str(ray.get_runtime_context().get_node_id()),
-                    "cuda_visible_devices": ",".join(engine_ids)}
+        locality = Locality(str(ray.get_runtime_context().get_node_id()),
+                            ",".join(engine_ids))
         device, options = sidecar_placement(pg, layout.engine_slots[0], locality,
                                             devices.sync_on_gpu)
         assert device == ("cuda:0" if colocated else "cpu")
@@ -100,7 +101,7 @@ def test_a_trainer_asking_for_more_gpus_than_ray_has_stops_the_run(
 ) -> None:
     """Never a silent run on CPU: an INVALID stop naming the field, Ray's count and the fix,
     before anything is placed."""
-    cluster = Cluster(RunOptions(tmp_path), StopSignals())
+    cluster = Cluster(RunOptions(tmp_path), StopSignals().install)
     with pytest.raises(JobError) as err:
         cluster.choose_devices(_spec("disaggregated", 2, 1))
     assert err.value.code == exits.INVALID

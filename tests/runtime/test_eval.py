@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from rljob.cluster.cluster import RunOptions
-from rljob.driver.job import run_job
 from rljob.driver.model_files import prepare_model
+from rljob.driver.run import run_job
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.reporting import metrics_log
 from rljob.rollout.sample import Sample
-from rljob.rollout.worker import EvalResult, RolloutWorker, sample_seed
+from rljob.rollout.stats import EvalResult
+from rljob.rollout.worker import RolloutWorker, sample_seed
 from rljob_api.exits import OK as EXIT_OK
 from rljob_api.spec import RLJobSpec
 from tests.runtime import hooks_for_tests

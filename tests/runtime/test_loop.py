@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rljob.cluster.cluster import RunOptions
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob.reporting import metrics_log
 from rljob_api.exits import NONFINITE as EXIT_NONFINITE
 from rljob_api.exits import OK as EXIT_OK

@@ -24,7 +24,8 @@ import ray
 
 from rljob.cluster.rollout_pipeline import RolloutPipeline
 from rljob.driver import checkpoints as loop_state
-from rljob.driver.checkpoints import Checkpoints, LoopState
+from rljob.driver.checkpoints import Checkpoints
+from rljob.driver.state import LoopState
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.model.tiny_model import write_tiny
 from rljob.reporting import metrics_log

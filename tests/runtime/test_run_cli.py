@@ -18,7 +18,7 @@ import yaml
 from rljob.checkpoint.store import CheckpointStore
 from rljob.cluster.cluster import RunOptions
 from rljob.cluster.rollout_pipeline import PENDING_FILE
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob.reporting import metrics_log
 from rljob_api import env
 from rljob_api.exits import FAILED as EXIT_FAILED

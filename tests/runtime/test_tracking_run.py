@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rljob.cluster.cluster import RunOptions
-from rljob.driver.job import run_job
+from rljob.driver.run import run_job
 from rljob.reporting import metrics_log
 from rljob_api.exits import OK as EXIT_OK
 from tests import trackers

@@ -17,7 +17,9 @@ import ray
 import torch
 
 from rljob.cluster.cluster import RunOptions, worker_env
-from rljob.driver.job import WEIGHT_SYNC_LOG, Job
+from rljob.driver.attempt import Attempt
+from rljob.driver.job import WEIGHT_SYNC_LOG
+from rljob.driver.run import run_attempt
 from rljob.engine.client import EngineClient
 from rljob_api.exits import OK as EXIT_OK
 from tests.faults import CORRUPT_ENV, SETUP_HOOK
@@ -60,11 +62,13 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
                                "checkpoint": {"interval": STEPS}})
     workdir = tmp_path / "w"
     with local_ray(env):
-        job = Job("job", spec, RunOptions(workdir), RecordingReporter())
+        attempt = Attempt.begin("job", spec, RunOptions(workdir), RecordingReporter())
         try:
-            assert job.run() == EXIT_OK
-            trainer = dict(ray.get(job.workers.trainers.rank0.named_weights.remote()))
-            for url in job.workers.urls:
+            assert run_attempt(attempt) == EXIT_OK
+            job = attempt.job
+            assert job is not None
+            trainer = dict(ray.get(job.roles.trainers.rank0.named_weights.remote()))
+            for url in job.roles.engines.urls:
                 got = engine_weights(url, trainer)
                 differing = [n for n, t in trainer.items() if not torch.equal(got[n], t)]
                 assert not differing, f"engine {url} differs from the trainer in {differing}"
@@ -72,7 +76,7 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
             health = job.weight_sync.health()
             assert [h["last_acked_version"] for h in health] == [STEPS]
         finally:
-            job.shutdown(EXIT_OK)
+            attempt.shutdown(EXIT_OK)
     state = json.loads((workdir / "checkpoints" / f"step_{STEPS:08d}" / "state.json")
                        .read_text())
     assert state["weight_version"] == STEPS  # what a resume continues from

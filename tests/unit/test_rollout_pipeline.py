@@ -3,13 +3,12 @@ logic: what lag a batch has, and when a batch a checkpoint kept is generated aga
 
 from __future__ import annotations
 
-from typing import Any
-
 from rljob.cluster.rollout_pipeline import Batch, Staleness
+from rljob.rollout.sample import Sample
 
 
-def _sample(version: str, spans: list[tuple[str, int]] | None = None) -> dict[str, Any]:
-    return {"weight_version": version, "version_spans": spans or []}
+def _sample(version: str, spans: list[tuple[str, int]] | None = None) -> Sample:
+    return Sample(prompt="p", weight_version=version, version_spans=spans or [])
 
 
 def test_staleness_counts_the_oldest_token_and_falls_back_to_the_launch_version() -> None:

@@ -1,0 +1,1 @@
+"""The `rljob` command: `run`, `validate`, `crd`, `docs` (`main`), and `rljob run` itself."""

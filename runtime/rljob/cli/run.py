@@ -60,7 +60,7 @@ def run_command(args: argparse.Namespace) -> int:
             print(err, file=sys.stderr)
             return EXIT_INVALID
     from rljob.cluster.cluster import RunOptions
-    from rljob.driver.job import run_job
+    from rljob.driver.run import run_job
 
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()

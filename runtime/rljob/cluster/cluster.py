@@ -11,7 +11,8 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rljob.cluster import ray_node, whereabouts
+from rljob.cluster.engine_group import EngineGroup
 from rljob.cluster.placement import (
     DeviceError,
     Devices,
@@ -30,12 +32,13 @@ from rljob.cluster.placement import (
     port_clashes,
     trainer_world,
 )
+from rljob.cluster.rollout_pipeline import RolloutPipeline
 from rljob.cluster.trainer_group import TrainerGroup
-from rljob.cluster.weight_sync import WeightSyncActors
+from rljob.cluster.weight_sync import SyncSettings, WeightSyncActors
 from rljob.cluster.whereabouts import Placed
-from rljob.driver.stop import StopSignals
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.slots import SlotHolder
+from rljob.reporting.locatable import Whereabouts
 from rljob.rollout.worker import RolloutWorker
 from rljob.trainer.select import trainer_class
 from rljob_api import env, exits
@@ -126,38 +129,35 @@ def _ray_nodes(timeout_s: float) -> list[dict[str, Any]] | None:
     return box[0] if box else None
 
 
-@dataclass
-class Workers:
-    """The actors of one attempt, filled in as they are placed (a failed start-up shuts
-    down those that exist)."""
+@dataclass(frozen=True)
+class Roles:
+    """The handles of one attempt's placed workers, each role as one object."""
 
-    trainers: TrainerGroup = field(default_factory=lambda: TrainerGroup([]))
-    engines: list[Any] = field(default_factory=list)
-    slot_holders: list[Any] = field(default_factory=list)  # further slots of multi-GPU engines
-    rollout: Any = None
-    urls: list[str] = field(default_factory=list)
-    # Colocated on GPUs: trainer and engines take turns on the memory (`Job.one_step`).
-    offload: bool = False
+    trainers: TrainerGroup
+    engines: EngineGroup
+    rollout: RolloutPipeline
+    # Colocated on GPUs: trainer and engines take turns on the memory (`Job`'s turns).
+    offload: bool
     # Each role's device; weight sync travels GPU to GPU only when both are GPUs.
-    devices: Devices = field(default_factory=lambda: Devices(False, False))
-
-    def release_engines(self) -> None:
-        """The engines' weights and caches leave the GPUs."""
-        ray.get([e.release_memory.remote() for e in self.engines])
-
-    def resume_engines(self) -> bool:
-        """The engines' memory comes back; False when one dropped its weights (SGLang)."""
-        return all(ray.get([e.resume_memory.remote() for e in self.engines]))
+    devices: Devices
 
 
 class Cluster:
-    def __init__(self, options: RunOptions, stop: StopSignals) -> None:
+    """This attempt's Ray and everything it placed on it. What exists is filled in as it is
+    placed, so that a failed start-up shuts down exactly what it started."""
+
+    def __init__(self, options: RunOptions, on_ray_started: Callable[[], None]) -> None:
         self.options = options
-        self.stop = stop
+        # `ray.init` replaces the SIGTERM handler with an exit that saves nothing: the
+        # driver's own handlers go back in through this.
+        self.on_ray_started = on_ray_started
         self.started_ray = False
         self.node: ray_node.JoinedNode | None = None
         self.pg: PlacementGroup | None = None
-        self.workers = Workers()
+        self.trainers: TrainerGroup | None = None
+        self.engines: EngineGroup | None = None
+        self.rollout: Any = None  # the RolloutWorker actor
+        self.weight_sync: WeightSyncActors | None = None
         self.placed: list[Placed] = []  # where this attempt's actors run, from Ray
 
     def start_ray(self, layout: Layout) -> None:
@@ -182,7 +182,7 @@ class Cluster:
             ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=False)
             self.started_ray = True
-        self.stop.install()  # ray.init replaced the SIGTERM handler with an exit that saves nothing
+        self.on_ray_started()
 
     def stop_stale_drivers(self) -> None:
         """Stop the Ray node of any other live driver of this cluster. The operator starts a
@@ -244,13 +244,12 @@ class Cluster:
                 f"{have}. Lower trainer/rollout GPU counts or add nodes."))
         return pg
 
-    def place(self, spec: RLJobSpec, model_dir: Path, engine_port_base: int) -> Workers:
+    def place(self, spec: RLJobSpec, model_dir: Path, engine_port_base: int) -> Roles:
         """Every worker of the job on its slot of one placement group; `engine_port_base` is
         0 on one machine (any free port) and the operator's engine port in pods."""
         layout = plan(spec)
         self.start_ray(layout)
-        w = self.workers
-        devices = w.devices = self.choose_devices(spec)
+        devices = self.choose_devices(spec)
         try:
             actor = trainer_class(spec, devices.trainer_gpu)
         except ValueError as err:
@@ -258,7 +257,7 @@ class Cluster:
         on_cluster = self.options.on_cluster
         pg = self.reserve(layout, devices)
         # Colocated on GPUs: trainer and engines take turns on each GPU's memory.
-        w.offload = layout.colocated and devices.trainer_gpu
+        offload = layout.colocated and devices.trainer_gpu
 
         def at(slot: int) -> dict[str, Any]:
             return slot_options(pg, layout, devices, slot)
@@ -276,14 +275,15 @@ class Cluster:
         groups = layout.engine_slot_groups()
         holders: list[list[Any]] = [[holder_cls.options(**at(s)).remote() for s in group[1:]]
                                     for group in groups]
-        w.slot_holders = [h for hs in holders for h in hs]
-        w.engines = [
+        slot_holders = [h for hs in holders for h in hs]
+        handles = [
             engine_cls.options(**at(group[0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
                 spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
-                ray.get([h.where.remote() for h in hs]), w.offload)
+                ray.get([h.where.remote() for h in hs]), offload)
             for group, hs, port in zip(groups, holders, ports, strict=True)
         ]
+        self.engines = EngineGroup(handles, slot_holders, [])  # stopped on failure from here
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
         init = "" if trainer_world(spec) == 1 else ray.get(
             ray.remote(rendezvous_address).options(
@@ -291,44 +291,54 @@ class Cluster:
                     pg, placement_group_bundle_index=layout.trainer_slots[0]),
                 num_cpus=0).remote())
         spec_json = spec.model_dump_json(by_alias=True)
-        w.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
-                                        str(model_dir), init, devices.trainer)
-        w.urls = ray.get([e.address.remote() for e in w.engines])
+        self.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
+                                           str(model_dir), init, devices.trainer)
+        self.engines = EngineGroup.of(handles, slot_holders)
         # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
         # joined cluster it runs next to the driver, on the driver pod's own Ray node.
         worker_cls = ray.remote(RolloutWorker)
         next_to_driver = {"resources": {DRIVER_RESOURCE: 0.01}} if self.node else {}
-        w.rollout = worker_cls.options(num_cpus=0, **next_to_driver).remote(
-            spec_json, str(model_dir), w.urls)
-        problems = ray.get(w.rollout.setup.remote())
+        self.rollout = worker_cls.options(num_cpus=0, **next_to_driver).remote(
+            spec_json, str(model_dir), self.engines.urls)
+        rollout = RolloutPipeline(self.rollout)
+        problems = rollout.setup()
         if problems:
             raise JobError(exits.INVALID, "\n".join(problems))
-        return w
+        return Roles(self.trainers, self.engines, rollout, offload, devices)
 
-    def engine_placement(self, spec: RLJobSpec) -> tuple[PlacementGroup, list[int]]:
-        """Where the engines' first slots are: sidecars (local runs) go next to them."""
+    def start_weight_sync(self, settings: SyncSettings, spec: RLJobSpec, roles: Roles
+                          ) -> WeightSyncActors:
+        """The store on the Ray head and, unless the pods run them, a sidecar per engine next
+        to it (`rljob.cluster.weight_sync`)."""
+        self.weight_sync = WeightSyncActors(settings)
+        store = self.weight_sync.start_store()
         assert self.pg is not None
-        return self.pg, list(plan(spec).engine_slots)
+        self.weight_sync.start_sidecars(
+            roles.engines, store, loopback=not self.options.on_cluster,
+            placement=(self.pg, list(plan(spec).engine_slots)),
+            sync_on_gpu=roles.devices.sync_on_gpu)
+        return self.weight_sync
 
-    def report_placement(self, spec: RLJobSpec, weight_sync: WeightSyncActors) -> None:
+    def report_placement(self, spec: RLJobSpec, roles: Roles,
+                         weight_sync: WeightSyncActors) -> None:
         """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on
         the kind of pod it is meant for."""
-        w = self.workers
         actors: list[tuple[str, int, Any]] = [
-            *((whereabouts.TRAINER, i, t) for i, t in enumerate(w.trainers.handles)),
-            *((whereabouts.ENGINE, i, e) for i, e in enumerate(w.engines)),
-            (whereabouts.ROLLOUT_WORKER, 0, w.rollout),
+            *((whereabouts.TRAINER, i, t) for i, t in enumerate(roles.trainers.handles)),
+            *((whereabouts.ENGINE, i, e) for i, e in enumerate(roles.engines.handles)),
+            (whereabouts.ROLLOUT_WORKER, 0, roles.rollout.rollout),
             (whereabouts.STORE, 0, weight_sync.store),
             *((whereabouts.SIDECAR, i, s) for i, s in enumerate(weight_sync.sidecars)),
         ]
-        facts = ray.get([handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
+        facts: list[Whereabouts] = ray.get(
+            [handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
         # Kinds of pod exist on a cluster only; on one machine every actor shares one node.
         checked = self.options.on_cluster
         groups = whereabouts.node_groups(ray.nodes()) if checked else {}
         colocated = spec.placement == Placement.colocated
         # The rollout worker is pinned next to the driver only when the driver is a node.
         rows = [
-            Placed(role, index, fact["node_id"], fact["host"], groups.get(fact["node_id"], ""),
+            Placed(role, index, fact.node_id, fact.host, groups.get(fact.node_id, ""),
                    expected_group(role, colocated)
                    if checked and (role != whereabouts.ROLLOUT_WORKER or self.node) else None)
             for (role, index, _), fact in zip(actors, facts, strict=True)
@@ -358,28 +368,29 @@ class Cluster:
                 return dead
             time.sleep(1.0)
 
-    def shutdown(self, weight_sync: WeightSyncActors, graceful: bool) -> None:
+    def shutdown(self, graceful: bool) -> None:
         """Stop sidecars, engines and trainers (only when `graceful`: otherwise, or when a
         signal arrives meanwhile, every actor is killed at once), free the slots; stop Ray
         if this run started it."""
-        w = self.workers
         if graceful:
             try:
-                weight_sync.shutdown()
-                for engine in w.engines:
-                    with contextlib.suppress(ray.exceptions.RayError):  # dead: nothing to stop
-                        ray.get(engine.stop.remote(), timeout=STOP_TIMEOUT_S)
-                w.trainers.shutdown(STOP_TIMEOUT_S)
+                if self.weight_sync is not None:
+                    self.weight_sync.shutdown()
+                if self.engines is not None:
+                    self.engines.stop(STOP_TIMEOUT_S)
+                if self.trainers is not None:
+                    self.trainers.shutdown(STOP_TIMEOUT_S)
             except KeyboardInterrupt:
                 pass  # a second signal (Aborted, or as ray.get re-raises it): kill the rest
-        weight_sync.shutdown(graceful=False)
-        for handle in [*w.engines, *w.slot_holders]:
+        if self.weight_sync is not None:
+            self.weight_sync.shutdown(graceful=False)
+        if self.engines is not None:
+            self.engines.kill()
+        if self.trainers is not None:
+            self.trainers.kill()
+        if self.rollout is not None:
             with contextlib.suppress(ray.exceptions.RayError):
-                ray.kill(handle)
-        w.trainers.kill()
-        if w.rollout is not None:
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.kill(w.rollout)
+                ray.kill(self.rollout)
         if self.pg is not None:
             remove_placement_group(self.pg)
         if self.started_ray:

@@ -9,7 +9,9 @@ from typing import Any
 
 import ray
 
+from rljob.rollout.sample import Sample
 from rljob.trainer.interface import TrainerActor
+from rljob.trainer.metrics import TrainMetrics
 from rljob.weightsync.publisher import SyncResult
 
 
@@ -33,13 +35,13 @@ class TrainerGroup:
     def rank0(self) -> Any:
         return self.handles[0]
 
-    def train(self, samples: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+    def train(self, samples: list[Sample], check_initial_kl: bool) -> TrainMetrics:
         """One rollout step on every rank; the metrics (the same on every rank)."""
-        results: list[dict[str, Any]] = ray.get(
+        results: list[TrainMetrics] = ray.get(
             [t.train.remote(samples, check_initial_kl) for t in self.handles])
         return results[0]
 
-    def logprobs(self, samples: list[dict[str, Any]]) -> list[list[float]]:
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The policy's response log-probs on every rank; rank 0's (every rank has the same
         weights)."""
         results: list[list[list[float]]] = ray.get(
@@ -47,6 +49,7 @@ class TrainerGroup:
         return results[0]
 
     def offload(self) -> None:
+        """Every rank's parameters, gradients and optimizer state leave its GPU."""
         ray.get([t.offload.remote() for t in self.handles])
 
     def nonfinite_weights(self) -> list[str]:

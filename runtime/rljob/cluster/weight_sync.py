@@ -36,7 +36,9 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from rljob.cluster.engine_group import EngineGroup
 from rljob.cluster.placement import SIDECAR_SHARE
+from rljob.engine.launcher import Locality
 from rljob.engine.sidecar import Sidecar, SidecarConfig
 from rljob.reporting.locatable import Locatable
 from rljob.weightsync.group import open_store
@@ -138,13 +140,13 @@ def sidecar_device(engine_cuda_visible: str, sync_on_gpu: bool) -> str:
 
 
 def sidecar_placement(
-    pg: PlacementGroup, slot: int, locality: dict[str, str], sync_on_gpu: bool
+    pg: PlacementGroup, slot: int, locality: Locality, sync_on_gpu: bool
 ) -> tuple[str, dict[str, Any]]:
     """The device the sidecar of an engine stages on, and the Ray options that start it
     there: `slot` is the engine's first slot, `locality` what the engine reports of itself
     (`node_id`, `cuda_visible_devices`)."""
-    device = sidecar_device(locality["cuda_visible_devices"], sync_on_gpu)
-    return device, sidecar_options(pg, slot, locality["node_id"], on_gpu=device != "cpu")
+    device = sidecar_device(locality.cuda_visible_devices, sync_on_gpu)
+    return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
 
 
 class WeightSyncActors:
@@ -153,6 +155,7 @@ class WeightSyncActors:
     def __init__(self, settings: SyncSettings) -> None:
         self.settings = settings
         self.store: Any = None
+        self.store_address: tuple[str, int] | None = None  # what the trainer joins
         self.sidecars: list[Any] = []
 
     def start_store(self) -> tuple[str, int]:
@@ -163,12 +166,12 @@ class WeightSyncActors:
             .remote(self.settings.store_port, BIND_TIMEOUT_S)
         )
         host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
-        return str(host), int(port)
+        self.store_address = (str(host), int(port))
+        return self.store_address
 
     def start_sidecars(
         self,
-        engines: list[Any],
-        urls: list[str],
+        engines: EngineGroup,
         store: tuple[str, int],
         loopback: bool,
         placement: tuple[PlacementGroup, list[int]],
@@ -180,10 +183,10 @@ class WeightSyncActors:
         share of that GPU."""
         if self.settings.pod_sidecars:
             return
-        where = ray.get([e.locality.remote() for e in engines])
+        where = engines.localities()
         cls = ray.remote(SidecarActor)
         pg, slots = placement
-        for i, (url, loc, slot) in enumerate(zip(urls, where, slots, strict=True)):
+        for i, (url, loc, slot) in enumerate(zip(engines.urls, where, slots, strict=True)):
             device, options = sidecar_placement(pg, slot, loc, sync_on_gpu)
             config = SidecarConfig(
                 engine_name=f"engine-{i}",

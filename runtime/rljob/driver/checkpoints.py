@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import ray
 
 from rljob.checkpoint import rng
 from rljob.checkpoint.lease import writer_identity
 from rljob.checkpoint.store import CheckpointStore, LeaseHeld, Verified
 from rljob.cluster.rollout_pipeline import RolloutPipeline
 from rljob.cluster.trainer_group import TrainerGroup
+from rljob.driver.state import LoopState
 from rljob.reporting.reporter import Reporter
+from rljob.rollout.sample import Sample
 from rljob_api import exits
 from rljob_api.exits import JobError
 from rljob_api.status import CheckpointRecord, CheckpointStatus, timestamp
@@ -30,23 +28,6 @@ STATE_FILE = "state.json"
 ROLLOUT_FILE = "rollout_state.json"
 DRIVER_RNG_FILE = "driver_rng.pt"
 HISTORY = 16  # checkpoints listed in status.checkpoint.history
-
-
-@dataclass
-class LoopState:
-    step: int = 0  # rollout steps completed
-    train_step: int = 0
-    samples: int = 0
-    weight_version: int = 0
-    skipped_steps: int = 0
-    consecutive_nonfinite: int = 0
-
-    def count_train(self, metrics: Mapping[str, Any]) -> None:
-        """Add one rollout step's optimizer steps, taken and skipped (non-finite)."""
-        for skipped in metrics["step_skipped"]:
-            self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped else 0
-        self.skipped_steps += metrics["skipped_steps"]
-        self.train_step += metrics["optimizer_steps"]
 
 
 def _mtime(path: Path) -> str:
@@ -86,9 +67,7 @@ class Checkpoints:
             return None
         trainers.load(str(latest.path))
         state = LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
-        ray.get(rollout.rollout.load.remote(
-            json.loads((latest.path / ROLLOUT_FILE).read_text())))
-        rollout.load(latest.path)
+        rollout.load(json.loads((latest.path / ROLLOUT_FILE).read_text()), latest.path)
         rng.load(latest.path / DRIVER_RNG_FILE)
         self.step = latest.step
         return latest, state
@@ -126,14 +105,14 @@ class Checkpoints:
         return published[-1][0] if published else None
 
     def save_evidence(self, root: Path, state: LoopState, trainers: TrainerGroup,
-                      samples: list[dict[str, Any]], reason: str) -> Path:
+                      samples: list[Sample], reason: str) -> Path:
         """The offending batch and the trainer state, to reproduce a non-finite stop (only by
         the store's writer: a driver left behind writes nothing, nor the failure after it)."""
         self.check_writer()
         target = root / f"step_{state.step + 1:08d}"
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
-        (target / "batch.json").write_text(json.dumps(samples, default=str))
+        (target / "batch.json").write_text(json.dumps([s.to_json() for s in samples], default=str))
         (target / "state.json").write_text(json.dumps({**asdict(state), "reason": reason}))
         trainers.save(str(target), False)
         return target

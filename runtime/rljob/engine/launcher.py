@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import ray
 
@@ -26,6 +27,14 @@ from rljob.reporting.locatable import Locatable
 STARTUP_TIMEOUT_S = 900.0
 # Releasing or resuming an engine's memory moves at most its weights and KV cache.
 OCCUPATION_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Locality:
+    """An engine's Ray node and the GPUs it sees ("" on CPU)."""
+
+    node_id: str
+    cuda_visible_devices: str
 
 
 def _free_port(host: str) -> int:
@@ -73,11 +82,11 @@ class EngineProcess(Locatable):
     def address(self) -> str:
         return self.url
 
-    def locality(self) -> dict[str, str]:
+    def locality(self) -> Locality:
         """Where this engine runs: its sidecar must run there too (shared memory, same GPU)."""
-        return {"node_id": str(ray.get_runtime_context().get_node_id()),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")
-                if self.device.startswith("cuda") else ""}
+        return Locality(str(ray.get_runtime_context().get_node_id()),
+                        os.environ.get("CUDA_VISIBLE_DEVICES", "")
+                        if self.device.startswith("cuda") else "")
 
     def release_memory(self) -> None:
         """Give the GPU to a colocated trainer: weights (and SGLang's KV cache and CUDA

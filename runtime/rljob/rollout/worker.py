@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from rljob.reporting.locatable import Locatable
 from rljob.rollout.data_source import DataSource
 from rljob.rollout.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
 from rljob.rollout.sample import Sample, Status, version_number
+from rljob.rollout.stats import EvalResult, RolloutStats
 from rljob.rollout.tasks import DatasetError, Prompt, load_task
 from rljob_api.spec import OldLogprobs, RLJobSpec
 
@@ -73,28 +74,6 @@ def eval_seed(seed: int, prompt: int, index: int) -> int:
     combination of its arguments), so an eval never replays a training sample's draws."""
     digest = hashlib.blake2b(f"rljob-eval:{seed}:{prompt}:{index}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "big") % (2**63 - 1)
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """One evaluation over the held-out prompts (spec.eval)."""
-
-    reward: float  # mean reward over every eval sample
-    best_reward: float  # mean over prompts of the best sample's reward (pass@n for 0/1 rewards)
-    prompts: int
-    samples_per_prompt: int
-    aborted: int  # samples the generate function aborted; each scored 0
-    seconds: float
-
-    def metrics(self) -> dict[str, float]:
-        """The metrics.jsonl figures: `eval_reward_max` only when there is a best of several,
-        `eval_aborted` only when a sample was aborted."""
-        row = {"eval_reward": self.reward, "eval_seconds": self.seconds}
-        if self.samples_per_prompt > 1:
-            row["eval_reward_max"] = self.best_reward
-        if self.aborted:
-            row["eval_aborted"] = float(self.aborted)
-        return row
 
 
 class RolloutWorker(Locatable):
@@ -203,8 +182,9 @@ class RolloutWorker(Locatable):
                 task.cancel()
 
     async def generate(self, step: int, oldest_version: int | None = None
-                       ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """One rollout step: rolloutBatchSize complete groups, as JSON-able sample dicts.
+                       ) -> tuple[list[dict[str, Any]], RolloutStats]:
+        """One rollout step: rolloutBatchSize complete groups of rewarded samples, in their
+        JSON form (`Sample.to_json`: what checkpoints keep of them too).
 
         Groups with an aborted sample go back to the data source and are generated again
         (up to MAX_REFILLS rounds). With dynamic sampling, groups whose rewards are all equal
@@ -284,21 +264,21 @@ class RolloutWorker(Locatable):
         carried_tokens = sum(brought.get(id(g), 0) for g in done)  # generated in earlier steps
         generated = tokens - carried_tokens
         worker_metrics.record_rollout(len(samples), generated)
-        stats = {"rollout_seconds": seconds, "response_tokens": float(tokens),
-                 "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
-                 "generation_rounds": float(rounds), "generated_groups": float(attempted)}
+        stats = RolloutStats(
+            rollout_seconds=seconds, response_tokens=float(tokens),
+            tokens_per_second=generated / seconds if seconds > 0 else 0.0,
+            generation_rounds=float(rounds), generated_groups=float(attempted))
         if dynamic.enabled:
-            stats["filtered_groups"] = float(len(uniform))
-            stats["filtered_groups_kept"] = float(uniform_kept)
+            stats = replace(stats, filtered_groups=float(len(uniform)),
+                            filtered_groups_kept=float(uniform_kept))
         if partial.enabled:
-            stats["partial_groups_carried"] = float(len(self.carried))
-            stats["partial_groups_resumed"] = float(resumed_groups)
-            stats["partial_tokens_resumed"] = float(carried_tokens)
-            if oldest_version is not None:
-                stats["stale_groups_dropped"] = float(stale)
-            if partial.mask_off_policy_tokens:
-                stats["masked_off_policy_tokens"] = float(
-                    sum(s.mask_older_versions() for s in samples))
+            stats = replace(
+                stats, partial_groups_carried=float(len(self.carried)),
+                partial_groups_resumed=float(resumed_groups),
+                partial_tokens_resumed=float(carried_tokens),
+                stale_groups_dropped=float(stale) if oldest_version is not None else None,
+                masked_off_policy_tokens=float(sum(s.mask_older_versions() for s in samples))
+                if partial.mask_off_policy_tokens else None)
         return [s.to_json() for s in samples], stats
 
     def _check_log_probs(self, samples: list[Sample]) -> None:
@@ -392,9 +372,9 @@ class RolloutWorker(Locatable):
         self.source.give_back([_prompt_of(g) for g in stale])
         return len(stale)
 
-    def return_prompts(self, samples: list[dict[str, Any]]) -> None:
+    def return_prompts(self, samples: list[Sample]) -> None:
         """A generated batch's prompts, one per group, back to be generated again first."""
-        groups = {(d["group_index"], d["prompt"], d["label"]) for d in samples}
+        groups = {(s.group_index, s.prompt, s.label) for s in samples}
         self.source.give_back([Prompt(prompt, label) for _, prompt, label in sorted(groups)])
 
     def state(self) -> dict[str, Any]:

@@ -1,3 +1,4 @@
-"""What every trainer backend shares: the actor interface, the group of ranks the driver
-drives, the rollout batch and its RL math, and rank 0's weight sync. Backends import this
-package; it imports none of them."""
+"""The trainer role: the actor interface every backend implements, the shared RL step
+(`batch`, `metrics`), rank 0's weight publishing, the backends (`torch`, `megatron`) and
+which one a job runs (`select`). Only `select` imports a backend; backends never import
+each other."""

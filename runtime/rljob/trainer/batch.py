@@ -6,7 +6,6 @@ both backends import, so a job gives the same numbers whichever backend trains i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +14,7 @@ from torch import Tensor
 from rljob.algo import advantages as adv_fns
 from rljob.algo.losses import LossKind, truncated_is_weights
 from rljob.rollout.sample import Sample
+from rljob.trainer.metrics import TrainMetrics
 from rljob_api.spec import AlgorithmSpec, OldLogprobs
 
 
@@ -109,30 +109,28 @@ def truncated_is(algo: AlgorithmSpec, old: Tensor, rollout_logp: Tensor, mask: T
 def rollout_summary(
     samples: list[Sample], old: Tensor, ref: Tensor, rollout_logp: Tensor, mask: Tensor,
     steps: list[dict[str, float]], skipped: list[str], tis: TruncatedIS | None,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """One rollout step's metrics, the same for every trainer backend: step means, reward,
-    KL to the reference, the rollout-vs-trainer log-prob gap per response token (mean and
-    largest: a mean hides one token the engine scored very differently) and, with TIS, the
-    mean weight and the share of tokens whose weight the cap truncated."""
+    KL to the reference, the rollout-vs-trainer log-prob gap per response token and, with
+    TIS, the mean weight and the share of tokens whose weight the cap truncated. Each of
+    `steps` marks with `skipped` (1.0) an optimizer step skipped for non-finite values;
+    `skipped` says why each one was."""
     tokens = max(float(mask.sum()), 1.0)
     rewards = [float("nan") if s.reward is None else s.reward for s in samples]
     gap = (rollout_logp - old).abs() * mask
-    out: dict[str, Any] = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]}
-    if tis is not None:
-        out["tis_weight"] = float(tis.weights.sum()) / tokens
-        out["tis_truncated"] = float(tis.truncated.sum()) / tokens
-    out.update({
-        "reward": float(np.mean(rewards)),
-        "kl": float(((old - ref) * mask).sum()) / tokens,
-        "logprob_gap": float(gap.sum()) / tokens,
-        "logprob_gap_max": float(gap.max()) if gap.numel() else 0.0,
-        "response_length": float(np.mean([s.response_length for s in samples])),
-        "step_skipped": [bool(s["skipped"]) for s in steps],
-        "optimizer_steps": len(steps) - len(skipped),
-        "skipped_steps": len(skipped),
-        "nonfinite": skipped,
-    })
-    return out
+    means = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0] if key != "skipped"}
+    return TrainMetrics(
+        step_means=means,
+        reward=float(np.mean(rewards)),
+        kl=float(((old - ref) * mask).sum()) / tokens,
+        logprob_gap=float(gap.sum()) / tokens,
+        logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
+        response_length=float(np.mean([s.response_length for s in samples])),
+        step_skipped=[bool(s["skipped"]) for s in steps],
+        nonfinite=skipped,
+        tis_weight=None if tis is None else float(tis.weights.sum()) / tokens,
+        tis_truncated=None if tis is None else float(tis.truncated.sum()) / tokens,
+    )
 
 
 def per_sample(logp: Tensor, response_lengths: list[int]) -> list[list[float]]:

@@ -10,10 +10,11 @@ Weight sync runs on rank 0 alone: the backend only supplies its weights in HF na
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
 
 from rljob.model.offload import TakesTurns
 from rljob.reporting.locatable import Locatable
+from rljob.rollout.sample import Sample
+from rljob.trainer.metrics import TrainMetrics
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.publisher import SyncResult
 from rljob.weightsync.wire import NamedTensors
@@ -32,13 +33,12 @@ class TrainerActor(Locatable, TakesTurns):
         """`init_method` is rank 0's rendezvous address (empty for a single rank)."""
 
     @abstractmethod
-    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool
-              ) -> dict[str, Any]:
+    def train(self, samples: list[Sample], check_initial_kl: bool) -> TrainMetrics:
         """Train on one rollout step's samples; return its metrics (same on every rank,
         `rljob.trainer.batch.rollout_summary`)."""
 
     @abstractmethod
-    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The current policy's log-prob of each response token of each sample (at the
         rollout temperature): what `train` takes as the old policy's before its first
         optimizer step, so a backend can be checked against the engines' log-probs or

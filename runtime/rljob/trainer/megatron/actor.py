@@ -19,7 +19,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +55,7 @@ from rljob.trainer.megatron.training import (
     PolicyMicroBatch,
     init_parallel,
 )
+from rljob.trainer.metrics import TrainMetrics
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.wire import NamedTensors
@@ -166,11 +166,10 @@ class MegatronTrainerActor(TrainerActor):
 
     # ---- training ----------------------------------------------------------------------
 
-    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+    def train(self, samples: list[Sample], check_initial_kl: bool) -> TrainMetrics:
         """Train on one rollout step's samples; return its metrics (same on every rank)."""
         self.on_device()
         algo = self.spec.algorithm
-        samples = [Sample.from_json(d) for d in sample_dicts]
         width = max(s.response_length for s in samples)
         batches = self._batches(samples)
         old, ref = self._infer(batches, width, (None, self.reference))
@@ -204,10 +203,9 @@ class MegatronTrainerActor(TrainerActor):
             steps.append(row)
         return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped, tis)
 
-    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The policy's response log-probs, computed as `train` computes the old policy's."""
         self.on_device()
-        samples = [Sample.from_json(d) for d in sample_dicts]
         width = max(s.response_length for s in samples)
         (logp,) = self._infer(self._batches(samples), width)
         return per_sample(logp, [s.response_length for s in samples])

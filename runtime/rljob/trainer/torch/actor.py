@@ -47,6 +47,7 @@ from rljob.trainer.batch import (
     widen,
 )
 from rljob.trainer.interface import TrainerActor
+from rljob.trainer.metrics import TrainMetrics
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.wire import NamedTensors
@@ -182,12 +183,11 @@ class TorchTrainer(TrainerActor):
         )
 
     @torch.no_grad()
-    def logprobs(self, sample_dicts: list[dict[str, Any]]) -> list[list[float]]:
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The policy's response log-probs, computed as `train` computes the old policy's."""
         self.on_device()
         algo = self.spec.algorithm
         temp = self.spec.rollout.sampling.temperature
-        samples = [Sample.from_json(d) for d in sample_dicts]
         out: list[list[float]] = []
         for mb in micro_batches(list(range(len(samples))), algo.micro_batch_size):
             batch = collate([samples[i] for i in mb], self.pad_id).to(self.device)
@@ -203,12 +203,11 @@ class TorchTrainer(TrainerActor):
         yield from optimizer_tensors([self.optimizer, self.critic_optimizer])
         yield from self.sync.device_buffers()
 
-    def train(self, sample_dicts: list[dict[str, Any]], check_initial_kl: bool) -> dict[str, Any]:
+    def train(self, samples: list[Sample], check_initial_kl: bool) -> TrainMetrics:
         """Train on one rollout step's samples; return its metrics (same on every rank)."""
         self.on_device()
         algo = self.spec.algorithm
         temp = self.spec.rollout.sampling.temperature
-        samples = [Sample.from_json(d) for d in sample_dicts]
         inf = self._infer(samples)
         if check_initial_kl:
             verify_initial_kl(inf.old_logp, inf.ref_logp)

@@ -1,0 +1,91 @@
+"""Everything before the first step, in order: the store taken, the workers placed, the state
+resumed, weight sync joined and the engines given the trainer's weights."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import ray
+
+from rljob.checkpoint.store import Verified
+from rljob.cluster.cluster import attempt_number
+from rljob.cluster.placement import plan
+from rljob.cluster.weight_sync import SyncSettings
+from rljob.driver.attempt import Attempt
+from rljob.driver.job import Job
+from rljob.driver.model_files import prepare_model
+from rljob.driver.state import LoopState
+from rljob.reporting import metrics_log
+from rljob.reporting.tracking import Trackers
+from rljob_api import env, exits
+from rljob_api.exits import JobError
+from rljob_api.spec import RolloutMode
+from rljob_api.status import ResumeReport, timestamp
+
+ENGINE_JOIN_TIMEOUT_S = 300.0
+
+
+def start(attempt: Attempt) -> Job:
+    spec, options, cluster = attempt.spec, attempt.options, attempt.cluster
+    try:  # set by the operator on a cluster; defaults for `rljob run` on one machine
+        settings = SyncSettings.from_env(os.environ)
+    except ValueError as err:
+        raise JobError(exits.INVALID, str(err)) from None
+    options.workdir.mkdir(parents=True, exist_ok=True)
+    if options.join:
+        # On a cluster this driver's Ray node comes first: a driver left behind by a
+        # restart is stopped through Ray before this one waits for the store it holds.
+        cluster.start_ray(plan(spec))
+        cluster.stop_stale_drivers()
+    attempt.checkpoints.take()
+    model_dir = prepare_model(spec, options.workdir)
+    roles = cluster.place(spec, model_dir, settings.engine_port)
+    resumed = attempt.checkpoints.resume(roles.trainers, roles.rollout)
+    loaded, state = resumed if resumed is not None else (None, LoopState())
+    # Rows after the step this attempt starts from are redone (none, with no checkpoint:
+    # an attempt that failed before its first checkpoint leaves nothing to report).
+    metrics_path = options.workdir / metrics_log.METRICS_FILE
+    metrics_log.keep_until(metrics_path, state.step)
+    if loaded is not None:
+        print(f"resumed from {loaded.path} (step {loaded.step}, weight version "
+              f"{state.weight_version})", file=sys.stderr, flush=True)
+    report_resume(attempt, loaded, state.step)
+    attempt.tracking = Trackers.start(
+        spec.tracking, attempt.name, options.workdir, first_step=state.step,
+        attempt=attempt_number(dict(os.environ)),
+        config=spec.model_dump(by_alias=True, mode="json"))
+    # The store on the Ray head, a sidecar per engine (unless the pods run them), and
+    # trainer rank 0 joined as the publisher; versions continue from the checkpoint.
+    weight_sync = cluster.start_weight_sync(settings, spec, roles)
+    # Every actor exists now: show where, before waiting on anything they must do.
+    cluster.report_placement(spec, roles, weight_sync)
+    assert weight_sync.store_address is not None
+    roles.trainers.set_publisher(weight_sync.store_address, str(options.workdir / "weights"),
+                                 state.weight_version, roles.devices.sync_on_gpu)
+    try:
+        roles.trainers.wait_for_engines(len(roles.engines), ENGINE_JOIN_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, TimeoutError):
+            raise JobError(exits.FAILED, f"WeightSyncFailed: {err.cause}; every engine needs "
+                           "its weight-sync sidecar (in a pod: a weight-sync container)"
+                           ) from None
+        raise
+    job = Job(attempt, roles, weight_sync, attempt.tracking, state, resumed=loaded is not None,
+              max_staleness=((spec.rollout.max_staleness or 1)
+                             if spec.rollout.mode == RolloutMode.async_ else None),
+              engine_version=0, last_eval=metrics_log.last_eval(metrics_path))
+    attempt.job = job
+    job.publish()
+    return job
+
+
+def report_resume(attempt: Attempt, loaded: Verified | None, step: int) -> None:
+    """Tell the RLJob what this attempt loaded (the operator derives resumedFromStep and
+    lostSteps from it): the checkpoint's step, path and verified manifest digest, or that
+    there was none and the attempt starts at step 0."""
+    attempt.reporter.resumed(ResumeReport(
+        attempt=attempt_number(dict(os.environ)), found=loaded is not None,
+        step=step, path=str(loaded.path) if loaded else None,
+        checksum=loaded.checksum if loaded else None, at=timestamp(),
+        driver_pod_uid=os.environ.get(env.POD_UID) or None))

@@ -1,0 +1,92 @@
+"""Imports flow one way through `runtime/rljob`: cli → driver → cluster (role handles) →
+roles (rollout, engine, trainer, weightsync) → algo, kernels, model, checkpoint, reporting →
+rljob_api. `engine` and `trainer` never import each other, and the operator never imports
+the runtime. Read from every import statement, function-level ones included, with `ast`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNTIME = ROOT / "runtime" / "rljob"
+
+# package → the rljob packages it may import (besides itself and rljob_api)
+ALLOWED: dict[str, set[str]] = {
+    "cli": {"driver", "cluster", "reporting"},
+    "driver": {"cluster", "rollout", "trainer", "weightsync", "model", "checkpoint",
+               "reporting"},
+    "cluster": {"rollout", "engine", "trainer", "weightsync", "model", "checkpoint",
+                "reporting"},
+    "rollout": {"engine", "model", "reporting"},
+    "engine": {"weightsync", "model", "reporting"},
+    "trainer": {"rollout", "weightsync", "algo", "kernels", "model", "checkpoint",
+                "reporting"},
+    "weightsync": {"checkpoint", "reporting"},
+    "algo": {"kernels"},
+    "kernels": set(),
+    "model": set(),
+    "checkpoint": set(),
+    "reporting": set(),
+}
+# Of `rollout`, the trainer reads only the records it trains on.
+NARROW = {("trainer", "rollout"): {"rljob.rollout.sample"}}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names; relative imports resolved)."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = ROOT / path.relative_to(ROOT).parts[0]  # runtime/ or operator/
+    package = ".".join(path.relative_to(top).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([base] if base else [])])
+            packages = ("rljob", *(f"rljob.{p}" for p in ALLOWED))
+            out.update(f"{base}.{alias.name}" if base in packages else base
+                       for alias in node.names)
+    return out
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rljob" and len(parts) > 1 else None
+
+
+def test_every_module_sits_in_a_package() -> None:
+    flat = sorted(p.name for p in RUNTIME.glob("*.py") if p.name != "__init__.py")
+    assert flat == []
+    assert {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").exists()} == set(ALLOWED)
+
+
+def test_imports_flow_one_way() -> None:
+    wrong: list[str] = []
+    for path in sorted(RUNTIME.rglob("*.py")):
+        own = _package(".".join(path.relative_to(ROOT / "runtime").with_suffix("").parts))
+        if own is None:
+            continue
+        for module in sorted(_imports(path)):
+            target = _package(module)
+            if target is None or target == own:
+                continue
+            narrow = NARROW.get((own, target))
+            if target not in ALLOWED[own] or (narrow is not None and module not in narrow):
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert wrong == []
+
+
+def test_the_api_model_and_the_operator_never_import_the_runtime() -> None:
+    wrong = [f"{path.relative_to(ROOT)} imports {module}"
+             for folder in (ROOT / "runtime" / "rljob_api", ROOT / "operator")
+             for path in sorted(folder.rglob("*.py"))
+             for module in _imports(path) if module.split(".")[0] == "rljob"]
+    assert wrong == []
