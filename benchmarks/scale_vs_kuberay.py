@@ -65,7 +65,7 @@ from benchmarks.sim_scale import (
 from rljob_api.layout import DRIVER, TRAINER
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef
-from rljob_operator.decide import parse_job
+from rljob_operator.situation import parse_job
 from tests.controlplane import ControlPlane, k8s_bin_dir
 from tests.controlplane_audit import audit_requests, describe_request
 from tests.operator_process import Operator

@@ -1,13 +1,13 @@
 """What the operator knows of the cluster between reconciles: a store fed by its watches.
 
-Why: a reconcile that reads every RLJob, RayCluster and pod list from the API server costs
-four requests per job per resync, whether anything changed or not, and that is most of what
-hundreds of idle jobs cost the control plane. kopf already holds a watch on each of those
-kinds (to kick reconciles); the same events now keep a copy of every object, and a reconcile
-reads the copy. The reconciler asks the API server when something is written, on a job's
-first reconcile, after a relist, for a child overdue for deletion, and on a slow per-job
-safety resync that replaces the copy with a fresh read (so an event lost in a watch gap
-costs at most one resync period, never correctness).
+Why: a reconcile that read the RLJob, its RayCluster and its pods from the API server would
+cost four requests per job per resync, whether anything changed or not, most of what hundreds
+of idle jobs would cost the control plane. kopf holds a watch on each of those kinds (to
+kick reconciles); the same events keep a copy of every object here, and a reconcile reads
+the copy. The reconciler asks the API server on a job's first reconcile, after a relist, for
+a child overdue for deletion, and on a slow per-job safety resync that replaces the copy with
+a fresh read (so an event lost in a watch gap costs at most one resync period, never
+correctness); the operator's own writes reach the store from their responses (`Kube`).
 
 The store holds the newest version of each object it has seen: an event or a write's
 response older than what it holds (a lagging watch delivering an update after the

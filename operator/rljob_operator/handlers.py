@@ -23,9 +23,10 @@ from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store
 from rljob_operator.config import OperatorConfig
 from rljob_operator.controller import Controller
 from rljob_operator.kube import Kube, load_configuration
+from rljob_operator.memory import Memory
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import pod_failure
-from rljob_operator.reconciler import FailureHints, Reconciler
+from rljob_operator.reconciler import Reconciler
 
 STALL_SECONDS = 60.0  # the liveness probe fails when the scheduler loop stalls this long
 
@@ -34,7 +35,8 @@ def configure(settings: kopf.OperatorSettings, cfg: OperatorConfig) -> None:
     """kopf's settings. No persistence settings: with event handlers only, kopf adds no
     finalizer and stores no progress or diff-base on the objects, so there is none to
     configure (a control-plane test checks that RLJobs carry none)."""
-    # Watches that end and re-open: the cure for the "operator goes deaf" bug.
+    # Watches that end and re-open: a watch whose connection silently stalls would otherwise
+    # leave the operator deaf to every change of its kind.
     settings.watching.server_timeout = cfg.server_timeout
     settings.watching.client_timeout = cfg.server_timeout + 30
     settings.watching.connect_timeout = 5
@@ -66,22 +68,22 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     cfg: OperatorConfig = memo.config
     configure(settings, cfg)
     metrics = Metrics()
-    hints = FailureHints()
-    kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)))
-    # Filled by kopf's watches. kopf's initial listing has no end marker, so a job's first
-    # reconcile reads the API server (it must not take a pod it has not been told of yet
-    # for a lost one); later ones read the store.
+    memory = Memory()
+    # Filled by kopf's watches and by the operator's own writes. kopf's initial listing has
+    # no end marker, so a job's first reconcile reads the API server (it must not take a pod
+    # it has not been told of yet for a lost one); later ones read the store.
     store = Store()
+    kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)), store)
     # Nodes: listed for all jobs at once, every 3 resync intervals (30 s in production).
     nodes = NodeCache(kube.list_nodes, ttl=min(30.0, max(1.5, 3 * cfg.interval)),
                       min_age=min(2.0, cfg.interval))
-    reconciler = Reconciler(kube, metrics, hints, store=store, nodes=nodes, resync=cfg.resync)
+    reconciler = Reconciler(kube, metrics, memory, store=store, nodes=nodes, resync=cfg.resync)
     controller = Controller(reconciler.reconcile, cfg.interval, cfg.workers)
 
     def remembered() -> dict[str, int]:
         jobs, clusters, pods = store.sizes()
         return {"rljobs": jobs, "rayclusters": clusters, "pods": pods,
-                "failure_hints": len(hints), "job_state": reconciler.remembered(),
+                "failure_hints": memory.jobs_with_hints(), "job_state": memory.jobs_with_state(),
                 "tracked_jobs": len(controller.known)}
 
     metrics.remembered(remembered)
@@ -89,7 +91,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.reconciler = reconciler
     memo.metrics_server = metrics.serve(cfg.metrics_port, cfg.metrics_addr) \
         if cfg.metrics_port else None
-    memo.hints = hints
+    memo.memory = memory
     memo.controller = controller
     memo.task = asyncio.create_task(controller.run())
 
@@ -141,7 +143,7 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
         # When it was seen: a failure during a start-up (a crash loop) is told from an
         # older one by this time.
         seen = timestamp()
-        memo.hints.record(namespace, job, name, replace(hint, seen_at=seen))
+        memo.memory.record_failure((namespace, job), name, replace(hint, seen_at=seen))
     memo.controller.kick((namespace, job))
 
 

@@ -16,7 +16,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from rljob_api.status import OPERATOR_MANAGER, apply_status, timestamp
 from rljob_operator import names
-from rljob_operator.decide import Event
+from rljob_operator.decision import Event
 from rljob_operator.observe import InTheWay, owned_by, owner_words
 
 Obj = dict[str, Any]
@@ -74,25 +74,34 @@ class ObjectInTheWay(Exception):
         self.found = found
 
 
-class Kube:
-    """The calls one reconcile makes; raw camelCase dicts in and out."""
+class WriteCache(Protocol):
+    """What keeps a copy of the objects the operator writes (the watch cache,
+    `cache.Store`): told what each write's response shows, it holds the operator's own
+    writes before their watch events arrive."""
 
-    def __init__(self, api_client: client.ApiClient) -> None:
+    def put(self, kind: str, obj: Obj) -> object:
+        """An object as a write's response shows it."""
+
+    def remove(self, kind: str, obj: Obj) -> None:
+        """An object a delete removed at once, in its last state."""
+
+    def vanished(self, kind: str, namespace: str, name: str) -> None:
+        """An object a delete removed when the response does not show it."""
+
+
+class Kube:
+    """The calls one reconcile makes; raw camelCase dicts in and out. `cache` is told of
+    every Pod, RayCluster and RLJob the calls write or delete."""
+
+    def __init__(self, api_client: client.ApiClient, cache: WriteCache) -> None:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
         self.instance = socket.gethostname()
+        self.cache = cache
         # (namespace, kind, name, owner uid) seen owned by that RLJob: a later 409 on the same
         # create needs no read to know it is ours.
         self._owned: set[tuple[str, str, str, str]] = set()
-        # Told of each object as a write's response shows it (kind, object): the watch cache
-        # then holds the operator's own writes before their watch events arrive.
-        self.written: Callable[[str, Obj], object] = lambda kind, obj: None
-        # Told of each object a delete removed at once (kind, its last state).
-        self.removed: Callable[[str, Obj], None] = lambda kind, obj: None
-        # Told of an object a delete removed when the response does not show it (kind,
-        # namespace, name).
-        self.vanished: Callable[[str, str, str], None] = lambda kind, ns, name: None
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -203,7 +212,7 @@ class Kube:
                 raise ValueError(f"the operator does not create {kind} objects")
             made = _json(resp)
             if kind in ("Pod", "RayCluster"):
-                self.written(kind, made)
+                self.cache.put(kind, made)
         except ApiException as err:
             if terminating_namespace(err):
                 raise NamespaceTerminating(ns) from err
@@ -256,12 +265,12 @@ class Kube:
         is gone."""
         obj = _json(resp)
         if obj.get("kind") == "Status" or "metadata" not in obj:
-            self.vanished(kind, namespace, name)
+            self.cache.vanished(kind, namespace, name)
             return
         if obj["metadata"].get("deletionTimestamp"):
-            self.written(kind, obj)
+            self.cache.put(kind, obj)
         else:
-            self.removed(kind, obj)
+            self.cache.remove(kind, obj)
 
     def patch_raycluster(self, obj: Obj) -> None:
         """Bring the RayCluster's groups to `obj`'s (built from the current spec), then its
@@ -276,7 +285,7 @@ class Kube:
             *args, ops, _content_type="application/json-patch+json", _request_timeout=TIMEOUT)
         revision: Any = {"metadata": {"annotations": {
             names.ANNOTATION_REVISION: meta["annotations"][names.ANNOTATION_REVISION]}}}
-        self.written("RayCluster", _json(self.custom.patch_namespaced_custom_object(
+        self.cache.put("RayCluster", _json(self.custom.patch_namespaced_custom_object(
             *args, revision, _content_type="application/merge-patch+json",
             _preload_content=False, _request_timeout=TIMEOUT)))
 
@@ -295,7 +304,7 @@ class Kube:
     def apply_status(self, namespace: str, name: str, status: Obj) -> None:
         """Server-side apply of the operator's status fields under its own field manager;
         fields owned by the runtime's manager are untouched."""
-        self.written(KIND, _json(apply_status(self.custom, namespace, name, status,
+        self.cache.put(KIND, _json(apply_status(self.custom, namespace, name, status,
                                               OPERATOR_MANAGER, TIMEOUT,
                                               _preload_content=False)))
 

@@ -1,19 +1,21 @@
 """Pure observation: raw API objects of one job's children into a compact view.
 
-The decision logic (`decide.py`) only sees these views, so it can be tested with plain
-values and cannot accidentally depend on a field the API server did not send.
+The decision logic (`situation`, `failures`, `status`, `phases`) only sees these views, so
+it can be tested with plain values and cannot accidentally depend on a field the API server
+did not send.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from rljob_api.spec import FailureKind
 from rljob_operator import names
 
 Obj = dict[str, Any]
+ClusterState = Literal["absent", "present", "deleting"]  # the job's RayCluster
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class PodView:
 class Observed:
     """Everything one reconcile knows about a job's children."""
 
-    cluster: str  # "absent", "present" or "deleting"
+    cluster: ClusterState
     driver: PodView | None
     compute: tuple[PodView, ...]
     lost_nodes: frozenset[str]
@@ -275,7 +277,7 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
         key=lambda v: v.name,
     ))
     used = {v.node for v in views if v.node}
-    cluster = "absent"
+    cluster: ClusterState = "absent"
     revision = None
     if raycluster is not None:
         deleting = raycluster["metadata"].get("deletionTimestamp") is not None

@@ -8,101 +8,34 @@ actions are idempotent, and child names are fixed, so nothing is ever duplicated
 from __future__ import annotations
 
 import logging
-import secrets
-import threading
 import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from functools import partial
 
-from rljob_api.spec import RLJobSpec
-from rljob_api.status import Phase, parse_timestamp
+from rljob_api.status import parse_timestamp
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
 from rljob_operator.controller import GONE, Gone
-from rljob_operator.decide import (
-    Actions,
-    Event,
-    JobView,
-    decide,
-    needs_write,
-    parse_job,
-)
+from rljob_operator.decision import Actions, Event
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
+from rljob_operator.memory import ClaimModes, Ensured, Memory, SupportCheck
 from rljob_operator.metrics import Metrics
-from rljob_operator.observe import FailureHint, InTheWay, observe
+from rljob_operator.observe import observe
+from rljob_operator.phases import decide
+from rljob_operator.situation import JobView, parse_job
+from rljob_operator.status import STARTING_PHASES, needs_write
+from rljob_operator.support import (
+    SUPPORT_RECHECK_MAX_SECONDS,
+    SUPPORT_RECHECK_SECONDS,
+    Support,
+    spec_version,
+)
 
 log = logging.getLogger("rljob_operator")
-MAX_HINTS_PER_JOB = 64
-
-
-class FailureHints:
-    """Pod failures seen on the watch stream, per job; thread-safe and bounded."""
-
-    def __init__(self) -> None:
-        self._hints: dict[tuple[str, str], dict[str, FailureHint]] = {}
-        self._lock = threading.Lock()
-
-    def record(self, namespace: str, job: str, pod: str, hint: FailureHint) -> None:
-        """Remember a pod's failure; a pod seen failed again (every watch re-list repeats its
-        events) keeps the time it was first seen."""
-        with self._lock:
-            per_job = self._hints.setdefault((namespace, job), {})
-            known = per_job.get(pod)
-            if known is not None and known.seen_at is not None:
-                hint = replace(hint, seen_at=known.seen_at)
-            per_job[pod] = hint
-            while len(per_job) > MAX_HINTS_PER_JOB:
-                per_job.pop(next(iter(per_job)))
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._hints)
-
-    def of(self, namespace: str, job: str) -> dict[str, FailureHint]:
-        with self._lock:
-            return dict(self._hints.get((namespace, job), {}))
-
-    def forget(self, namespace: str, job: str) -> None:
-        with self._lock:
-            self._hints.pop((namespace, job), None)
-
-
-class Conflicts:
-    """Per job, the last object found in the way of a child's create. Kept in memory: the
-    next reconcile checks it again (a restarted operator finds it on its next create)."""
-
-    def __init__(self) -> None:
-        self._found: dict[tuple[str, str], InTheWay] = {}
-        self._lock = threading.Lock()
-
-    def record(self, namespace: str, job: str, found: InTheWay) -> None:
-        with self._lock:
-            self._found[(namespace, job)] = found
-
-    def of(self, namespace: str, job: str) -> InTheWay | None:
-        with self._lock:
-            return self._found.get((namespace, job))
-
-    def forget(self, namespace: str, job: str) -> None:
-        with self._lock:
-            self._found.pop((namespace, job), None)
-
-    def jobs(self) -> set[tuple[str, str]]:
-        with self._lock:
-            return set(self._found)
-
-
-# Phases in which pods are waiting to start; what they mount is made again if it is missing.
-WAITING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value, Phase.recovering.value})
-# While pods wait, what they mount is made again (if missing) at most this often per job, and
-# at once when the job starts waiting; creates of what exists are no-op writes otherwise.
-SUPPORT_RECHECK_SECONDS = 10.0  # the first recheck; each later one waits twice as long,
-SUPPORT_RECHECK_MAX_SECONDS = 300.0  # up to this
 SAFETY_RESYNC_SECONDS = 600.0
 OVERDUE_SECONDS = 10.0
 STUCK_SECONDS = 120.0
@@ -112,90 +45,29 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def _spec_version(ref: JobRef, generation: object) -> str:
-    """Which job and spec a support check was for: a new job of the same name, or an edited
-    spec, is checked again."""
-    return f"{ref.uid}/{generation}"
-
-
-class Support:
-    """What the pods need before they start: RBAC, the Ray token, the checkpoint claim and
-    the spec, made (if missing) at most once per reconcile, all of them before the
-    RayCluster, so that a job whose child's name is taken starts no pods (and holds no
-    GPUs) at all. The creates go out together: a new job's RayCluster waits for one round
-    trip, not six. Each is created once (an existing one is kept as it is: the token and
-    the checkpoints must survive restarts); only the spec is refreshed. `all_made` says
-    whether every create made its object just now (none existed already)."""
-
-    def __init__(self, kube: Kube, ref: JobRef, body: Obj, spec: RLJobSpec,
-                 pool: ThreadPoolExecutor) -> None:
-        self.kube, self.ref, self.body, self.spec, self.pool = kube, ref, body, spec, pool
-        self._done = False
-        self.all_made = False
-        self.ran = False  # whether this object's ensure() made sure of every one
-
-    def ensure(self) -> bool:
-        """Returns whether the Ray token was made by this call (the first time, or after
-        someone deleted its Secret)."""
-        if self._done:
-            return False
-        self._done = True
-        ref = self.ref
-        # A fresh token only matters the first time: the create of an existing Secret is a
-        # no-op, so the job keeps the token its Ray processes already use.
-        token = builders.build_ray_token_secret(ref, secrets.token_hex(32))
-        claim = builders.build_checkpoint_claim(ref, self.spec)
-        spec = builders.build_configmap(ref, self.body.get("spec") or {})
-        calls: list[Callable[[], object]] = [
-            *(partial(self.kube.create, obj, ref.uid) for obj in builders.build_rbac(ref)),
-            *([partial(self.kube.create, claim, ref.uid)] if claim is not None else []),
-            partial(self.kube.sync_configmap, spec, ref.uid)]
-        made = self.pool.submit(self.kube.create, token, ref.uid)
-        # .result() raises what the call raised (ObjectInTheWay, API errors)
-        others = [bool(done.result()) for done in [self.pool.submit(call) for call in calls]]
-        token_made = bool(made.result())
-        self.all_made = token_made and all(others)
-        self.ran = True
-        return token_made
-
-
 class Reconciler:
     """With a `store` (the watch cache), a reconcile reads the job, its RayCluster and pods
     from it, and each job is read fresh from the API server once per `resync` seconds (at a
     per-job offset, so that hundreds of jobs do not resync together); without one, every
-    reconcile reads the API server."""
+    reconcile reads the API server. `kube` is made with the same store, which it tells of
+    the operator's own writes. `memory` holds what is remembered of each job between
+    reconciles."""
 
-    def __init__(self, kube: Kube, metrics: Metrics, hints: FailureHints,
+    def __init__(self, kube: Kube, metrics: Metrics, memory: Memory,
                  clock: Callable[[], datetime] = _utcnow, store: Store | None = None,
                  nodes: NodeCache | None = None,
                  resync: float = SAFETY_RESYNC_SECONDS,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.kube = kube
         self.metrics = metrics
-        self.hints = hints
+        self.memory = memory
         self.clock = clock
-        self.conflicts = Conflicts()
         self.store = store
         self.nodes = nodes or NodeCache(kube.list_nodes, ttl=0.0, min_age=0.0)
         self.resync = resync
         self.monotonic = monotonic
-        self._fresh_at: dict[tuple[str, str], float] = {}
-        # When a job's support objects were last made sure of: (uid and generation, when, the
-        # wait before the next check).
-        self._support_at: dict[tuple[str, str], tuple[str, float, float]] = {}
-        # When each job's support objects were last all made sure of (uid and generation,
-        # when): a RayCluster or driver made within SUPPORT_RECHECK_SECONDS of that needs no
-        # round of creates of its own.
-        self._ensured: dict[tuple[str, str], tuple[str, float]] = {}
-        # Per job, its checkpoint claim's name and access modes once found.
-        self._claims: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         # For the support objects' creates, which go out together.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
-        self._lock = threading.Lock()
-        if store is not None:
-            kube.written = store.put
-            kube.removed = store.remove
-            kube.vanished = store.vanished
 
     def _due_fresh(self, namespace: str, name: str, overdue: bool = False) -> bool:
         """Whether this reconcile reads the API server: the first sight of a job (a new one,
@@ -207,8 +79,7 @@ class Reconciler:
             return True
         now = self.monotonic()
         relisted = self.store.relisted_at
-        with self._lock:
-            last = self._fresh_at.get((namespace, name))
+        last = self.memory.snapshot((namespace, name)).fresh_at
         if last is None or now - last >= self.resync:
             return True
         if relisted is not None and relisted > last:
@@ -218,13 +89,12 @@ class Reconciler:
     def _read_fresh(self, namespace: str, name: str, started: float) -> None:
         """A fresh read succeeded: the next is due a resync period later (the first one at
         a per-job offset, so that hundreds of jobs do not resync together)."""
-        key = (namespace, name)
-        with self._lock:
-            if key in self._fresh_at:
-                self._fresh_at[key] = started
+        with self.memory.job((namespace, name)) as job:
+            if job.fresh_at is not None:
+                job.fresh_at = started
             else:
                 offset = zlib.crc32(f"{namespace}/{name}".encode()) % 1000 / 1000
-                self._fresh_at[key] = started - offset * self.resync
+                job.fresh_at = started - offset * self.resync
 
     def _overdue(self, objs: list[Obj | None]) -> bool:
         """A child past its deletion time by OVERDUE_SECONDS: gone by now, or about to be, so
@@ -277,24 +147,14 @@ class Reconciler:
         read again whenever the job's support objects are checked (`_support_due`: when it
         starts waiting, then ever less often while it waits). A missing claim is looked for
         at every reconcile (the job waits for it)."""
-        key = (namespace, job)
-        with self._lock:
-            known = self._claims.get(key)
-        if known is not None and known[0] == claim:
-            return known[1]
+        known = self.memory.snapshot((namespace, job)).claim
+        if known is not None and known.claim == claim:
+            return known.modes
         modes = self.kube.claim_access_modes(namespace, claim)
         if modes is not None:
-            with self._lock:
-                self._claims[key] = (claim, modes)
+            with self.memory.job((namespace, job)) as held:
+                held.claim = ClaimModes(claim, modes)
         return modes
-
-    def remembered(self) -> int:
-        """Jobs this reconciler holds state for (resync times, support checks, claims,
-        conflicts): none once every job is gone."""
-        with self._lock:
-            keys = set(self._fresh_at) | set(self._support_at) | set(self._claims) \
-                | set(self._ensured)
-        return len(keys | self.conflicts.jobs())
 
     def forget(self, namespace: str, name: str, reads: bool = True) -> None:
         """The job was deleted: drop what is remembered of it (with hundreds of jobs made and
@@ -302,14 +162,7 @@ class Reconciler:
         was last read fresh, for a job still there, being deleted (else each reconcile of it
         would read it fresh, as a first sight)."""
         self.metrics.set_phase((namespace, name), None)
-        self.hints.forget(namespace, name)
-        self.conflicts.forget(namespace, name)
-        with self._lock:
-            if reads:
-                self._fresh_at.pop((namespace, name), None)
-            self._support_at.pop((namespace, name), None)
-            self._ensured.pop((namespace, name), None)
-            self._claims.pop((namespace, name), None)
+        self.memory.forget((namespace, name), keep_reads=not reads)
 
     def reconcile(self, namespace: str, name: str) -> float | Gone | None:
         """Bring one job one step closer to its desired state; returns seconds until it
@@ -347,14 +200,16 @@ class Reconciler:
         ref = JobRef.of(body)
         used = [str(p["spec"]["nodeName"]) for p in pods if p.get("spec", {}).get("nodeName")]
         nodes = self.nodes.get(used, hurry=any(pod_unready(p) for p in pods)) if used else []
-        in_the_way = self.conflicts.of(namespace, name)
+        in_the_way = self.memory.snapshot((namespace, name)).in_the_way
         if in_the_way is not None:  # still there, still not ours?
             in_the_way = self.kube.in_the_way(in_the_way.kind, namespace, in_the_way.name,
                                               ref.uid)
             if in_the_way is None:
-                self.conflicts.forget(namespace, name)
+                with self.memory.job((namespace, name)) as held:
+                    held.in_the_way = None
         observed = observe(name, cluster, pods, nodes,
-                           self.hints.of(namespace, name), uid=ref.uid, in_the_way=in_the_way)
+                           self.memory.hints((namespace, name)), uid=ref.uid,
+                           in_the_way=in_the_way)
         if job.spec is not None and job.spec.checkpoint.pvc:
             observed = replace(observed, checkpoint_modes=self._claim_modes(
                 namespace, name, job.spec.checkpoint.pvc))
@@ -370,10 +225,9 @@ class Reconciler:
             self.kube.post_event(body, decision.event)
         if decision.restart is not None:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
-        restarts = int(decision.status.get("recovery", {}).get("restarts") or 0)
         try:
             waiting = job.spec is not None and observed.in_the_way is None \
-                and decision.status.get("phase") in WAITING_PHASES
+                and decision.phase in STARTING_PHASES
             # While pods wait, what they mount is made again if it went missing (e.g. the
             # claim of a deleted job of the same name was still terminating at creation);
             # once this job has made all of it, only every SUPPORT_RECHECK_MAX_SECONDS.
@@ -381,12 +235,11 @@ class Reconciler:
             due = self._support_due(ref, generation, waiting)
             support = Support(self.kube, ref, body, job.spec, self._pool) \
                 if job.spec is not None else None
-            again = self._act(ref, body, job, decision.actions, restarts, support,
+            again = self._act(ref, body, job, decision.actions, decision.restarts, support,
                               check=due, cluster_present=observed.cluster == "present")
             if support is not None and support.ran:
-                with self._lock:
-                    self._ensured[(namespace, name)] = (_spec_version(ref, generation),
-                                                        self.monotonic())
+                with self.memory.job((namespace, name)) as held:
+                    held.ensured = Ensured(spec_version(ref, generation), self.monotonic())
             if support is not None and support.all_made:
                 self._support_made(ref, generation)
             if again:
@@ -394,9 +247,10 @@ class Reconciler:
         except ObjectInTheWay as err:
             # Not adopted, not touched: the next reconcile (at once) says so in the status.
             log.warning("%s/%s: %s is in the way", namespace, name, err)
-            self.conflicts.record(namespace, name, err.found)
+            with self.memory.job((namespace, name)) as held:
+                held.in_the_way = err.found
             return 0.0
-        self.metrics.set_phase((namespace, name), decision.status.get("phase"))
+        self.metrics.set_phase((namespace, name), decision.phase)
         return decision.requeue_after
 
     def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:
@@ -408,44 +262,42 @@ class Reconciler:
         that made every one of them, the next waits the longest interval (`_support_made`).
         A check due also drops the checkpoint claim's remembered access modes, read again
         next."""
-        key = (ref.namespace, ref.name)
         now = self.monotonic()
-        with self._lock:
+        with self.memory.job((ref.namespace, ref.name)) as job:
             if not waiting:
-                self._support_at.pop(key, None)
+                job.support = None
                 return False
-            version = _spec_version(ref, generation)
-            seen, last, wait = self._support_at.get(key, ("", 0.0, 0.0))
-            if seen == version and now - last < wait:
+            version = spec_version(ref, generation)
+            last = job.support or SupportCheck("", 0.0, 0.0)
+            if last.version == version and now - last.at < last.wait:
                 return False
-            wait = min(2 * wait, SUPPORT_RECHECK_MAX_SECONDS) if seen == version \
+            wait = min(2 * last.wait, SUPPORT_RECHECK_MAX_SECONDS) if last.version == version \
                 else SUPPORT_RECHECK_SECONDS
-            self._support_at[key] = (version, now, wait)
+            job.support = SupportCheck(version, now, wait)
             # The claim the pods mount is looked at again too (at the next reconcile).
-            self._claims.pop(key, None)
+            job.claim = None
             return True
 
     def _support_made(self, ref: JobRef, generation: object) -> None:
         """Every support object was just made by this job: the next check waits the longest
-        interval, SUPPORT_RECHECK_MAX_SECONDS, rather than starting at the shortest (at 500
-        jobs waiting minutes for pods, the rechecks' no-op creates were two thirds of the
-        operator's requests). One deleted behind the job's back while it waits is still made
-        again, within that interval; a spec edit, or a wait after the job ran, checks at
-        once."""
-        with self._lock:
-            self._support_at[(ref.namespace, ref.name)] = (
-                _spec_version(ref, generation), self.monotonic(), SUPPORT_RECHECK_MAX_SECONDS)
+        interval, SUPPORT_RECHECK_MAX_SECONDS, rather than starting at the shortest (with
+        hundreds of jobs waiting minutes for pods, the rechecks' no-op creates would be most
+        of the operator's requests). One deleted behind the job's back while it waits is
+        still made again, within that interval; a spec edit, or a wait after the job ran,
+        checks at once."""
+        with self.memory.job((ref.namespace, ref.name)) as job:
+            job.support = SupportCheck(spec_version(ref, generation), self.monotonic(),
+                                       SUPPORT_RECHECK_MAX_SECONDS)
 
     def _ensured_lately(self, ref: JobRef, generation: object) -> bool:
         """Whether this job's support objects were all made sure of in the last
         SUPPORT_RECHECK_SECONDS: its RayCluster or driver is then made without a round of
-        creates of its own (at the end of a recovery, whose wait begins with a check, that
-        round sat between the compute pods running and the new driver). One deleted in that
+        creates of its own (at the end of a recovery, whose wait begins with a check, such a
+        round would sit between the compute pods running and the new driver). One deleted in that
         window is made again at the next check."""
-        with self._lock:
-            seen, when = self._ensured.get((ref.namespace, ref.name), ("", 0.0))
-        return seen == _spec_version(ref, generation) and \
-            self.monotonic() - when < SUPPORT_RECHECK_SECONDS
+        ensured = self.memory.snapshot((ref.namespace, ref.name)).ensured
+        return ensured is not None and ensured.version == spec_version(ref, generation) \
+            and self.monotonic() - ensured.at < SUPPORT_RECHECK_SECONDS
 
     def _count(self, body: Obj, old: Obj, new: Obj, now: datetime) -> None:
         created = parse_timestamp(body["metadata"].get("creationTimestamp"))

@@ -268,8 +268,6 @@ class _FakeApi:
     def __init__(self, job: Obj | None, pods: list[Obj], list_rv: str) -> None:
         self.job, self.pod_list, self.list_rv = job, pods, list_rv
         self.reads: list[str] = []
-        self.written: object = None
-        self.removed: object = None
 
     def get_rljob(self, namespace: str, name: str) -> Obj | None:
         self.reads.append("get rljob")
@@ -288,10 +286,11 @@ class _FakeApi:
 
 
 def _reconciler(api: _FakeApi, store: Store, now: list[float]) -> Any:
+    from rljob_operator.memory import Memory
     from rljob_operator.metrics import Metrics
-    from rljob_operator.reconciler import FailureHints, Reconciler
+    from rljob_operator.reconciler import Reconciler
 
-    return Reconciler(api, Metrics(), FailureHints(), store=store,  # type: ignore[arg-type]
+    return Reconciler(api, Metrics(), Memory(), store=store,  # type: ignore[arg-type]
                       resync=600.0, monotonic=lambda: now[0],
                       clock=lambda: datetime(2026, 1, 1, 0, 1, tzinfo=UTC)
                       + timedelta(seconds=now[0]))
@@ -405,8 +404,7 @@ def test_a_late_event_does_not_revive_an_object_a_delete_removed_without_showing
     cluster = _uid({"metadata": {"name": "j", "namespace": "ns", "resourceVersion": "3",
                                  "labels": {names.LABEL_JOB: "j"}}}, "u-rc")
     store.put(RAYCLUSTER, cluster)
-    kube = Kube(client.ApiClient(client.Configuration()))
-    kube.vanished = store.vanished
+    kube = Kube(client.ApiClient(client.Configuration()), store)
 
     class Answer:
         data = b'{"kind": "Status", "apiVersion": "v1", "status": "Success"}'
@@ -455,7 +453,7 @@ class _FakeCreates:
 def _support(kube: _FakeCreates, pool: Any) -> Any:
     from rljob_api.spec import RLJobSpec
     from rljob_operator.builders import JobRef
-    from rljob_operator.reconciler import Support
+    from rljob_operator.support import Support
     from tests.operator.harness import job_manifest
 
     body = job_manifest("j", "ns")
@@ -664,7 +662,7 @@ def test_support_objects_are_rechecked_ever_less_often_while_a_job_waits() -> No
 
 def test_support_objects_all_made_by_the_job_are_rechecked_only_at_the_longest_interval() -> None:
     from rljob_operator.builders import JobRef
-    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
+    from rljob_operator.support import SUPPORT_RECHECK_MAX_SECONDS
 
     now = [0.0]
     rec = _reconciler(_FakeApi(None, [], "1"), Store(), now)
@@ -690,14 +688,12 @@ class _MiniApi:
     """An API server in miniature for `Reconciler.reconcile`: the job, the objects the
     operator creates (by kind and name), and every create it sends, made or not."""
 
-    def __init__(self, job: Obj) -> None:
+    def __init__(self, job: Obj, cache: Store) -> None:
         self.job = job
+        self.cache = cache  # told of the writes, as Kube tells it
         self.objects: dict[tuple[str, str], Obj] = {}
         self.creates: list[str] = []
         self.events: list[str] = []
-        self.written: Any = None
-        self.removed: Any = None
-        self.vanished: Any = None
 
     def get_rljob(self, namespace: str, name: str) -> Obj | None:
         return self.job
@@ -720,7 +716,7 @@ class _MiniApi:
                                     "uid": f"uid-{key[1]}"}}
         self.objects[key] = made
         if obj["kind"] == "RayCluster":
-            self.written(RAYCLUSTER, made)
+            self.cache.put(RAYCLUSTER, made)
         return True
 
     def sync_configmap(self, obj: Obj, uid: str) -> bool:
@@ -730,7 +726,7 @@ class _MiniApi:
         meta = self.job["metadata"]
         self.job = {**self.job, "status": status,
                     "metadata": {**meta, "resourceVersion": str(int(meta["resourceVersion"]) + 1)}}
-        self.written(RLJOB, self.job)
+        self.cache.put(RLJOB, self.job)
 
     def post_event(self, job: Obj, event: Any) -> None:
         self.events.append(event.reason)
@@ -742,25 +738,26 @@ class _MiniApi:
     def delete_raycluster(self, namespace: str, name: str) -> None:
         self.creates.append(f"delete RayCluster {name}")
         if self.objects.pop(("RayCluster", name), None) is not None:
-            self.vanished(RAYCLUSTER, namespace, name)
+            self.cache.vanished(RAYCLUSTER, namespace, name)
 
 
-def _mini_job() -> _MiniApi:
+def _mini_job(cache: Store) -> _MiniApi:
     """A new RLJob (job_manifest's small job) as the API server returns it."""
     from tests.operator.harness import job_manifest
 
     body = job_manifest("j", "pool")
     body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-j", "generation": 1,
                         "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
-    return _MiniApi(body)
+    return _MiniApi(body, cache)
 
 
 def _mini_job_reconciled() -> tuple[_MiniApi, list[float], Any]:
     """`_mini_job` after its first reconcile at time 0 (a support check, the RayCluster made),
     with the reconciler and the clock its tests move."""
-    api = _mini_job()
     now = [0.0]
-    rec = _reconciler(api, Store(clock=lambda: now[0]), now)  # type: ignore[arg-type]
+    store = Store(clock=lambda: now[0])
+    api = _mini_job(store)
+    rec = _reconciler(api, store, now)  # type: ignore[arg-type]
     rec.reconcile("ns", "j")
     return api, now, rec
 
@@ -769,7 +766,7 @@ def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_r
     """Through `reconcile()`: the first reconcile makes the job's six support objects and its
     RayCluster; while its pods wait, the next ones send no creates until the longest recheck
     interval, when the ConfigMap deleted behind the job's back is made again."""
-    from rljob_operator.reconciler import SUPPORT_RECHECK_MAX_SECONDS
+    from rljob_operator.support import SUPPORT_RECHECK_MAX_SECONDS
 
     api, now, rec = _mini_job_reconciled()
     assert sorted(api.creates) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster", "Role",
@@ -853,7 +850,7 @@ def test_a_node_not_ready_in_the_list_held_waits_for_the_list_being_read() -> No
 def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -> None:
     """Within SUPPORT_RECHECK_SECONDS of a check, a RayCluster (or driver) is made without a
     round of creates of its own; later, the round goes out first."""
-    from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS
+    from rljob_operator.support import SUPPORT_RECHECK_SECONDS
 
     api, now, rec = _mini_job_reconciled()
     cluster = next(key for key in api.objects if key[0] == "RayCluster")
@@ -862,7 +859,7 @@ def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -
                                                       "RayCluster", "Role", "RoleBinding",
                                                       "Secret", "ServiceAccount"])):
         del api.objects[cluster]  # gone (say, deleted for a restart)
-        api.vanished(RAYCLUSTER, "ns", cluster[1])
+        api.cache.vanished(RAYCLUSTER, "ns", cluster[1])
         api.creates.clear()
         now[0] = t
         rec.reconcile("ns", "j")
@@ -873,11 +870,13 @@ def test_a_due_check_that_fails_does_not_hold_up_stopping_the_driver() -> None:
     """The support objects' check goes after the reconcile's deletions: an API server too busy
     for the check still gets the failed attempt's driver deletion first."""
     from rljob_operator.builders import JobRef
-    from rljob_operator.decide import Actions, parse_job
+    from rljob_operator.decision import Actions
+    from rljob_operator.situation import parse_job
 
-    api = _mini_job()
+    store = Store()
+    api = _mini_job(store)
     body = api.job
-    rec = _reconciler(api, Store(), [0.0])  # type: ignore[arg-type]
+    rec = _reconciler(api, store, [0.0])  # type: ignore[arg-type]
 
     class Busy:
         def ensure(self) -> bool:
@@ -898,8 +897,9 @@ def test_a_token_made_anew_before_a_driver_recreates_the_raycluster_instead() ->
     make anew. Any other support object made again does not stop the driver; within the
     window after a check, the driver is made with no round of creates at all."""
     from rljob_operator.builders import JobRef
-    from rljob_operator.decide import Actions, parse_job
-    from rljob_operator.reconciler import SUPPORT_RECHECK_SECONDS, Support
+    from rljob_operator.decision import Actions
+    from rljob_operator.situation import parse_job
+    from rljob_operator.support import SUPPORT_RECHECK_SECONDS, Support
 
     def attempt(deleted: str, at: float) -> tuple[_MiniApi, bool, list[str]]:
         api, now, rec = _mini_job_reconciled()

@@ -13,16 +13,11 @@ from rljob_api.status import OPERATOR_FIELDS
 from rljob_api.status import timestamp as iso
 from rljob_api.validate import spec_problems
 from rljob_operator.builders import JobRef, revisions
-from rljob_operator.decide import (
-    Actions,
-    Decision,
-    backoff_seconds,
-    decide,
-    needs_write,
-    parse_job,
-    resume_figures,
-)
+from rljob_operator.decision import Actions, Decision
 from rljob_operator.observe import FailureHint, InTheWay, observe
+from rljob_operator.phases import backoff_seconds, decide
+from rljob_operator.situation import parse_job
+from rljob_operator.status import needs_write, resume_figures
 
 pytestmark = pytest.mark.unit
 Obj = dict[str, Any]

@@ -1,0 +1,243 @@
+"""Failure detection: what broke a running attempt, and what keeps one from starting.
+
+Pure: (observed children, what the runtime reported in `status.runtimeFailure`) → a
+`Failure` or a `Problem`, most specific cause first, with the pods named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rljob_api import exits
+from rljob_api.spec import FailureKind, RLJobSpec
+from rljob_api.status import MESSAGE_MAX, RecoveryStatus, parse_timestamp
+from rljob_operator import names
+from rljob_operator.builders import checkpoint_claim_name, claim_names
+from rljob_operator.observe import FailureHint, Observed, PodView
+
+Obj = dict[str, Any]
+MAX_LISTED_PODS = 5
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What broke the running attempt."""
+
+    kind: str
+    message: str
+    pod: str | None
+    retryable: bool = True  # False: the job fails at once with `kind` as the reason
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What keeps an attempt from starting: a condition reason and a message naming pods."""
+
+    reason: str
+    message: str
+    pod: str | None = None
+
+
+def pod_list(pods: list[str]) -> str:
+    shown = ", ".join(pods[:MAX_LISTED_PODS])
+    more = len(pods) - MAX_LISTED_PODS
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def unschedulable_message(pods: list[PodView], claims: tuple[str, ...] = (),
+                          checkpoint_claim: str | None = None) -> str:
+    """Which pods cannot be scheduled and the scheduler's reason, grouped by reason; when the
+    reason is an unbound PersistentVolumeClaim, which claims the pods use and what the
+    checkpoint claim needs."""
+    by_reason: dict[str, list[str]] = {}
+    for pod in pods:
+        by_reason.setdefault(pod.unschedulable or "", []).append(pod.name)
+    parts = []
+    for reason, names_ in sorted(by_reason.items()):
+        part = f"{len(names_)} pod(s) cannot be scheduled ({pod_list(names_)}): {reason}"
+        if "PersistentVolumeClaim" in reason and claims:
+            part += (f" (claims the pods mount: {', '.join(claims)}; each must be Bound, "
+                     "`kubectl describe pvc NAME` says why one is not")
+            if checkpoint_claim:
+                part += (f"; {checkpoint_claim} holds the shared checkpoints and needs a "
+                         "ReadWriteMany volume: set spec.checkpoint.storageClassName to a class "
+                         "that provides one, or spec.checkpoint.pvc to an existing claim")
+            part += ")"
+        parts.append(part)
+    return "; ".join(parts)
+
+
+def job_unschedulable_message(job: str, spec: RLJobSpec, pods: list[PodView]) -> str:
+    """`unschedulable_message` with the claims the job's pods mount."""
+    return unschedulable_message(pods, claim_names(job, spec), checkpoint_claim_name(job, spec))
+
+
+def unshared_claim_message(claim: str, modes: tuple[str, ...]) -> str:
+    """Why a user's checkpoint claim without ReadWriteMany cannot work, and the fixes."""
+    return (f"spec.checkpoint.pvc: the claim {claim} has access modes "
+            f"{', '.join(modes) or 'none'}, but the driver, the Ray head, the trainers and the "
+            "engines are different pods, often on different nodes, that all write the "
+            "checkpoint directory: it must be a ReadWriteMany claim (NFS, CephFS, a cloud file "
+            "store), or leave spec.checkpoint.pvc unset and set spec.checkpoint.storageClassName "
+            "to a class that provides ReadWriteMany volumes")
+
+
+# -- a running attempt ---------------------------------------------------------------------
+
+
+def _node_lost(node: str | None, pod: str) -> Failure:
+    return Failure(FailureKind.node_lost.value, f"node {node} is not Ready or was removed", pod)
+
+
+def _gone(name: str, hint: FailureHint | None) -> Failure:
+    """A pod that is no longer there: its failure when the watch saw one, else a deletion."""
+    if hint is not None:
+        return Failure(hint.kind, hint.message, name)
+    return Failure(FailureKind.pod_deleted.value, "the pod was deleted", name)
+
+
+def detect_failure(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure | None:
+    """The first sign that the running attempt of `driver` is broken, most specific cause
+    first; `runtime` is `status.runtimeFailure` as stored."""
+    if driver.node in obs.lost_nodes:
+        return _node_lost(driver.node, driver.name)
+    if driver.failure is not None:
+        doomed = terminal_exit(driver, runtime)
+        if doomed is not None:
+            return doomed
+        lost = lost_worker(driver, obs, runtime)
+        if lost is not None:
+            return lost
+        kind = driver.failure.kind
+        if kind == FailureKind.pod_failed.value:
+            kind = FailureKind.driver_failed.value
+        message = driver.failure.message
+        if runtime:
+            message = f"{runtime.get('reason')}: {runtime.get('message', '')}; {message}"
+        return Failure(kind, message, driver.name)
+    recorded = driver.recorded_compute
+    for pod in obs.compute:
+        if pod.node in obs.lost_nodes and pod.name in recorded:
+            return _node_lost(pod.node, pod.name)
+    for pod in obs.compute:
+        if pod.failure is not None and pod.name in recorded:
+            return Failure(pod.failure.kind, pod.failure.message, pod.name)
+    present = {p.name for p in obs.compute if not p.deleting}
+    missing = sorted(recorded - present)
+    if missing:
+        return _gone(missing[0], obs.hints.get(missing[0]))
+    return None
+
+
+def attempt_failure(driver: PodView, runtime: Obj | None) -> Obj:
+    """`status.runtimeFailure` when the runtime of this driver's attempt reported it (not one
+    left over from an earlier attempt); else {}."""
+    runtime = runtime or {}
+    reported = parse_timestamp(runtime.get("time"))
+    started = parse_timestamp(driver.failure.started_at if driver.failure else None)
+    if reported is None or started is None or reported >= started:
+        return runtime
+    return {}
+
+
+def terminal_exit(driver: PodView, runtime: Obj | None) -> Failure | None:
+    """A driver that exited with a code saying a restart cannot help (invalid job,
+    non-finite values): a non-retryable failure, named after the runtime's own reason when
+    this attempt's runtime reported one, else after the exit code."""
+    hint = driver.failure
+    code = hint.exit_code if hint is not None else None
+    if hint is None or code not in exits.TERMINAL_REASONS:
+        return None
+    reason = exits.TERMINAL_REASONS[code]
+    message = (f"the driver exited with code {code}: {exits.TERMINAL_MEANING[code]}; "
+               "a restart cannot help, so the job is not retried")
+    reported = attempt_failure(driver, runtime)
+    if reported.get("reason"):
+        reason = str(reported["reason"])
+        detail = reported.get("message")
+        message += f"; {reason}: {detail}" if detail else f"; {reason}"
+    return Failure(reason, message, driver.name, retryable=False)
+
+
+def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure | None:
+    """The driver failed because Ray lost the node of pods its runtime names
+    (`runtimeFailure.lostPods`): the failure is named after what Kubernetes knows of those
+    pods (a lost node, a deletion, a failure). Ray usually notices first (a node's NotReady
+    takes Kubernetes about 40 s), so until Kubernetes agrees it is `WorkerLost`, renamed
+    while the job recovers (`refine_last_failure`)."""
+    reported = attempt_failure(driver, runtime)
+    lost = [str(p) for p in reported.get("lostPods") or []]
+    if not lost:
+        return None
+    pods = {p.name: p for p in obs.compute}
+    for name in lost:
+        pod = pods.get(name)
+        if pod is not None and pod.node in obs.lost_nodes:
+            return _node_lost(pod.node, name)
+    for name in lost:
+        pod = pods.get(name)
+        if pod is None or pod.deleting:
+            return _gone(name, obs.hints.get(name))
+        if pod.failure is not None:
+            return Failure(pod.failure.kind, pod.failure.message, name)
+    return Failure(FailureKind.worker_lost.value, str(reported.get("message") or
+                                                      "Ray lost the pod's node"), lost[0])
+
+
+def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStatus:
+    """A `WorkerLost` failure (Ray lost a pod's node before Kubernetes noticed) renamed
+    `NodeLost` once the pod's node is seen lost, before the next attempt starts (which waits
+    for that pod's replacement): the reason then says what happened, the message what Ray saw
+    first."""
+    last = recovery.last_failure
+    if last is None or last.reason != FailureKind.worker_lost.value:
+        return recovery
+    pod = next((p for p in obs.compute if p.name == last.pod), None)
+    if pod is None or pod.node not in obs.lost_nodes:
+        return recovery
+    message = (f"node {pod.node} is not Ready or was removed; Ray saw it first: "
+               f"{last.message}")[:MESSAGE_MAX]
+    refined = last.model_copy(update={"reason": FailureKind.node_lost.value, "message": message})
+    return recovery.model_copy(update={"last_failure": refined})
+
+
+# -- a start-up ----------------------------------------------------------------------------
+
+
+def startup_problem(obs: Observed, job: str, spec: RLJobSpec, since: str) -> Problem | None:
+    """The first thing blocking the start-up that began at `since`, most specific first:
+    containers that cannot start (image pulls, crashes), compute pods failing while
+    starting, unschedulable pods. The pods are named, with the kubelet's or scheduler's
+    words."""
+    driver = obs.driver if obs.driver is not None and not obs.driver.deleting else None
+    pods = [p for p in obs.compute if not p.deleting] + ([driver] if driver else [])
+    stuck = [p for p in pods if p.stuck is not None]
+    if stuck:
+        first = stuck[0].stuck
+        assert first is not None
+        same = [p.name for p in stuck if p.stuck is not None
+                and p.stuck.reason == first.reason]
+        return Problem(first.reason, f"{first.reason} in pod(s) {pod_list(same)}: "
+                       f"container {first.container}: {first.message}", stuck[0].name)
+    started = parse_timestamp(since)
+    failed = {p.name: p.failure for p in obs.compute if p.failure is not None}
+    present = {p.name for p in obs.compute}
+    for name, hint in obs.hints.items():
+        seen = parse_timestamp(hint.seen_at)
+        if name not in present and seen is not None and started is not None \
+                and seen >= started and name != names.driver_name(job):
+            failed[name] = hint
+    if failed:
+        pod_names = sorted(failed)
+        detail = failed[pod_names[0]]
+        assert detail is not None
+        return Problem("CrashLoop", f"{len(pod_names)} compute pod(s) failed while "
+                       f"starting ({pod_list(pod_names)}): {detail.message}; KubeRay "
+                       "replaces them, so this repeats until the cause is fixed",
+                       pod_names[0])
+    unschedulable = [p for p in pods if p.unschedulable]
+    if unschedulable:
+        return Problem("Unschedulable", job_unschedulable_message(job, spec, unschedulable),
+                       unschedulable[0].name)
+    return None

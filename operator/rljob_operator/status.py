@@ -1,0 +1,176 @@
+"""Status building: the operator's status fields of one decision, and whether they differ
+from what is stored.
+
+The operator writes its own fields (`rljob_api.status.OPERATOR_FIELDS`), built from the
+API's typed `Condition` and `RecoveryStatus`; the runtime's fields are only read. What a
+restart resumed from is never predicted: it is derived (`resume_figures`) from what the
+restarted runtime reported it loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rljob_api.status import (
+    MESSAGE_MAX,
+    OPERATOR_FIELDS,
+    Condition,
+    Phase,
+    RecoveryStatus,
+    timestamp,
+)
+from rljob_api.status import Failure as LastFailure
+from rljob_operator.failures import Problem, job_unschedulable_message
+from rljob_operator.situation import Situation
+
+Obj = dict[str, Any]
+# Phases in which an attempt is starting: the start-up deadline runs, and what the pods
+# mount is made again if it is missing.
+STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
+                             Phase.recovering.value})
+# The fields of status.recovery derived from the runtime's report each time
+# (resume_figures); the operator decides the others itself and carries them over.
+DERIVED_RECOVERY_FIELDS = {"resumed_from_step", "lost_steps"}
+
+
+def operator_fields(status: Obj) -> Obj:
+    return {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
+
+
+def _normal(status: Obj) -> Obj:
+    out = dict(status)
+    out["conditions"] = {c["type"]: c for c in status.get("conditions") or []}
+    return out
+
+
+def needs_write(current: Obj, desired: Obj) -> bool:
+    """Whether the operator's fields differ from what is stored (no write when equal)."""
+    return _normal(operator_fields(current)) != _normal(desired)
+
+
+def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None,
+                   driver_uid: str | None = None) -> Obj:
+    """`resumedFromStep` and `lostSteps` of the current attempt, from facts only.
+
+    Inputs: `restarts` is the operator's restart count, i.e. the number of the attempt that
+    runs now; `last_failure` is `status.recovery.lastFailure`, whose `step` is the progress the
+    runtime had reported when the operator saw the failure; `resumed` is `status.resumed`, what
+    a runtime reported it loaded (its `attempt`, `found`, `step`, `driverPodUid`);
+    `driver_uid` is the UID of the driver pod that exists now, if any.
+
+    Nothing is returned until the runtime of the current attempt has reported: the previous
+    attempt's report says nothing about this one, nor does one of an earlier driver pod of
+    the same attempt (before a suspension or a spec edit). A first attempt that found no checkpoint
+    resumed nothing; a restarted one that found none resumed from step 0.
+    """
+    if not resumed or resumed.get("attempt") != restarts:
+        return {}
+    reporter = resumed.get("driverPodUid")
+    if reporter and driver_uid and reporter != driver_uid:
+        return {}
+    if restarts == 0 and not resumed.get("found"):
+        return {}
+    step = int(resumed.get("step") or 0)
+    out: Obj = {"resumedFromStep": step}
+    failed_at = (last_failure or {}).get("step")
+    if restarts > 0 and failed_at is not None:
+        out["lostSteps"] = max(0, int(failed_at) - step)
+    return out
+
+
+def condition(s: Situation, kind: str, status: Literal["True", "False", "Unknown"],
+              reason: str, message: str) -> Condition:
+    """A condition of this decision; its lastTransitionTime only moves when `status`
+    changes."""
+    prev = next((c for c in s.stored.get("conditions") or [] if c.get("type") == kind), None)
+    moved = prev is None or prev.get("status") != status
+    return Condition(
+        type=kind, status=status, reason=reason, message=message[:MESSAGE_MAX],
+        last_transition_time=timestamp(s.now) if moved or prev is None
+        else prev["lastTransitionTime"],
+        observed_generation=s.job.generation,
+    )
+
+
+def build_status(s: Situation, phase: str, conditions: list[Condition],
+                 recovery: RecoveryStatus, finished: bool = False,
+                 since: str | None = None) -> Obj:
+    """The operator's status fields: `since` is when a start-up began (kept only while the
+    phase is a starting one); `finished` stamps finishedAt once."""
+    out: Obj = {
+        "phase": phase,
+        "observedGeneration": s.job.generation,
+        "conditions": [c.model_dump(by_alias=True) for c in conditions],
+        "recovery": recovery.model_dump(by_alias=True, exclude_unset=True, exclude_none=True),
+    }
+    if since is not None and phase in STARTING_PHASES:
+        out["startingSince"] = since
+    started = s.stored.get("startedAt")
+    if started is None and phase == Phase.running.value:
+        started = timestamp(s.now)
+    if started:
+        out["startedAt"] = started
+    finished_at = s.stored.get("finishedAt") or (timestamp(s.now) if finished else None)
+    if finished_at:
+        out["finishedAt"] = finished_at
+    return out
+
+
+def recovery_status(s: Situation, action: str | None, next_at: str | None = None,
+                    last_failure: LastFailure | None = None) -> RecoveryStatus:
+    """status.recovery of this decision; `last_failure` replaces the stored one, after the
+    stored one has measured the steps lost by the attempt that runs now."""
+    rec = s.recovery.model_dump(exclude=DERIVED_RECOVERY_FIELDS, exclude_unset=True)
+    rec.update(restarts=s.restarts, action=action, next_attempt_at=next_at)
+    if s.job.spec is not None:
+        rec["max_restarts"] = s.job.spec.recovery.max_restarts
+    driver = s.obs.driver
+    rec.update(resume_figures(s.restarts, rec.get("last_failure"), s.stored.get("resumed"),
+                              driver.uid if driver else None))
+    if last_failure is not None:
+        rec["last_failure"] = last_failure
+    return RecoveryStatus.model_validate(rec)
+
+
+def scheduling_conditions(s: Situation) -> list[Condition]:
+    """Scheduled (which pods cannot be placed, and why) and Suspended (not)."""
+    stuck = [p for p in s.obs.compute if p.unschedulable and not p.deleting]
+    if stuck:
+        message = job_unschedulable_message(s.job.name, s.spec, stuck)
+        sched = condition(s, "Scheduled", "False", "Unschedulable", message)
+    elif not s.all_scheduled():
+        live = len([p for p in s.live() if p.node])
+        sched = condition(s, "Scheduled", "False", "WaitingForPods",
+                          f"{live} of {sum(s.expected().values())} compute pods are placed")
+    else:
+        sched = condition(s, "Scheduled", "True", "AllPodsScheduled",
+                          "every compute pod is bound to a node")
+    return [sched, condition(s, "Suspended", "False", "NotSuspended", "")]
+
+
+def waiting_for(s: Situation) -> str:
+    """What start-up still waits for, when nothing in particular blocks it."""
+    running = [p for p in s.live() if p.phase == "Running" and p.ready]
+    out = f"{len(running)} of {sum(s.expected().values())} compute pods run"
+    driver = s.obs.driver
+    if driver is not None and not driver.deleting:
+        how = f" ({driver.waiting})" if driver.waiting else ""
+        out += f"; the driver pod {driver.name} is {driver.phase}{how}"
+    else:
+        out += "; the driver pod is not created yet"
+    return out
+
+
+def started_condition(s: Situation, since: str, problem: Problem | None) -> Condition:
+    """Started (False) while a start-up runs: what blocks it or what it waits for, and its
+    deadline."""
+    deadline = s.deadline(since)
+    timeout = s.spec.recovery.startup_timeout_seconds
+    when = (f"start-up began at {since}; the job fails at {timestamp(deadline)} unless it has "
+            f"started (spec.recovery.startupTimeoutSeconds: {timeout})"
+            if deadline is not None else
+            f"start-up began at {since}; no deadline (spec.recovery.startupTimeoutSeconds: "
+            "0)")
+    if problem is not None:
+        return condition(s, "Started", "False", problem.reason, f"{problem.message}; {when}")
+    return condition(s, "Started", "False", "Starting", f"{waiting_for(s)}; {when}")
