@@ -54,7 +54,8 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     attempt = SimpleNamespace(  # one step from step 3; the save at its end records nothing
         spec=spec, options=SimpleNamespace(workdir=tmp_path, max_steps=1), stop=StopSignals(),
         checkpoints=SimpleNamespace(check_writer=lambda: None, save=lambda *_, **__: None),
-        reporter=SimpleNamespace(progress=lambda _: None), loop_started=False)
+        reporter=SimpleNamespace(progress=lambda _: None), tracking=Trackers(),
+        loop_started=False)
     rollout = Actor("rollout", log, {"generate": (
         [], RolloutStats(rollout_seconds=0.1, response_tokens=0.0, tokens_per_second=1.0,
                          generation_rounds=1.0, generated_groups=0.0))})
@@ -63,9 +64,9 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
         trainers=TrainerGroup([Actor(f"trainer{r}", log, {
             "train": metrics, "nonfinite_weights": [], "offload": 1}) for r in range(2)]),
         engines=EngineGroup([Actor(f"engine{e}", log, {"resume_memory": weights_kept})
-                             for e in range(2)], [], []),
+                             for e in range(2)], []),
         rollout=RolloutPipeline(rollout), devices=Devices(True, True))
-    job = Job(attempt, roles, weight_sync=None, tracking=Trackers(),  # type: ignore[arg-type]
+    job = Job(attempt, roles,  # type: ignore[arg-type]
               state=LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
                               skipped_steps=0, train_step=3, samples=0),
               resumed=True, max_staleness=None, engine_version=3,  # colocated: sync

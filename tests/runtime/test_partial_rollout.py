@@ -23,7 +23,7 @@ import pytest
 import ray
 
 from rljob.cluster.rollout_pipeline import RolloutPipeline
-from rljob.driver import checkpoints as loop_state
+from rljob.driver import checkpoints
 from rljob.driver.checkpoints import Checkpoints
 from rljob.driver.state import LoopState
 from rljob.engine.hf_server import HFEngine, ServerThread
@@ -275,7 +275,7 @@ def test_a_run_split_by_a_resume_continues_the_carried_groups(tmp_path: Path) ->
         assert out.returncode == EXIT_OK, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resumed from" in out.stdout + out.stderr
 
-    saved = json.loads((workdir / "checkpoints" / "step_00000002" / loop_state.ROLLOUT_FILE)
+    saved = json.loads((workdir / "checkpoints" / "step_00000002" / checkpoints.ROLLOUT_FILE)
                        .read_text())["partial_groups"]
     carried = [[Sample.from_json(d) for d in g] for g in saved]
     rows = metrics_log.read(workdir / metrics_log.METRICS_FILE)

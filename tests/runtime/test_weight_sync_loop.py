@@ -73,7 +73,8 @@ def run_and_check_engines(tmp_path: Path, env: dict[str, str]) -> list[dict[str,
                 differing = [n for n, t in trainer.items() if not torch.equal(got[n], t)]
                 assert not differing, f"engine {url} differs from the trainer in {differing}"
                 assert EngineClient(url).weight_version() == str(STEPS)
-            health = job.weight_sync.health()
+            assert attempt.cluster.weight_sync is not None
+            health = attempt.cluster.weight_sync.health()
             assert [h["last_acked_version"] for h in health] == [STEPS]
         finally:
             attempt.shutdown(EXIT_OK)

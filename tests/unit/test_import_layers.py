@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "trainer": {"rollout", "weightsync", "algo", "kernels", "model", "checkpoint",
                 "reporting"},
     "weightsync": {"checkpoint", "reporting"},
-    "algo": {"kernels"},
+    "algo": set(),
     "kernels": set(),
     "model": set(),
     "checkpoint": set(),
@@ -35,6 +35,7 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Of `rollout`, the trainer reads only the records it trains on.
 NARROW = {("trainer", "rollout"): {"rljob.rollout.sample"}}
+BACKENDS = ("rljob.trainer.torch", "rljob.trainer.megatron")
 
 
 def _imports(path: Path) -> set[str]:
@@ -68,10 +69,14 @@ def test_every_module_sits_in_a_package() -> None:
     assert {p.name for p in RUNTIME.iterdir() if (p / "__init__.py").exists()} == set(ALLOWED)
 
 
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT / "runtime").with_suffix("").parts)
+
+
 def test_imports_flow_one_way() -> None:
     wrong: list[str] = []
     for path in sorted(RUNTIME.rglob("*.py")):
-        own = _package(".".join(path.relative_to(ROOT / "runtime").with_suffix("").parts))
+        own = _package(_module(path))
         if own is None:
             continue
         for module in sorted(_imports(path)):
@@ -89,4 +94,29 @@ def test_the_api_model_and_the_operator_never_import_the_runtime() -> None:
              for folder in (ROOT / "runtime" / "rljob_api", ROOT / "operator")
              for path in sorted(folder.rglob("*.py"))
              for module in _imports(path) if module.split(".")[0] == "rljob"]
+    assert wrong == []
+
+
+def test_trainer_backends_never_import_each_other() -> None:
+    wrong = [f"{path.relative_to(ROOT)} imports {module}"
+             for path in sorted((RUNTIME / "trainer").rglob("*.py"))
+             for own in BACKENDS if _module(path).startswith(own)
+             for module in _imports(path)
+             if module.startswith(BACKENDS) and not module.startswith(own)]
+    assert wrong == []
+
+
+def test_the_driver_calls_other_processes_only_through_the_role_handles() -> None:
+    """No Ray call in `driver/` or `cli/`: every `.remote()` and `ray.get` on another role's
+    actor lives in `rljob.cluster`."""
+    wrong: list[str] = []
+    for folder in ("driver", "cli"):
+        for path in sorted((RUNTIME / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)[:60]}"
+                      for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and (
+                          node.attr == "remote" or (isinstance(node.value, ast.Name)
+                                                    and node.value.id == "ray"
+                                                    and node.attr in ("get", "wait", "kill")))]
     assert wrong == []

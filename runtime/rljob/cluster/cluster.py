@@ -1,6 +1,6 @@
 """Start-up and placement: this run's Ray (joined, connected to or started), the placement
 group, and every worker on it — trainer ranks, engines, the rollout worker — and their
-shutdown. The loop (`rljob.driver.job`) gets the workers from here and places nothing itself.
+shutdown. The driver (`rljob.driver`) gets the workers from here and places nothing itself.
 """
 
 from __future__ import annotations
@@ -275,15 +275,14 @@ class Cluster:
         groups = layout.engine_slot_groups()
         holders: list[list[Any]] = [[holder_cls.options(**at(s)).remote() for s in group[1:]]
                                     for group in groups]
-        slot_holders = [h for hs in holders for h in hs]
-        handles = [
-            engine_cls.options(**at(group[0])).remote(
+        handles: list[Any] = []
+        # Stopped and killed on a failure from here on, whatever was started of them.
+        self.engines = EngineGroup(handles, [h for hs in holders for h in hs])
+        for group, hs, port in zip(groups, holders, ports, strict=True):
+            handles.append(engine_cls.options(**at(group[0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
                 spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
-                ray.get([h.where.remote() for h in hs]), offload)
-            for group, hs, port in zip(groups, holders, ports, strict=True)
-        ]
-        self.engines = EngineGroup(handles, slot_holders, [])  # stopped on failure from here
+                ray.get([h.where.remote() for h in hs]), offload))
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
         init = "" if trainer_world(spec) == 1 else ray.get(
             ray.remote(rendezvous_address).options(
@@ -293,7 +292,6 @@ class Cluster:
         spec_json = spec.model_dump_json(by_alias=True)
         self.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
                                            str(model_dir), init, devices.trainer)
-        self.engines = EngineGroup.of(handles, slot_holders)
         # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
         # joined cluster it runs next to the driver, on the driver pod's own Ray node.
         worker_cls = ray.remote(RolloutWorker)
@@ -307,22 +305,23 @@ class Cluster:
         return Roles(self.trainers, self.engines, rollout, offload, devices)
 
     def start_weight_sync(self, settings: SyncSettings, spec: RLJobSpec, roles: Roles
-                          ) -> WeightSyncActors:
+                          ) -> tuple[str, int]:
         """The store on the Ray head and, unless the pods run them, a sidecar per engine next
-        to it (`rljob.cluster.weight_sync`)."""
+        to it (`rljob.cluster.weight_sync`); the store's address, which the trainer joins."""
+        assert self.pg is not None, "placed first"
         self.weight_sync = WeightSyncActors(settings)
         store = self.weight_sync.start_store()
-        assert self.pg is not None
         self.weight_sync.start_sidecars(
             roles.engines, store, loopback=not self.options.on_cluster,
             placement=(self.pg, list(plan(spec).engine_slots)),
             sync_on_gpu=roles.devices.sync_on_gpu)
-        return self.weight_sync
+        return store
 
-    def report_placement(self, spec: RLJobSpec, roles: Roles,
-                         weight_sync: WeightSyncActors) -> None:
+    def report_placement(self, spec: RLJobSpec, roles: Roles) -> None:
         """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on
         the kind of pod it is meant for."""
+        weight_sync = self.weight_sync
+        assert weight_sync is not None, "weight sync started first"
         actors: list[tuple[str, int, Any]] = [
             *((whereabouts.TRAINER, i, t) for i, t in enumerate(roles.trainers.handles)),
             *((whereabouts.ENGINE, i, e) for i, e in enumerate(roles.engines.handles)),

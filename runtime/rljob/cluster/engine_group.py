@@ -4,6 +4,7 @@ engines goes through here, to each engine, once."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import ray
@@ -12,16 +13,17 @@ from rljob.engine.launcher import Locality
 
 
 class EngineGroup:
-    def __init__(self, handles: list[Any], slot_holders: list[Any], urls: list[str]) -> None:
+    def __init__(self, handles: list[Any], slot_holders: list[Any]) -> None:
         self.handles = handles  # Ray actor handles of `EngineProcess`es, by engine index
         # Further slots of multi-GPU engines, held so that no other actor takes their GPUs.
         self.slot_holders = slot_holders
-        self.urls = urls  # each engine's HTTP address
 
-    @classmethod
-    def of(cls, handles: list[Any], slot_holders: list[Any]) -> EngineGroup:
-        """The group of started engines, once each serves (its address is known then)."""
-        return cls(handles, slot_holders, ray.get([e.address.remote() for e in handles]))
+    @functools.cached_property
+    def urls(self) -> list[str]:
+        """Each engine's HTTP address, once it serves (asked for when first needed, so the
+        trainers start while the engines load)."""
+        urls: list[str] = ray.get([e.address.remote() for e in self.handles])
+        return urls
 
     def __len__(self) -> int:
         return len(self.handles)

@@ -155,7 +155,6 @@ class WeightSyncActors:
     def __init__(self, settings: SyncSettings) -> None:
         self.settings = settings
         self.store: Any = None
-        self.store_address: tuple[str, int] | None = None  # what the trainer joins
         self.sidecars: list[Any] = []
 
     def start_store(self) -> tuple[str, int]:
@@ -166,8 +165,7 @@ class WeightSyncActors:
             .remote(self.settings.store_port, BIND_TIMEOUT_S)
         )
         host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
-        self.store_address = (str(host), int(port))
-        return self.store_address
+        return str(host), int(port)
 
     def start_sidecars(
         self,

@@ -13,11 +13,9 @@ import ray
 from rljob.checkpoint.store import Verified
 from rljob.cluster.cluster import Roles
 from rljob.cluster.rollout_pipeline import Batch, Staleness
-from rljob.cluster.weight_sync import WeightSyncActors
 from rljob.driver.attempt import Attempt
 from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
-from rljob.reporting.tracking import Trackers
 from rljob.rollout.sample import Sample
 from rljob.trainer.metrics import TrainMetrics
 from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
@@ -33,8 +31,6 @@ EVIDENCE_DIR = "nonfinite"
 class Job:
     attempt: Attempt
     roles: Roles
-    weight_sync: WeightSyncActors
-    tracking: Trackers
     state: LoopState
     resumed: bool  # from a checkpoint
     # Async (rljob.cluster.rollout_pipeline): the next batch generates while the trainer
@@ -80,23 +76,28 @@ class Job:
 
     # ---- the step's parts ----------------------------------------------------------------
 
-    def next_batch(self) -> tuple[Batch, Staleness]:
-        """This step's rewarded samples and how far they lag the policy. In async mode the
-        next step's batch starts generating here, after the engines got the newest weights
-        if it would otherwise lag more than the bound when trained."""
+    def take_batch(self) -> tuple[Batch, Staleness]:
+        """This step's rewarded samples, and how far they lag the policy."""
         state, algo, bound = self.state, self.spec.algorithm, self.max_staleness
         batch = self.roles.rollout.take(
             state.step, self.engine_version,
             None if bound is None else state.weight_version - bound,
             algo.rollout_batch_size * algo.n_samples_per_prompt)
-        if bound is not None and state.step + 1 < algo.total_steps:
-            # Started at the last step of a --max-steps run too: the checkpoint keeps it and
-            # the resumed run trains on it (a stop cancels it instead).
-            if state.weight_version + 1 - self.engine_version > bound:
-                self.publish()
-            self.roles.rollout.launch(state.step + 1, self.engine_version,
-                                      state.weight_version + 1 - bound)
         return batch, Staleness.of(batch, state.weight_version, bound)
+
+    def launch_next_batch(self) -> None:
+        """Async mode: the next step's batch starts generating now, while this one trains,
+        after the engines got the newest weights if it would otherwise lag more than the
+        bound when it is trained (one version on). Started at the last step of a
+        --max-steps run too: the checkpoint keeps it and the resumed run trains on it (a
+        stop cancels it instead)."""
+        state, bound = self.state, self.max_staleness
+        if bound is None or state.step + 1 >= self.spec.algorithm.total_steps:
+            return
+        if state.weight_version + 1 - self.engine_version > bound:
+            self.publish()
+        self.roles.rollout.launch(state.step + 1, self.engine_version,
+                                  state.weight_version + 1 - bound)
 
     def stop_if_nonfinite(self, metrics: TrainMetrics, samples: list[Sample]) -> None:
         """Stop (not retryable, evidence kept) after too many skipped optimizer steps in a row

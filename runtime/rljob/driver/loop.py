@@ -22,8 +22,9 @@ def train(job: Job) -> None:
         while state.step < end and not job.attempt.stop.requested:
             t0 = time.monotonic()
             job.trainers_leave_gpus()
-            batch, staleness = job.next_batch()
+            batch, staleness = job.take_batch()
             t1 = time.monotonic()
+            job.launch_next_batch()
             job.engines_leave_gpus()
             metrics = trainers.train(batch.samples, check_initial_kl=state.step == 0)
             weights_kept = job.engines_return()
@@ -32,9 +33,8 @@ def train(job: Job) -> None:
             job.stop_if_nonfinite(metrics, batch.samples)
             state.advance(metrics, len(batch.samples))
             job.weights_after_step(metrics, weights_kept)
-            evaluation = job.evaluate_if_due()
-            report_step(job, metrics, batch, staleness,
-                        StepTimes(t1 - t0, t2 - t1, time.monotonic() - t0), evaluation)
+            times = StepTimes(t1 - t0, t2 - t1, time.monotonic() - t0)
+            report_step(job, metrics, batch, staleness, times, job.evaluate_if_due())
             bar.update(state.step, metrics.reward, batch.stats.tokens_per_second)
             if job.save_due(end):
                 job.save()

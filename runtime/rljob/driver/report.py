@@ -56,7 +56,7 @@ def report_step(job: Job, metrics: TrainMetrics, batch: Batch, staleness: Stalen
     # took the store over, and stops before it writes metrics or status again.
     job.attempt.checkpoints.check_writer()
     metrics_log.append(job.metrics_path, row)
-    job.tracking.log(row)
+    job.attempt.tracking.log(row)
     job.attempt.reporter.progress(Progress(
         rollout_step=state.step, train_step=state.train_step,
         total_steps=job.spec.algorithm.total_steps, samples=state.samples,
@@ -93,5 +93,6 @@ def summary(job: Job, rows: list[dict[str, Any]], seconds: float, code: int) -> 
         f"  metrics      {job.metrics_path}",
         f"  curves       {job.workdir / metrics_log.PLOT_FILE}",
     ]
-    lines += [f"  {field:<12} {outcome}" for field, outcome in job.tracking.outcome.items()]
+    lines += [f"  {field:<12} {outcome}"
+              for field, outcome in job.attempt.tracking.outcome.items()]
     return "\n".join(lines)

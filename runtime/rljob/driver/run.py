@@ -60,6 +60,6 @@ def run_attempt(attempt: Attempt) -> int:
     rows = metrics_log.read(job.metrics_path)
     if rows:
         metrics_log.plot(rows, job.workdir / metrics_log.PLOT_FILE)
-    job.tracking.close(code)  # before the summary, which says what each one wrote
+    attempt.tracking.close(code)  # before the summary, which says what each one wrote
     print(summary(job, rows, time.monotonic() - started, code), flush=True)
     return code

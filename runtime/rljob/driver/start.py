@@ -57,11 +57,10 @@ def start(attempt: Attempt) -> Job:
         config=spec.model_dump(by_alias=True, mode="json"))
     # The store on the Ray head, a sidecar per engine (unless the pods run them), and
     # trainer rank 0 joined as the publisher; versions continue from the checkpoint.
-    weight_sync = cluster.start_weight_sync(settings, spec, roles)
+    store = cluster.start_weight_sync(settings, spec, roles)
     # Every actor exists now: show where, before waiting on anything they must do.
-    cluster.report_placement(spec, roles, weight_sync)
-    assert weight_sync.store_address is not None
-    roles.trainers.set_publisher(weight_sync.store_address, str(options.workdir / "weights"),
+    cluster.report_placement(spec, roles)
+    roles.trainers.set_publisher(store, str(options.workdir / "weights"),
                                  state.weight_version, roles.devices.sync_on_gpu)
     try:
         roles.trainers.wait_for_engines(len(roles.engines), ENGINE_JOIN_TIMEOUT_S)
@@ -71,7 +70,7 @@ def start(attempt: Attempt) -> Job:
                            "its weight-sync sidecar (in a pod: a weight-sync container)"
                            ) from None
         raise
-    job = Job(attempt, roles, weight_sync, attempt.tracking, state, resumed=loaded is not None,
+    job = Job(attempt, roles, state, resumed=loaded is not None,
               max_staleness=((spec.rollout.max_staleness or 1)
                              if spec.rollout.mode == RolloutMode.async_ else None),
               engine_version=0, last_eval=metrics_log.last_eval(metrics_path))

@@ -202,7 +202,7 @@ class Announcement:
     `epoch` names the broadcast group; it changes whenever membership changes, so receivers
     know when to rebuild their group. For `disk`, `path` is the version directory. Engines
     in `ipc` sit on the trainer's own GPU: they join no group and copy the packed buckets
-    out of the trainer's memory through their own handles (a `tensor_payload` entry naming
+    out of the trainer's memory through their own handles (a `wire` entry naming
     each bucket by its index, one per engine since torch counts one reference per entry
     and gives one back per reading), which hold the finished version when this is announced.
     """
