@@ -9,12 +9,13 @@ those figures by their metrics.jsonl names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
+
+from rljob.reporting.figures import Figures
 
 
 @dataclass(frozen=True)
-class RolloutStats(Mapping[str, float]):
+class RolloutStats(Figures):
     rollout_seconds: float
     response_tokens: float
     tokens_per_second: float  # of tokens generated in this step (not carried ones)
@@ -33,15 +34,6 @@ class RolloutStats(Mapping[str, float]):
     def row(self) -> dict[str, float]:
         return {f.name: value for f in fields(self)
                 if (value := getattr(self, f.name)) is not None}
-
-    def __getitem__(self, key: str) -> float:
-        return self.row()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.row())
-
-    def __len__(self) -> int:
-        return len(self.row())
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,13 @@ reported figures by name, so a figure is read the way metrics.jsonl names it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+
+from rljob.reporting.figures import Figures
 
 
 @dataclass(frozen=True)
-class TrainMetrics(Mapping[str, float]):
+class TrainMetrics(Figures):
     step_means: dict[str, float]  # loss, pg_loss, kl_loss, entropy, clipfrac, grad_norm, ...
     reward: float
     kl: float  # to the reference, per response token
@@ -44,12 +45,3 @@ class TrainMetrics(Mapping[str, float]):
             "optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps,
         })
         return out
-
-    def __getitem__(self, key: str) -> float:
-        return self.row()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.row())
-
-    def __len__(self) -> int:
-        return len(self.row())
