@@ -16,7 +16,7 @@ import pytest
 from tests.controlplane import ControlPlane
 from tests.controlplane_audit import WRITES, audit_requests, describe_request
 from tests.operator.harness import job_manifest
-from tests.operator.jobs import pods, status, wait_phase
+from tests.operator.jobs import Obj, pods, status, wait_phase
 from tests.operator_process import Operator
 from tests.polling import wait_for
 
@@ -37,6 +37,13 @@ def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
     try:
         cluster.apply(job_manifest("cached", namespace), "-n", namespace)
         wait_phase(cluster, namespace, "cached", "Running")
+        # The phase shows before the operator is done: the reconcile that wrote it posts the
+        # transition's Event after the status write (the last request of that reconcile; an
+        # earlier one's Event was posted before the next reconcile began). The idle window
+        # opens once that Event exists, else its create may fall inside it.
+        wait_for(lambda: transition_events(cluster, namespace, "cached", "Running"),
+                 timeout=30, what="the Event of the transition to Running",
+                 describe=lambda: operator.tail(20))
 
         # Idle: at least 20 reconciles (10 s), and not one read of the job or its children,
         # not one write. Nodes are listed for all jobs together, at most every 3 intervals.
@@ -100,3 +107,12 @@ def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
                  describe=lambda: operator.tail(20))
     finally:
         operator.stop()
+
+
+def transition_events(cp: ControlPlane, ns: str, job: str, reason: str) -> list[Obj]:
+    """The Events the operator posted about `job` with `reason` (read as the admin, who is
+    not audited)."""
+    items: list[Obj] = cp.get_json(
+        "events", "-n", ns, "--field-selector",
+        f"involvedObject.kind=RLJob,involvedObject.name={job},reason={reason}")["items"]
+    return items
