@@ -1,6 +1,8 @@
 """Starts one rollout engine inside a Ray actor: the built-in hf server or SGLang.
 
-SGLang is started through `sglang_launcher`, the one place that owns its command line.
+SGLang is started through `sglang_launcher`, the one place that owns its command line and
+its process: the server dies with this actor's process, however that dies, and `stop` ends
+every process the server started.
 The engine binds `bind_host:port` (port 0 picks a free one); in a pod the port is the one
 the pod's weight-sync sidecar is told about, so the sidecar finds its engine on localhost.
 An engine of `tp` slots gets the devices of its further slots (`rljob.engine.slots`): SGLang
@@ -20,6 +22,7 @@ import ray
 from rljob.engine.client import EngineClient
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
+from rljob.engine.sglang_launcher import stop as stop_server
 from rljob.engine.slots import SlotDevices, engine_gpus, here
 from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
@@ -110,5 +113,4 @@ class EngineProcess(Locatable):
         if self.server is not None:
             self.server.stop()
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
+            stop_server(self.proc)

@@ -10,11 +10,33 @@ Targets the HTTP API of SGLang 0.5.3, the version the rollout image pins
 (`sglang.launch_server`, `/health`, `/get_model_info`, `/get_server_info`,
 `/update_weights_from_tensor` with one entry per TP rank, `/update_weights_from_disk`,
 `/pause_generation`, `/continue_generation`); see docs/weight-sync.md.
+
+The server's lifetime is its actor's (`spawn`, `stop`). The server holds a fixed port and
+GPUs, so one that outlives its actor (ray.kill, SIGKILL, the OOM killer) makes the next
+attempt in the same pod fail to start. Two mechanisms, because each covers what the other
+cannot:
+- the parent-death signal (`rljob.engine.die_with_parent`): the kernel SIGKILLs the server
+  when the actor process dies, however it dies. It reaches the server only, not the
+  scheduler, detokenizer and TP worker processes SGLang starts; those arm the same signal
+  against the server themselves (SGLang's `kill_itself_when_parent_died`).
+- a session (and process group) of the server's own: `stop` signals the whole group, so a
+  clean stop reaches every process SGLang started, whatever it does on SIGTERM.
+Ray's own reaping is not used. In the Ray this project allows (2.52 to 2.60; the images pin 2.60.0)
+`RAY_kill_child_processes_on_worker_exit` (on by default) runs only when the worker exits
+cleanly, not on SIGKILL; `RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper`
+(off by default, deprecated) and `RAY_process_group_cleanup_enabled` (off by default) work
+only when set in the raylet's environment before the node starts, which the embedded
+`rljob run` Ray and every KubeRay pod would each have to do; and process-group cleanup
+cannot reach a server that has a session of its own, which the clean stop needs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +47,10 @@ from rljob_api.rules import RESERVED_SGLANG_ARGS
 SGLANG_VERSION = "0.5.3"
 # Owned by rljob as well, though admission does not list it: the sidecar sets versions.
 OWNED_SGLANG_ARGS = (*RESERVED_SGLANG_ARGS, "weight-version")
+
+
+# A clean stop waits this long for the group to exit on SIGTERM before it SIGKILLs the group.
+STOP_GRACE_S = 60.0
 
 
 class ReservedArgumentError(ValueError):
@@ -119,6 +145,54 @@ def wait_healthy(
         time.sleep(interval_s)
 
 
+def spawn(argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` tied to this process: SIGKILLed when it dies, in a session of its own.
+
+    The returned process's pid is `argv`'s own (the wrapper execs into it) and its process
+    group id."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rljob.engine.die_with_parent", str(os.getpid()), "--", *argv],
+        env=dict(env) if env is not None else None,
+        start_new_session=True,
+    )
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # no process of the group is left
+        os.killpg(process.pid, sig)
+
+
+def stop(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop the server and every process it started: SIGTERM to its group, SIGKILL to the
+    group after `grace_s`, and SIGKILL once more for any child that outlived the server."""
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait(timeout=30)
+    _signal_group(process, signal.SIGKILL)
+
+
+def start(
+    argv: list[str],
+    base_url: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    startup_deadline_s: float = 900.0,
+) -> subprocess.Popen[bytes]:
+    """`spawn` the server and return it once `base_url` is healthy; kills its group when it
+    does not get there."""
+    process = spawn(argv, env)
+    try:
+        wait_healthy(base_url, deadline_s=startup_deadline_s, process=process)
+    except BaseException:
+        stop(process, grace_s=0)
+        raise
+    return process
+
+
 def launch(
     server: SGLangServer,
     sglang_args: Mapping[str, str],
@@ -126,16 +200,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     startup_deadline_s: float = 900.0,
 ) -> subprocess.Popen[bytes]:
-    """Start the server and return it once healthy; kills it when it does not get there."""
-    process = subprocess.Popen(
-        build_command(server, sglang_args), env=dict(env) if env is not None else None
-    )
-    try:
-        wait_healthy(
-            f"http://{server.host}:{server.port}", deadline_s=startup_deadline_s, process=process
-        )
-    except BaseException:
-        process.kill()
-        process.wait(timeout=30)
-        raise
-    return process
+    """Start the SGLang server and return it once healthy; kills it when it does not get
+    there."""
+    return start(build_command(server, sglang_args), f"http://{server.host}:{server.port}",
+                 env=env, startup_deadline_s=startup_deadline_s)
