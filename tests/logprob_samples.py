@@ -4,7 +4,7 @@ use it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from rljob.rollout.sample import Sample, Status
 TEMPERATURE = 0.7
 
 
-def samples_of(vocab: int) -> list[dict[str, Any]]:
+def samples_of(vocab: int) -> list[Sample]:
     """Eight prompt+response token sequences of different lengths, rewards 0 and 1 in each
     group of four (so the group-normalised advantages are not all zero)."""
     gen = torch.Generator().manual_seed(0)
@@ -28,38 +28,38 @@ def samples_of(vocab: int) -> list[dict[str, Any]]:
         out.append(Sample(prompt=f"p{i // 4}", group_index=i // 4, index=i % 4,
                           prompt_tokens=tokens[:prompt], tokens=tokens,
                           response_length=response, loss_mask=[1] * response,
-                          reward=float(i % 2), status=Status.completed).to_json())
+                          reward=float(i % 2), status=Status.completed))
     return out
 
 
-def float64_logprobs(model_dir: Path, samples: list[dict[str, Any]]) -> list[list[float]]:
+def float64_logprobs(model_dir: Path, samples: list[Sample]) -> list[list[float]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     out = []
     with torch.no_grad():
         for s in samples:
-            ids = torch.tensor([s["tokens"]])
+            ids = torch.tensor([s.tokens])
             logits = model(input_ids=ids).logits[0] / TEMPERATURE
-            start = len(s["tokens"]) - s["response_length"]
+            start = len(s.tokens) - s.response_length
             logp = torch.log_softmax(logits[start - 1 : -1], dim=-1)
             out.append(logp.gather(1, ids[0, start:, None])[:, 0].tolist())
     return out
 
 
 def check_policy_logprobs(
-    logprobs: Callable[[list[dict[str, Any]]], list[list[float]]],
-    train: Callable[[list[dict[str, Any]], bool], dict[str, Any]],
-    model_dir: Path, samples: list[dict[str, Any]],
+    logprobs: Callable[[list[Sample]], list[list[float]]],
+    train: Callable[[list[Sample], bool], Mapping[str, Any]],
+    model_dir: Path, samples: list[Sample],
 ) -> list[list[float]]:
     """A trainer's `logprobs` before any step: one per response token, equal to a float64
     forward of the model files; given to `train` as the engines' log-probs, no gap against
     the old-policy log-probs it computes itself; then moved by its two optimizer steps.
     Returns the log-probs from before the steps."""
     before = logprobs(samples)
-    assert [len(lp) for lp in before] == [s["response_length"] for s in samples]
+    assert [len(lp) for lp in before] == [s.response_length for s in samples]
     for got, want in zip(before, float64_logprobs(model_dir, samples), strict=True):
         assert got == pytest.approx(want, abs=1e-4)
     for s, lp in zip(samples, before, strict=True):
-        s["rollout_log_probs"] = lp
+        s.rollout_log_probs = lp
     metrics = train(samples, True)
     assert metrics["optimizer_steps"] == 2
     assert metrics["logprob_gap_max"] < 1e-6
@@ -79,11 +79,11 @@ ENGINE_EXCESS = 1.0
 NEGATIVE_ADVANTAGE_SHARE = 12 / 28
 
 
-def with_engine_excess(samples: list[dict[str, Any]], trainer_logprobs: list[list[float]]
-                       ) -> list[dict[str, Any]]:
+def with_engine_excess(samples: list[Sample], trainer_logprobs: list[list[float]]
+                       ) -> list[Sample]:
     """`samples` with engine log-probs ENGINE_EXCESS above the trainer's own: against them
     every token of the first step is clipped that has a negative advantage, against the
     trainer's none is (the ratio is 1)."""
     for s, lp in zip(samples, trainer_logprobs, strict=True):
-        s["rollout_log_probs"] = [x + ENGINE_EXCESS for x in lp]
+        s.rollout_log_probs = [x + ENGINE_EXCESS for x in lp]
     return samples
