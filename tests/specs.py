@@ -116,6 +116,12 @@ BAD_SPECS: list[BadSpec] = [
         rule_message("self.trainer.gpusPerReplica % self.rollout.gpusPerEngine"),
     ),
     BadSpec(
+        "colocated-sglang-in-the-trainer-image",
+        {"placement": "colocated", "trainer.gpusPerReplica": 1, "rollout.backend": "sglang"},
+        "spec",
+        rule_message("!self.trainer.image.startsWith("),
+    ),
+    BadSpec(
         "async-colocated",
         {"placement": "colocated", "rollout.mode": "async"},
         "spec",

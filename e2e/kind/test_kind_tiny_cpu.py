@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -143,13 +144,20 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     pods = {p["metadata"]["name"]: p["metadata"]["labels"]["rljob.io/component"]
             for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)}
     assert placement, job.driver_log()[-3000:]
-    meant = {"trainer": "trainer", "engine": "rollout", "rollout-worker": "driver",
-             "weight-sync-store": "head"}
+    meant = {"trainer": "trainer", "engine": "rollout", "weight-sync-sidecar": "rollout",
+             "rollout-worker": "driver", "weight-sync-store": "head"}
     for actor in placement:
         # The pod's own label says what it is; Ray's node of the actor says where it runs.
         assert pods.get(actor["host"]) == meant[actor["role"]], (actor, pods)
-    # Every actor the job has, none missing (sidecars are containers here, not actors).
-    assert sorted(a["role"] for a in placement) == sorted(meant), placement
+    # Every actor the job has, none missing: one trainer, store and rollout worker, and an
+    # engine and its weight-sync sidecar in each rollout pod, the sidecar beside its engine.
+    roles = Counter(a["role"] for a in placement)
+    rollout_pods = len(job.pods("rollout"))
+    assert roles == {"trainer": 1, "weight-sync-store": 1, "rollout-worker": 1,
+                     "engine": rollout_pods, "weight-sync-sidecar": rollout_pods}, placement
+    hosts = {(a["role"], a["index"]): a["host"] for a in placement}
+    assert all(hosts[("weight-sync-sidecar", i)] == hosts[("engine", i)]
+               for i in range(rollout_pods)), placement
     assert all(a["ok"] for a in placement), placement
 
     # The job's Ray token (its Secret, as a user with access could read it) never shows in a

@@ -30,28 +30,24 @@ from rljob_api.layout import (
     group_resource,
     group_slots,
     rollout_gpus_per_pod,
-    weight_sync_health_port,
-    weights_cross_gpus,
 )
 from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
 from rljob_operator import names
+from rljob_operator.quantity import MIB, mebibytes, memory_bytes
 
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
-WEIGHT_SYNC_COMMAND = "rljob-weight-sync"
-HANDOFF_VOLUME = "handoff-tmp"
 SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor for CPU pods
 # The driver pod is a Ray node too: its object store (what the driver gets from actors) lives
 # in /dev/shm, and Ray sizes it at 30 % of the pod's memory limit (4 GiB).
 DRIVER_SHM_GIB = 2
 HEAD_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
-SIDECAR_RESOURCES: Obj = {
-    "requests": {"cpu": "100m", "memory": "256Mi"},
-    "limits": {"memory": "1Gi"},
-}
-
+# What one engine's weight-sync sidecar (a Ray actor in the engine's container) adds to that
+# container's memory, besides one bucket (`spec.weightSync.bucketSizeMb`), which it copies to
+# the host to hash: a Python process with torch and a Ray worker.
+SIDECAR_PROCESS_MIB = 768
 
 @dataclass(frozen=True)
 class JobRef:
@@ -221,39 +217,30 @@ def weight_sync_store(job: JobRef) -> str:
     return f"{names.head_service(job.name, job.namespace)}:{WEIGHT_SYNC_PORT}"
 
 
-def _weight_sync_sidecar(job: JobRef, spec: RLJobSpec, index: int, engines: int) -> Obj:
-    """The sidecar of engine `index` of a pod holding `engines` engines. It talks to its
-    engine and the weight-sync store, never to Ray, so it gets no Ray token."""
-    _, mounts = _data_volumes(job, spec)
-    command = [WEIGHT_SYNC_COMMAND, "--listen",
-               f"0.0.0.0:{weight_sync_health_port(index)}"]
-    identity: list[Obj] = []
-    if engines > 1:
-        # Registers as `<pod>-<index>`. Staged on CPU: which GPU Ray gave this sidecar's
-        # engine is not known here, and a CUDA IPC handle only opens on the engine's own GPU.
-        identity = [{"name": env.ENGINE_INDEX, "value": str(index)}]
-    if engines > 1 or not weights_cross_gpus(spec):
-        # Without GPUs on both sides the trainer's group is gloo, whose members stage on CPU.
-        command += ["--device", "cpu"]
-    return {
-        "name": names.per_engine(names.WEIGHT_SYNC, index, engines),
-        "image": spec.rollout.image,
-        "command": command,
-        "env": [
-            *_env(job, names.WEIGHT_SYNC),
-            {"name": env.ENGINE_URL,
-             "value": f"http://127.0.0.1:{engine_port(index)}"},
-            {"name": env.WEIGHT_SYNC_TRAINER, "value": weight_sync_store(job)},
-            # The engine's name in the group, and where the trainer probes its /health.
-            _field_env(env.POD_NAME, "metadata.name"),
-            _field_env(env.POD_IP, "status.podIP"),
-            *identity,
-        ],
-        "ports": [{"containerPort": weight_sync_health_port(index),
-                   "name": names.per_engine(names.WEIGHT_SYNC, index, engines)}],
-        "resources": SIDECAR_RESOURCES,
-        "volumeMounts": mounts,
-    }
+def sidecar_memory_mib(spec: RLJobSpec) -> int:
+    """Memory one engine's weight-sync sidecar takes in its engine's container.
+
+    The sidecar runs in the container that holds its engine's GPU (docs/gpu-pods.md), so the
+    container is given its memory on top of the user's `resources`. A sidecar staging on the
+    CPU (engines on CPU, or a CPU trainer's gloo group) also holds one whole weight version in
+    /dev/shm, which the pod's shared-memory volume bounds.
+    """
+    return SIDECAR_PROCESS_MIB + spec.weight_sync.bucket_size_mb
+
+
+def _add_sidecar_memory(resources: Obj, mib: int) -> None:
+    """Add `mib` to the container's memory request, and to its limit where it has one (no
+    limit stays no limit). A quantity that is not memory is left for the API server to
+    refuse, naming it."""
+    for kind in ("requests", "limits"):
+        have = resources.get(kind, {}).get("memory")
+        if have is None and kind == "limits":
+            continue
+        try:
+            total = (memory_bytes(have) if have is not None else 0) + mib * MIB
+        except ValueError:
+            continue
+        resources.setdefault(kind, {})["memory"] = mebibytes(total)
 
 
 def _engine_ports(engines: int) -> list[Obj]:
@@ -286,14 +273,9 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         gpus = spec.trainer.gpus_per_replica
         main = _ray_container(job, spec, "ray-worker", group, spec.trainer.image,
                               _resources(spec.trainer.resources, gpus), _engine_ports(engines))
-    containers = [main, *(_weight_sync_sidecar(job, spec, i, engines) for i in range(engines))]
-    template = _pod_template(job, spec, group, containers, gpus)
     if engines:
-        # A sidecar hands CPU weights to its engine as named shared memory, whose owner
-        # (torch's shm manager) answers on a socket under /tmp: engine and sidecars share it.
-        for container in containers:
-            container["volumeMounts"].append({"name": HANDOFF_VOLUME, "mountPath": "/tmp"})
-        template["spec"]["volumes"].append({"name": HANDOFF_VOLUME, "emptyDir": {}})
+        _add_sidecar_memory(main["resources"], engines * sidecar_memory_mib(spec))
+    template = _pod_template(job, spec, group, [main], gpus)
     return {
         "groupName": group,
         "replicas": replicas,
@@ -445,9 +427,8 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             _field_env(env.POD_NAME, "metadata.name"),
             _field_env(env.POD_IP, "status.podIP"),
             _field_env(env.POD_UID, "metadata.uid"),
-            # Weight sync: the rollout pods run the sidecars, engines listen where those
-            # sidecars look, and the store takes the port the head Service exposes.
-            {"name": env.WEIGHT_SYNC_SIDECARS, "value": "pods"},
+            # Weight sync: engines listen on the ports their pods declare, and the store
+            # takes the port the head Service exposes.
             {"name": env.ENGINE_PORT, "value": str(ENGINE_PORT)},
             {"name": env.WEIGHT_SYNC_PORT, "value": str(WEIGHT_SYNC_PORT)},
         ],

@@ -16,15 +16,13 @@ COMPONENT = "RLJOB_COMPONENT"
 # reported back with what the attempt resumed from.
 RESTARTS = "RLJOB_RESTARTS"
 
-# The driver's weight-sync wiring: the pods run the sidecars (`pods`), engines listen on
-# ENGINE_PORT + their index within the pod, the store listens on WEIGHT_SYNC_PORT.
-WEIGHT_SYNC_SIDECARS = "RLJOB_WEIGHT_SYNC_SIDECARS"
+# The driver's weight-sync wiring: engines listen on ENGINE_PORT + their index within the
+# pod (the ports the pod declares), the store listens on WEIGHT_SYNC_PORT.
 ENGINE_PORT = "RLJOB_ENGINE_PORT"
 WEIGHT_SYNC_PORT = "RLJOB_WEIGHT_SYNC_PORT"
 
-# A weight-sync sidecar: its engine's URL and index within the pod, and the store address.
+# `rljob-weight-sync` run by hand: its engine's URL and the store address.
 ENGINE_URL = "RLJOB_ENGINE_URL"
-ENGINE_INDEX = "RLJOB_ENGINE_INDEX"
 WEIGHT_SYNC_TRAINER = "RLJOB_WEIGHT_SYNC_TRAINER"
 
 # The pod's own name and IP (downward API): a sidecar's name in the weight-sync group and

@@ -1,8 +1,8 @@
 """Which engine of its pod a placement slot's engine is: shared by operator and runtime.
 
-The operator declares one engine port and one weight-sync sidecar per engine a pod holds; the
-runtime starts the engine at a slot on the port of its place within the pod. Both read these
-functions of the spec, so the ports the runtime binds are the ones the sidecars look at.
+The operator declares one engine port per engine a pod holds; the runtime starts the engine
+at a slot on the port of its place within the pod. Both read these functions of the spec, so
+the ports the runtime binds are the ones the pod declares.
 
 A colocated pod holds `gpusPerReplica` slots (the trainer's GPUs, shared with the engines), so
 `gpusPerReplica / gpusPerEngine` engines; a disaggregated rollout pod holds one engine.
@@ -30,8 +30,8 @@ COLOCATED = "colocated"
 DRIVER = "driver"
 GROUPS = (TRAINER, ROLLOUT, COLOCATED)
 
-# Ports. Engine i of a pod listens on ENGINE_PORT + i and its weight-sync sidecar serves
-# /health and /metrics on WEIGHT_SYNC_HEALTH_PORT + i. The weight-sync store runs on the Ray
+# Ports. Engine i of a pod listens on ENGINE_PORT + i; `rljob-weight-sync` run by hand serves
+# /health and /metrics on WEIGHT_SYNC_HEALTH_PORT. The weight-sync store runs on the Ray
 # head node (the driver starts it there), so every pod reaches it through the head Service
 # on WEIGHT_SYNC_PORT, as the driver's Ray node reaches the head's GCS on RAY_GCS_PORT.
 RAY_GCS_PORT = 6379
@@ -57,10 +57,6 @@ def engine_port(index: int) -> int:
     return ENGINE_PORT + index
 
 
-def weight_sync_health_port(index: int) -> int:
-    return WEIGHT_SYNC_HEALTH_PORT + index
-
-
 def engine_count(spec: RLJobSpec) -> int:
     return spec.rollout.gpus // spec.rollout.gpus_per_engine
 
@@ -82,15 +78,6 @@ def rollout_gpus_per_pod(spec: RLJobSpec) -> int:
     the runtime places the engines on GPU slots only when the pods have them, so the two
     cannot disagree about where an engine runs."""
     return spec.rollout.gpus_per_engine if spec.rollout.backend == RolloutBackend.sglang else 0
-
-
-def weights_cross_gpus(spec: RLJobSpec) -> bool:
-    """On a cluster, whether weight versions travel GPU to GPU (NCCL, or CUDA IPC on a shared
-    GPU): only when the trainer's pods and the engines' pods both have GPUs. Otherwise the
-    trainer's group is gloo and every sidecar must stage on the CPU, even where its container
-    sees a GPU (a gloo group refuses GPU buffers). The runtime's device choice on a cluster and
-    the operator's sidecar flags both follow this."""
-    return spec.trainer.gpus_per_replica > 0 and engine_pods_have_gpus(spec)
 
 
 def engine_pods_have_gpus(spec: RLJobSpec) -> bool:
@@ -120,9 +107,3 @@ def engine_local_index(spec: RLJobSpec, slot: int) -> int:
     if spec.placement == Placement.colocated:
         return (slot % slots_per_pod(spec)) // spec.rollout.gpus_per_engine
     return 0
-
-
-def engine_name(pod: str, index: int | None) -> str:
-    """The engine's name in the weight-sync group: the pod's name, plus the engine's index
-    in pods that hold several engines (`index` None: the pod's only engine)."""
-    return pod if index is None else f"{pod}-{index}"

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from rljob_api.mutability import FIELD_EFFECTS, Effect, FieldEffect
-from rljob_api.spec import GROUP_BASELINE_ESTIMATORS, RLJobSpec
+from rljob_api.spec import (
+    COLOCATED_IMAGE,
+    GROUP_BASELINE_ESTIMATORS,
+    IMAGE_VERSION,
+    TRAINER_IMAGE,
+    RLJobSpec,
+)
 
 Obj = dict[str, Any]
 
@@ -186,6 +192,20 @@ RULES: tuple[Rule, ...] = (
             or s["rollout"]["gpus"] == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"]
         ),
         field_path=".rollout.gpus",
+    ),
+    Rule(
+        at=(),
+        cel="self.placement != 'colocated' || self.rollout.backend != 'sglang' || "
+        f"!self.trainer.image.startsWith('{TRAINER_IMAGE}:')",
+        message="spec.placement colocated: the engines start in the trainer's pods, from "
+        f"spec.trainer.image, and the trainer image {TRAINER_IMAGE} has no SGLang; set "
+        f"spec.trainer.image to {COLOCATED_IMAGE}:{IMAGE_VERSION} (images/Dockerfile "
+        "ROLE=colocated) or an image of your own with both, or use rollout.backend hf",
+        check=lambda s: (
+            s["placement"] != "colocated" or s["rollout"]["backend"] != "sglang"
+            or not s["trainer"]["image"].startswith(f"{TRAINER_IMAGE}:")
+        ),
+        field_path=".trainer.image",
     ),
     Rule(
         at=(),

@@ -19,6 +19,12 @@ ShortText = Annotated[str, StringConstraints(max_length=253)]
 Path = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Image = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 Quantity = int | Annotated[str, StringConstraints(max_length=64, pattern=r"^[0-9.]+[a-zA-Z]*$")]
+
+# The project's images (images/Dockerfile, one per ROLE) and the version the defaults name.
+IMAGE_VERSION = "0.1.0"
+TRAINER_IMAGE = "ghcr.io/rljob/trainer"
+ROLLOUT_IMAGE = "ghcr.io/rljob/rollout"
+COLOCATED_IMAGE = "ghcr.io/rljob/colocated"
 ImportPath = Annotated[
     str,
     StringConstraints(
@@ -180,7 +186,12 @@ class TrainerSpec(ApiModel):
     gpus_per_replica: int = Field(
         1, ge=0, le=16, description="GPUs per trainer pod (CPU slots on a machine without GPUs)."
     )
-    image: Image = Field("ghcr.io/rljob/trainer:0.1.0", description="Trainer container image.")
+    image: Image = Field(
+        f"{TRAINER_IMAGE}:{IMAGE_VERSION}",
+        description="Trainer container image (the driver's too, and with placement colocated "
+        "the image of the shared pods: with the sglang backend one that also holds SGLang, "
+        f"such as {COLOCATED_IMAGE}:{IMAGE_VERSION}).",
+    )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Trainer pod resources besides GPUs."
     )
@@ -264,7 +275,7 @@ class RolloutSpec(ApiModel):
         "without GPUs).",
     )
     gpus_per_engine: int = Field(1, ge=1, le=64, description="GPUs per engine (its TP size).")
-    image: Image = Field("ghcr.io/rljob/rollout:0.1.0", description="Rollout container image.")
+    image: Image = Field(f"{ROLLOUT_IMAGE}:{IMAGE_VERSION}", description="Rollout container image.")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Rollout pod resources besides GPUs."
     )
@@ -612,11 +623,12 @@ class RecoverySpec(ApiModel):
         le=604800,
         description=(
             "Deadline for an attempt to start, from when the operator starts the job, resumes "
-            "it, sees a spec edit, or ends a restart's backoff, until the driver and every "
-            "compute pod run. "
+            "it, sees a spec edit, or ends a restart's backoff, until its driver runs (the "
+            "driver starts once every compute pod runs). "
             "What blocks start-up (image pull errors, crash loops, unschedulable pods, a driver "
             "that does not start) is shown in the `Started` condition at once; past the deadline "
-            "the job fails with that reason. 0: no deadline."
+            "the job fails with that reason. Once the driver runs, a pod that turns NotReady or "
+            "is slow to come back is reported, never failed by this deadline. 0: no deadline."
         ),
     )
     stop_grace_period_seconds: int = Field(

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_api.spec import RLJobSpec
+from rljob_api.spec import COLOCATED_IMAGE, RLJobSpec
 from rljob_api.validate import spec_problems
 from rljob_operator import builders
 from rljob_operator.builders import JobRef
@@ -17,6 +17,9 @@ JOB = JobRef("rl", "team-a", "uid-1")
 
 
 def spec(**raw: Any) -> RLJobSpec:
+    """A valid spec of `raw`; a colocated SGLang job gets the colocated image it needs."""
+    if raw.get("placement") == "colocated" and "image" not in raw.get("trainer", {}):
+        raw["trainer"] = {**raw.get("trainer", {}), "image": f"{COLOCATED_IMAGE}:0.1.0"}
     assert spec_problems(raw) == []
     return RLJobSpec.model_validate(raw)
 
@@ -57,12 +60,12 @@ def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert groups["trainer"]["template"]["metadata"]["labels"]["rljob.io/component"] == "trainer"
 
-    engine, sidecar = containers(groups["rollout"])
+    # The engine's weight-sync sidecar is a Ray actor in the engine's own container, which
+    # holds the GPUs: no second container, which the device plugin could not give them.
+    (engine,) = containers(groups["rollout"])
     assert engine["image"] == "r:1"
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    assert sidecar["command"] == ["rljob-weight-sync", "--listen", "0.0.0.0:8090"]
-    env = {e["name"]: e.get("value") for e in sidecar["env"]}
-    assert env["RLJOB_ENGINE_URL"] == "http://127.0.0.1:30000"
+    env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env["RLJOB_NAME"] == "rl" and env["RLJOB_NAMESPACE"] == "team-a"
 
     head = containers(rc["spec"]["headGroupSpec"])[0]
@@ -87,48 +90,57 @@ def test_weight_sync_rendezvous_goes_through_the_head_service(placement: str) ->
     assert head["ports"] == [{"containerPort": 6379, "name": "gcs"},
                              {"containerPort": 29600, "name": "weight-sync"}]
     group = next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] != "trainer")
-    engine, sidecar = containers(group)
+    (engine,) = containers(group)
     assert {"containerPort": 30000, "name": "engine"} in engine["ports"]
-    assert sidecar["ports"] == [{"containerPort": 8090, "name": "weight-sync"}]
-    env = env_of(sidecar)
-    assert env["RLJOB_WEIGHT_SYNC_TRAINER"] == "rl-head-svc.team-a.svc:29600"
-    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    # The driver keeps its hands off sidecars and puts the store and engines where they look.
+    # The driver puts the store and engines where the pods declare them.
     (driver,) = builders.build_driver(JOB, s, 0, [])["spec"]["containers"]
     denv = env_of(driver)
-    assert denv["RLJOB_WEIGHT_SYNC_SIDECARS"] == "pods"
     assert (denv["RLJOB_WEIGHT_SYNC_PORT"], denv["RLJOB_ENGINE_PORT"]) == ("29600", "30000")
 
 
-def test_colocated_uses_one_shared_group_with_the_sidecar() -> None:
+def test_colocated_uses_one_shared_group_with_a_port_per_engine() -> None:
     s = spec(placement="colocated", trainer={"replicas": 2, "gpusPerReplica": 8},
              rollout={"gpus": 16, "gpusPerEngine": 2})
     groups = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("colocated", 2)]
-    # Each pod holds 8 / 2 = 4 engines: a port and a sidecar for each.
-    main, *sidecars = containers(groups[0])
+    # Each pod holds 8 / 2 = 4 engines: a port for each, their sidecars in the same container.
+    (main,) = containers(groups[0])
     assert main["ports"] == [{"containerPort": 30000 + i, "name": f"engine-{i}"}
                              for i in range(4)]
-    assert [c["name"] for c in sidecars] == [f"weight-sync-{i}" for i in range(4)]
-    for i, sidecar in enumerate(sidecars):
-        env = env_of(sidecar)
-        assert env["RLJOB_ENGINE_URL"] == f"http://127.0.0.1:{30000 + i}"
-        assert env["RLJOB_ENGINE_INDEX"] == str(i)
-        assert sidecar["ports"] == [{"containerPort": 8090 + i, "name": f"weight-sync-{i}"}]
-        assert sidecar["command"] == ["rljob-weight-sync", "--listen", f"0.0.0.0:{8090 + i}",
-                                      "--device", "cpu"]
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
-def test_one_engine_pods_keep_the_single_weight_sync_container() -> None:
-    for placement, trainer_gpus in (("disaggregated", 4), ("colocated", 2)):
-        s = spec(placement=placement, trainer={"replicas": 2, "gpusPerReplica": trainer_gpus},
-                 rollout={"gpus": 4, "gpusPerEngine": 2})
-        group = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"][-1]
-        main, sidecar = containers(group)
-        assert main["ports"] == [{"containerPort": 30000, "name": "engine"}]
-        assert sidecar["name"] == "weight-sync"
-        assert "RLJOB_ENGINE_INDEX" not in env_of(sidecar)
+@pytest.mark.parametrize(("resources", "want"), [
+    # 4 engines × (768 MiB process + 256 MiB bucket) = 4096 MiB on top of the user's figures
+    ({"requests": {"memory": "8Gi"}, "limits": {"memory": "64Gi"}},
+     {"requests": "12288Mi", "limits": "69632Mi"}),
+    ({"requests": {"memory": "1G"}}, {"requests": "5050Mi", "limits": None}),  # 953.7 + 4096, up
+    ({}, {"requests": "4096Mi", "limits": None}),  # no limit stays no limit
+])
+def test_sidecar_memory_is_added_to_the_engine_container(
+        resources: dict[str, Any], want: dict[str, str | None]) -> None:
+    s = spec(placement="colocated", trainer={"replicas": 1, "gpusPerReplica": 4,
+                                             "resources": resources},
+             rollout={"gpus": 4, "gpusPerEngine": 1},
+             weightSync={"bucketSizeMb": 256})
+    assert builders.sidecar_memory_mib(s) == 768 + 256
+    (group,) = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
+    (main,) = containers(group)
+    got = {kind: main["resources"].get(kind, {}).get("memory") for kind in want}
+    assert got == want
+
+
+def test_trainer_pods_get_no_sidecar_memory() -> None:
+    s = spec(trainer={"replicas": 1, "gpusPerReplica": 2,
+                      "resources": {"limits": {"memory": "64Gi"}}},
+             rollout={"gpus": 2, "gpusPerEngine": 1,
+                      "resources": {"limits": {"memory": "32Gi"}}})
+    groups = {g["groupName"]: g for g in builders.build_raycluster(JOB, s)["spec"]
+              ["workerGroupSpecs"]}
+    assert containers(groups["trainer"])[0]["resources"]["limits"]["memory"] == "64Gi"
+    rollout = containers(groups["rollout"])[0]["resources"]
+    assert rollout["limits"]["memory"] == f"{32 * 1024 + 768 + 512}Mi"
+    assert rollout["requests"]["memory"] == f"{768 + 512}Mi"
 
 
 def test_hf_rollout_and_cpu_trainer_request_no_gpus() -> None:
@@ -203,9 +215,8 @@ def test_every_ray_container_and_only_those_get_the_token_from_the_secret(
             assert env["RAY_AUTH_MODE"] == "token", name
             assert env["RAY_AUTH_TOKEN"] == {"secretKeyRef": {"name": "rl-ray-token-uid-1",
                                                               "key": "auth_token"}}, name
-        else:  # weight-sync sidecars talk to their engine and the store, never to Ray
-            assert name.split("/")[1].startswith("weight-sync"), name
-            assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN"} & set(env), name
+        else:
+            raise AssertionError(f"{name} is not a Ray container")
     # The token never appears in a manifest, only the reference to the Secret.
     secret = builders.build_ray_token_secret(JOB, "f" * 64)
     # Named after the job and its UID: an existing Secret of that name can only be this job's.
@@ -238,7 +249,7 @@ def test_without_checkpoint_pvc_every_pod_mounts_the_operators_shared_claim() ->
                           "persistentVolumeClaim": {"claimName": "rl-checkpoints"}}
         # Only /dev/shm and the engines' /tmp handoff are pod-local; never the checkpoints.
         assert not any("emptyDir" in v for v in pod["volumes"]
-                       if v["name"] not in {"dshm", builders.HANDOFF_VOLUME})
+                       if v["name"] != "dshm")
     for name, container in _all_containers(s).items():
         assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"], name
 

@@ -41,7 +41,7 @@ def test_job_runs_and_is_quiet_when_idle(
     assert set(groups) == {"trainer", "rollout"}
     assert groups["rollout"]["replicas"] == 2
     rollout_containers = groups["rollout"]["template"]["spec"]["containers"]
-    assert [c["name"] for c in rollout_containers] == ["ray-worker", "weight-sync"]
+    assert [c["name"] for c in rollout_containers] == ["ray-worker"]
     assert rc["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
     by_component = {c: pods(cluster, namespace, "rl", c)
                     for c in ("head", "trainer", "rollout", "driver")}
@@ -103,9 +103,14 @@ def test_job_runs_and_is_quiet_when_idle(
 
     assert can("patch", "rljobs.rljob.io/rl") == "yes"
     assert can("patch", "rljobs.rljob.io/other") == "no"
-    events = cluster.get_json(
-        "events", "-n", namespace, "--field-selector", "involvedObject.name=rl")["items"]
-    assert {"Initializing", "Running"} <= {e["reason"] for e in events}
+    def events() -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = cluster.get_json(
+            "events", "-n", namespace, "--field-selector", "involvedObject.name=rl")["items"]
+        return items
+
+    # The operator posts a transition's Event right after the status write that shows it.
+    wait_for(lambda: {"Initializing", "Running"} <= {e["reason"] for e in events()},
+             timeout=30, what="the Initializing and Running Events")
 
     # The Ray token: one immutable Secret owned by the job, referenced by every Ray
     # container, its value in no status, event or pod spec.
@@ -113,7 +118,7 @@ def test_job_runs_and_is_quiet_when_idle(
     assert secret["immutable"] is True and secret["metadata"]["ownerReferences"][0]["uid"]
     token = base64.b64decode(secret["data"]["auth_token"]).decode()
     assert len(token) == 64
-    visible = json.dumps([status(cluster, namespace, "rl"), events,
+    visible = json.dumps([status(cluster, namespace, "rl"), events(),
                           cluster.get_json("pods,rayclusters", "-n", namespace)])
     assert token not in visible and secret["metadata"]["name"] in visible
     # The shared checkpoint claim, bound, mounted by every pod.

@@ -95,9 +95,15 @@ def test_pod_and_driver_failures_restart_with_a_new_driver_until_max_restarts(
     wait_for(lambda: cluster.kubectl("get", "raycluster", "rec", "-n", namespace,
                                      check=False).returncode != 0,
              timeout=30, what="RayCluster removed after failure")
-    reasons = [e["reason"] for e in cluster.get_json(
-        "events", "-n", namespace, "--field-selector", "involvedObject.name=rec")["items"]]
-    assert reasons.count("Recovering") == 3 and "Failed" in reasons
+
+    def reasons() -> list[str]:
+        return [e["reason"] for e in cluster.get_json(
+            "events", "-n", namespace, "--field-selector", "involvedObject.name=rec")["items"]]
+
+    # The operator posts a transition's Event right after the status write that shows it.
+    wait_for(lambda: reasons().count("Recovering") == 3 and "Failed" in reasons(),
+             timeout=30, what="three Recovering Events and a Failed one",
+             describe=lambda: f"Events: {reasons()}")
     assert operator.metric("rljob_operator_restarts_total") == 3
 
 

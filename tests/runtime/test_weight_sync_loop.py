@@ -19,10 +19,13 @@ import torch
 from rljob.cluster.cluster import RunOptions, worker_env
 from rljob.driver.attempt import Attempt
 from rljob.driver.job import WEIGHT_SYNC_LOG
+from rljob.driver.outcome import exit_code
 from rljob.driver.run import run_attempt
 from rljob.engine.client import EngineClient
+from rljob_api.exits import FAILED as EXIT_FAILED
+from rljob_api.exits import NONFINITE as EXIT_NONFINITE
 from rljob_api.exits import OK as EXIT_OK
-from tests.faults import CORRUPT_ENV, SETUP_HOOK
+from tests.faults import CORRUPT_ENV, NAN_PUBLISHED_ENV, SETUP_HOOK, SIDECAR_DIES_ENV
 from tests.runtime.conftest import RecordingReporter
 from tests.runtime.jobs import job_spec
 
@@ -102,3 +105,69 @@ def test_a_nan_in_the_broadcast_is_rejected_and_the_engine_resynced(tmp_path: Pa
     assert "still serving version 1" in rejection  # the engine kept v−1 ...
     assert by_version[2]["attempts"] == 2  # ... until the trainer resynced it
     assert all(r["attempts"] == 1 for v, r in by_version.items() if v != 2)
+
+
+def _run_with_fault(tmp_path: Path, fault: dict[str, str], reporter: RecordingReporter
+                    ) -> tuple[int, list[dict[str, Any]]]:
+    """Run STEPS steps with `fault` (tests.faults) in every Ray worker; the exit code (as
+    `rljob run` would exit) and the weight-sync log. A run that ends well must leave the
+    engine bit-equal to the trainer at version STEPS."""
+    spec = job_spec(tmp_path, {"algorithm": {"totalSteps": STEPS},
+                               "checkpoint": {"interval": STEPS},
+                               "weightSync": {"ackTimeoutSeconds": 20}})
+    workdir = tmp_path / "w"
+    with local_ray(fault):
+        attempt = Attempt.begin("job", spec, RunOptions(workdir), reporter)
+        code = EXIT_FAILED
+        try:
+            code = exit_code(attempt, lambda: run_attempt(attempt))
+            if code == EXIT_OK:
+                job = attempt.job
+                assert job is not None
+                trainer = dict(ray.get(job.roles.trainers.rank0.named_weights.remote()))
+                (url,) = job.roles.engines.urls
+                got = engine_weights(url, trainer)
+                assert all(torch.equal(got[n], t) for n, t in trainer.items())
+                assert attempt.cluster.weight_sync is not None
+                (health,) = attempt.cluster.weight_sync.health()
+                assert health["last_acked_version"] == STEPS
+        finally:
+            attempt.shutdown(code)
+    log = [json.loads(line) for line in (workdir / WEIGHT_SYNC_LOG).read_text().splitlines()]
+    return code, log
+
+
+def test_a_sidecar_that_dies_is_started_again_and_sent_the_version_it_missed(
+        tmp_path: Path) -> None:
+    marker = tmp_path / "sidecar-died"
+    code, log = _run_with_fault(tmp_path, {SIDECAR_DIES_ENV: f"engine-0:2:{marker}"},
+                                RecordingReporter())
+    assert marker.exists()  # a sidecar process really exited when version 2 came
+    assert code == EXIT_OK  # ... and the run went on: Ray started it again
+    # Version 2 reached the engine only after a failed try (the first sidecar died with it),
+    # and every version ends acknowledged, in order.
+    v2 = [r for r in log if r["version"] == 2]
+    assert v2[0]["attempts"] > 1 or v2[0]["stale"], v2
+    assert v2[-1]["acked"] == ["engine-0"] and v2[-1]["stale"] == {}, v2
+    assert sorted({r["version"] for r in log}) == list(range(STEPS + 1))
+
+
+def test_a_sidecar_that_keeps_dying_ends_the_attempt_as_sidecar_lost(tmp_path: Path) -> None:
+    reporter = RecordingReporter()
+    code, log = _run_with_fault(tmp_path, {SIDECAR_DIES_ENV: "engine-0:2:"}, reporter)
+    assert code == EXIT_FAILED  # retryable: the operator restarts the job, counted
+    (failure,) = reporter.failures
+    assert failure.reason == "WeightSyncSidecarLost", failure
+    assert "engine-0" in failure.message and "version 2" in failure.message, failure
+    assert [r["version"] for r in log if not r["stale"]] == [0, 1]
+
+
+def test_weights_that_fail_the_publishers_scan_stop_the_run_with_nothing_sent(
+        tmp_path: Path) -> None:
+    reporter = RecordingReporter()
+    code, log = _run_with_fault(tmp_path, {NAN_PUBLISHED_ENV: "2"}, reporter)
+    assert code == EXIT_NONFINITE
+    (failure,) = reporter.failures
+    assert failure.reason == "NonFiniteWeights" and not failure.retryable, failure
+    assert "nothing was sent to the engines" in failure.message, failure
+    assert [r["version"] for r in log] == [0, 1]  # version 2 never left the trainer

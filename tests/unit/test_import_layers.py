@@ -120,3 +120,19 @@ def test_the_driver_calls_other_processes_only_through_the_role_handles() -> Non
                                                     and node.value.id == "ray"
                                                     and node.attr in ("get", "wait", "kill")))]
     assert wrong == []
+
+
+# Where a Ray failure becomes an exit code and a reported reason: the one module of the
+# driver that names Ray's exceptions.
+RAY_ERRORS_READ_IN = "runtime/rljob/driver/outcome.py"
+
+
+def test_only_the_outcome_module_of_the_driver_imports_ray() -> None:
+    """The driver handles what roles said (TimeoutError, NonFiniteWeights), raised by the
+    role handles as themselves, not how Ray carried it; only the outcome reads Ray's errors."""
+    wrong = [str(path.relative_to(ROOT))
+             for folder in ("driver", "cli")
+             for path in sorted((RUNTIME / folder).rglob("*.py"))
+             if any(m == "ray" or m.startswith("ray.") for m in _imports(path))
+             and str(path.relative_to(ROOT)) != RAY_ERRORS_READ_IN]
+    assert wrong == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 import pytest
 
@@ -18,10 +17,9 @@ from rljob.cluster.placement import (
     port_clashes,
 )
 from rljob.cluster.weight_sync import SyncSettings, sidecar_device
-from rljob.engine.sidecar import SidecarConfig, parse_args
 from rljob.engine.slots import SlotDeviceError, engine_gpus
-from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.layout import slots_per_pod
+from rljob_api.spec import COLOCATED_IMAGE as COLOCATED_REPO
 from rljob_api.spec import RLJobSpec, RolloutBackend, WeightSyncMode
 from rljob_api.validate import spec_problems
 from rljob_operator.builders import JobRef, build_driver, build_raycluster
@@ -45,6 +43,8 @@ def test_disaggregated_slots_and_cluster_bundles() -> None:
     assert [b.get("rljob_rollout", 0) for b in bundles] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(b["GPU"] == 1 for b in bundles)
     assert all(set(b) == {"CPU"} for b in layout.bundles(Devices(False, False)))
+
+COLOCATED_IMAGE = f"{COLOCATED_REPO}:0.1.0"
 
 
 @pytest.mark.parametrize(("placement", "groups"), [
@@ -240,31 +240,20 @@ def test_a_sidecar_stages_on_its_engines_gpu_only_when_weights_travel_on_gpus(
     assert sidecar_device(visible, sync_on_gpu) == device
 
 
-def _sidecar_view(container: dict[str, Any], pod: str,
-                  monkeypatch: pytest.MonkeyPatch) -> SidecarConfig:
-    """What `rljob-weight-sync` makes of the operator's container in pod `pod`."""
-    for name in ("POD_NAME", "POD_IP", ENGINE_INDEX_ENV, "RLJOB_ENGINE_URL"):
-        monkeypatch.delenv(name, raising=False)
-    for var in container["env"]:
-        monkeypatch.setenv(var["name"], var.get("value", ""))
-    monkeypatch.setenv("POD_NAME", pod)
-    return parse_args(container["command"][1:])
-
-
 @pytest.mark.parametrize(("placement", "replicas", "trainer_gpus", "rollout_gpus", "per_engine"), [
     ("disaggregated", 1, 4, 6, 2),
     ("colocated", 1, 8, 8, 1),
     ("colocated", 2, 8, 16, 2),
     ("colocated", 2, 2, 4, 2),
 ])
-def test_engines_listen_where_the_operators_sidecars_look(
+def test_engines_listen_on_the_ports_their_pods_declare(
     placement: str, replicas: int, trainer_gpus: int, rollout_gpus: int, per_engine: int,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every engine the runtime starts has exactly one sidecar in its pod pointing at its port,
-    declared by the pod, and every sidecar has an engine and a name of its own in the job."""
+    """Every engine the runtime starts binds a port its pod declares, and no two engines of
+    one pod share one."""
     raw = {"placement": placement,
-           "trainer": {"replicas": replicas, "gpusPerReplica": trainer_gpus},
+           "trainer": {"replicas": replicas, "gpusPerReplica": trainer_gpus,
+                       "image": COLOCATED_IMAGE},
            "rollout": {"gpus": rollout_gpus, "gpusPerEngine": per_engine}}
     assert spec_problems(raw) == []
     spec = RLJobSpec.model_validate(raw)
@@ -276,27 +265,18 @@ def test_engines_listen_where_the_operators_sidecars_look(
     per_pod = slots_per_pod(spec) if layout.colocated else per_engine
     first = 0 if layout.colocated else len(layout.trainer_slots)
     group = "colocated" if layout.colocated else "rollout"
-    runtime = sorted((f"{group}-{(s - first) // per_pod}",
-                      engine_port(spec, settings.engine_port, s)) for s in layout.engine_slots)
+    runtime = [(f"{group}-{(s - first) // per_pod}", engine_port(spec, settings.engine_port, s))
+               for s in layout.engine_slots]
+    assert len(set(runtime)) == len(runtime)
 
     (workers,) = [g for g in build_raycluster(job, spec)["spec"]["workerGroupSpecs"]
                   if g["groupName"] == group]
-    operator: list[tuple[str, int]] = []
-    sync_names: list[str] = []
-    for replica in range(workers["replicas"]):
-        pod = f"{group}-{replica}"
-        main, *sidecars = workers["template"]["spec"]["containers"]
-        declared = {p["containerPort"] for p in main["ports"]}
-        for container in sidecars:
-            config = _sidecar_view(container, pod, monkeypatch)
-            port = int(config.engine_url.rsplit(":", 1)[1])
-            assert port in declared
-            assert [p["containerPort"] for p in container["ports"]] == [config.listen_port]
-            operator.append((pod, port))
-            sync_names.append(config.engine_name)
-        assert len({p["containerPort"] for c in sidecars for p in c["ports"]}) == len(sidecars)
-    assert runtime == sorted(operator)
-    assert len(set(sync_names)) == len(sync_names) == len(layout.engine_slots)
+    (main,) = workers["template"]["spec"]["containers"]
+    declared = {p["containerPort"] for p in main["ports"]}
+    pods = {f"{group}-{replica}" for replica in range(workers["replicas"])}
+    assert {pod for pod, _ in runtime} == pods
+    assert {port for _, port in runtime} <= declared
+    assert len(declared) == len(runtime) // len(pods)
 
 
 def test_port_clashes_name_the_engines_ray_put_together() -> None:
@@ -320,33 +300,32 @@ def test_the_devices_line_names_the_transport_the_job_uses(
     assert line.endswith(said)
 
 
-@pytest.mark.parametrize(("placement", "trainer_gpus", "rollout_gpus", "per_engine", "backend"), [
-    ("disaggregated", 0, 2, 1, "sglang"),  # CPU trainer, SGLang on GPUs: gloo
-    ("disaggregated", 1, 2, 1, "hf"),      # GPU trainer, hf engines on CPU: gloo
-    ("disaggregated", 0, 2, 1, "hf"),      # all CPU: gloo
-    ("disaggregated", 1, 2, 2, "sglang"),  # GPUs on both sides: NCCL
-    ("colocated", 1, 1, 1, "hf"),          # one engine on the trainer's GPU: CUDA IPC
-    ("colocated", 2, 2, 1, "sglang"),      # two engines a pod: staged on CPU
+@pytest.mark.parametrize(("placement", "trainer_gpus", "rollout_gpus", "per_engine", "backend",
+                          "staging"), [
+    ("disaggregated", 0, 2, 1, "sglang", "cpu"),  # CPU trainer, SGLang on GPUs: gloo
+    ("disaggregated", 1, 2, 1, "hf", "cpu"),      # GPU trainer, hf engines on CPU: gloo
+    ("disaggregated", 0, 2, 1, "hf", "cpu"),      # all CPU: gloo
+    ("disaggregated", 1, 2, 2, "sglang", "cuda:0"),  # GPUs on both sides: NCCL
+    ("colocated", 1, 1, 1, "hf", "cuda:0"),       # one engine on the trainer's GPU: CUDA IPC
+    ("colocated", 2, 2, 1, "sglang", "cuda:0"),   # two engines a pod, each sidecar on its GPU
 ])
-def test_operator_sidecars_stage_where_the_runtimes_group_needs_them(
+def test_sidecars_stage_where_the_runtimes_group_needs_them_in_every_pod_shape(
     placement: str, trainer_gpus: int, rollout_gpus: int, per_engine: int, backend: str,
+    staging: str,
 ) -> None:
-    # A sidecar that stages on a GPU it can see while the trainer's group is gloo refuses
-    # every version (a gloo group takes CPU buffers only): the operator's flag and the
-    # runtime's device choice on a cluster follow one rule.
+    # A sidecar that stages on a GPU while the trainer's group is gloo refuses every version
+    # (a gloo group takes CPU buffers only), and one on the CPU cannot join an NCCL group.
+    # The sidecar runs in its engine's container holding a share of the engine's first GPU
+    # (Ray shows it that GPU alone), also with several engines in a pod.
     raw = {
         "placement": placement,
-        "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
+        "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus,
+                    "image": COLOCATED_IMAGE},
         "rollout": {"backend": backend, "gpus": rollout_gpus, "gpusPerEngine": per_engine},
     }
     assert spec_problems(raw) == []
     spec = RLJobSpec.model_validate(raw)
     devices = choose_devices(spec, 16, on_cluster=True)
-    group = build_raycluster(JobRef("j", "ns", "uid"), spec)["spec"]["workerGroupSpecs"][-1]
-    sidecars = [c for c in group["template"]["spec"]["containers"]
-                if c["name"].startswith("weight-sync")]
-    assert sidecars
-    many = len(sidecars) > 1
-    for sidecar in sidecars:
-        on_cpu = sidecar["command"][-2:] == ["--device", "cpu"]
-        assert on_cpu == (many or not devices.sync_on_gpu), sidecar["command"]
+    engine_visible = "3" if devices.engine.startswith("cuda") else ""
+    assert sidecar_device(engine_visible, devices.sync_on_gpu) == staging
+    assert devices.sync_on_gpu == (staging != "cpu")

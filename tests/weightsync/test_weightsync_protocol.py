@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._C._distributed_c10d import HashStore
 
-from rljob.cluster.weight_sync import ENGINE_PORT_ENV, PORT_ENV, SIDECARS_ENV, SyncSettings
+from rljob.cluster.weight_sync import ENGINE_PORT_ENV, PORT_ENV, SyncSettings
 from rljob.engine.sglang_launcher import (
     EngineStartError,
     ReservedArgumentError,
@@ -46,7 +46,6 @@ from rljob.weightsync.wire import (
     flat_span,
     update_problems,
 )
-from rljob_api.env import ENGINE_INDEX as ENGINE_INDEX_ENV
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 from rljob_api.spec import WeightSyncSpec
 
@@ -261,18 +260,12 @@ def test_sidecar_arguments_are_checked_with_a_message() -> None:
     assert (cfg.trainer_host, cfg.trainer_port, cfg.engine_name) == ("t", 29600, "r0")
 
 
-def test_sidecar_of_a_multi_engine_pod_names_itself_after_pod_and_index(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("POD_NAME", "rl-colocated-abc")
-    monkeypatch.delenv(ENGINE_INDEX_ENV, raising=False)
-    assert parse_args(["--trainer", "t:1", "--device", "cpu"]).engine_name == "rl-colocated-abc"
-    monkeypatch.setenv(ENGINE_INDEX_ENV, "3")
-    cfg = parse_args(["--trainer", "t:1", "--device", "cpu", "--listen", "0.0.0.0:8093"])
-    assert (cfg.engine_name, cfg.listen_port) == ("rl-colocated-abc-3", 8093)
-    monkeypatch.setenv(ENGINE_INDEX_ENV, "x")
-    with pytest.raises(SystemExit, match=f"{ENGINE_INDEX_ENV} must be a number"):
-        parse_args(["--trainer", "t:1", "--device", "cpu"])
+def test_sidecar_names_itself_after_its_pod_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "rl-rollout-abc")
+    assert parse_args(["--trainer", "t:1", "--device", "cpu"]).engine_name == "rl-rollout-abc"
+    cfg = parse_args(["--trainer", "t:1", "--device", "cpu", "--engine-name", "e7",
+                      "--listen", "0.0.0.0:8093"])
+    assert (cfg.engine_name, cfg.listen_port) == ("e7", 8093)
 
 
 SERVER = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=4, nccl_port=31000)
@@ -311,12 +304,9 @@ def test_health_polling_gives_up_at_its_deadline_and_on_exit() -> None:
 
 
 def test_driver_settings_come_from_the_operator_env_with_clear_errors() -> None:
-    assert SyncSettings.from_env({}) == SyncSettings(pod_sidecars=False, store_port=0,
-                                                     engine_port=0)
-    pods = {SIDECARS_ENV: "pods", PORT_ENV: "29600", ENGINE_PORT_ENV: "30000"}
-    assert SyncSettings.from_env(pods) == SyncSettings(True, 29600, 30000)
-    with pytest.raises(ValueError, match=f"{SIDECARS_ENV} must be 'local' or 'pods'"):
-        SyncSettings.from_env({SIDECARS_ENV: "pod"})
+    assert SyncSettings.from_env({}) == SyncSettings(store_port=0, engine_port=0)
+    pods = {PORT_ENV: "29600", ENGINE_PORT_ENV: "30000"}
+    assert SyncSettings.from_env(pods) == SyncSettings(29600, 30000)
     with pytest.raises(ValueError, match=f"{ENGINE_PORT_ENV} must be a port number"):
         SyncSettings.from_env({ENGINE_PORT_ENV: "70000"})
 

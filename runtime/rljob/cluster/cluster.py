@@ -34,7 +34,7 @@ from rljob.cluster.placement import (
 )
 from rljob.cluster.rollout_pipeline import RolloutPipeline
 from rljob.cluster.trainer_group import TrainerGroup
-from rljob.cluster.weight_sync import SyncSettings, WeightSyncActors
+from rljob.cluster.weight_sync import SidecarCheck, SyncSettings, WeightSyncActors
 from rljob.cluster.whereabouts import Placed
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.slots import SlotHolder
@@ -306,8 +306,8 @@ class Cluster:
 
     def start_weight_sync(self, settings: SyncSettings, spec: RLJobSpec, roles: Roles
                           ) -> tuple[str, int]:
-        """The store on the Ray head and, unless the pods run them, a sidecar per engine next
-        to it (`rljob.cluster.weight_sync`); the store's address, which the trainer joins."""
+        """The store on the Ray head and a sidecar per engine next to its engine
+        (`rljob.cluster.weight_sync`); the store's address, which the trainer joins."""
         assert self.pg is not None, "placed first"
         self.weight_sync = WeightSyncActors(settings)
         store = self.weight_sync.start_store()
@@ -316,6 +316,16 @@ class Cluster:
             placement=(self.pg, list(plan(spec).engine_slots)),
             sync_on_gpu=roles.devices.sync_on_gpu)
         return store
+
+    def check_sidecars(self) -> SidecarCheck:
+        """Sidecars that died since the last check (`WeightSyncActors.check`); none before
+        weight sync starts."""
+        return self.weight_sync.check() if self.weight_sync is not None else SidecarCheck()
+
+    def sidecars_registered(self, engines: list[int], timeout_s: float) -> bool:
+        """Whether the sidecars of `engines` registered with the store within `timeout_s`."""
+        return self.weight_sync is not None and self.weight_sync.wait_registered(
+            engines, timeout_s)
 
     def report_placement(self, spec: RLJobSpec, roles: Roles) -> None:
         """Print where Ray runs every actor (whereabouts); on a cluster, stop if one is not on

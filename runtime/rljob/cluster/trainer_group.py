@@ -5,14 +5,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
 from rljob.rollout.sample import Sample
 from rljob.trainer.interface import TrainerActor
 from rljob.trainer.metrics import TrainMetrics
-from rljob.weightsync.publisher import SyncResult
+from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
+
+T = TypeVar("T")
+
+
+def _cause(call: Callable[[], T], expected: type[Exception]) -> T:
+    """`call()`, with a remote `expected` error raised here as itself (Ray wraps it), so
+    the driver handles what the role said without knowing how it travelled."""
+    try:
+        return call()
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, expected):
+            raise err.cause from None
+        raise
 
 
 class TrainerGroup:
@@ -67,12 +80,17 @@ class TrainerGroup:
         """Rank 0 joins weight sync; `on_gpu`: the engines' sidecars stage on GPUs too."""
         ray.get(self.rank0.set_publisher.remote(*store, disk_dir, start_version, on_gpu))
 
-    def wait_for_engines(self, count: int, timeout_s: float) -> list[str]:
-        joined: list[str] = ray.get(self.rank0.wait_for_engines.remote(count, timeout_s))
-        return joined
+    def wait_for_engines(self, count: int, timeout_s: float) -> None:
+        """Until `count` engines joined weight sync; TimeoutError (the publisher's) if not
+        within `timeout_s`."""
+        _cause(lambda: ray.get(self.rank0.wait_for_engines.remote(count, timeout_s)),
+               TimeoutError)
 
     def publish(self, version: int, again: bool) -> SyncResult:
-        result: SyncResult = ray.get(self.rank0.publish.remote(version, again))
+        """Deliver `version` to every engine; NonFiniteWeights (the publisher's scan) when
+        the weights hold NaN/Inf and nothing was sent."""
+        result: SyncResult = _cause(
+            lambda: ray.get(self.rank0.publish.remote(version, again)), NonFiniteWeights)
         return result
 
     def shutdown(self, timeout_s: float) -> None:

@@ -1,22 +1,22 @@
-"""Weight sync inside a Ray job: where the coordination store runs, and who runs sidecars.
+"""Weight sync inside a Ray job: where the coordination store runs, and the sidecars.
 
 The store needs an address every pod can reach. On a cluster the driver is a pod of its
 own, but the Ray head pod sits behind KubeRay's stable Service `<job>-head-svc` (whose
 ports are the head container's ports), so the driver starts the store as an actor pinned
-to the Ray head node on a fixed port. The actor is the driver's: it ends with the driver,
-and the sidecars notice and register again with the next driver. Locally the head is this
-machine and the port is any free one.
+to the Ray head node on a fixed port. The actor is the driver's: it ends with the driver.
+Locally the head is this machine and the port is any free one.
 
-Sidecars: on a cluster the operator runs one `weight-sync` container per engine in every pod
-that holds engines (`RLJOB_WEIGHT_SYNC_SIDECARS=pods`). Otherwise the driver starts one
-sidecar per engine as an actor on the engine's node (the handoff to the engine goes through
-that node's shared memory or GPU), and Ray ends them with the driver, on exit, Ctrl-C or a
-crash. When weights travel GPU to GPU (trainer and engines on GPUs,
-`placement.Devices.sync_on_gpu`) a GPU engine's sidecar asks Ray for
-`placement.SIDECAR_SHARE` of the placement-group bundle of the engine's first slot: Ray then
-shows it exactly that GPU, where it joins the NCCL group (or reads the trainer's buckets by
-CUDA IPC) and stages what the engine loads. Otherwise (a CPU engine, or a CPU trainer, whose
-group is gloo) it stages on the CPU next to its engine and holds no GPU.
+Sidecars: the driver starts one sidecar per engine as an actor on the engine's node, on a
+laptop and in pods alike, so it runs in the container that holds the engine's GPUs (a
+process of another container could not be allocated the same GPU: docs/gpu-pods.md). When
+weights travel GPU to GPU (trainer and engines on GPUs, `placement.Devices.sync_on_gpu`) a
+GPU engine's sidecar asks Ray for `placement.SIDECAR_SHARE` of the placement-group bundle of
+the engine's first slot: Ray then shows it exactly that GPU, where it joins the NCCL group
+(or reads the trainer's buckets by CUDA IPC) and stages what the engine loads. Otherwise (a
+CPU engine, or a CPU trainer, whose group is gloo) it stages on the CPU next to its engine
+and holds no GPU. Ray restarts a sidecar that dies (up to `SIDECAR_MAX_RESTARTS` times, in
+the same bundle); the restarted one registers again and is sent the next version. Ray ends
+them with the driver, on exit, Ctrl-C or a crash.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,34 +45,34 @@ from rljob.weightsync.group import open_store
 from rljob_api import env
 from rljob_api.layout import HEAD_RESOURCE
 
-SIDECARS_ENV = env.WEIGHT_SYNC_SIDECARS
 PORT_ENV = env.WEIGHT_SYNC_PORT
 ENGINE_PORT_ENV = env.ENGINE_PORT
 BIND_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+# A sidecar that dies (its process killed, e.g. by the container's OOM killer) is started
+# again by Ray this many times per attempt; after that the attempt ends with
+# `WeightSyncSidecarLost` and the job restarts as for any lost worker, counted against
+# spec.recovery.maxRestarts, so a sidecar that keeps dying cannot loop.
+SIDECAR_MAX_RESTARTS = 3
+HEALTH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
 class SyncSettings:
     """What the environment says about the pods: the operator sets these on the driver."""
 
-    pod_sidecars: bool = False
     store_port: int = 0  # 0: any free port
     engine_port: int = 0  # 0: any free port; else the first engine port of each pod
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SyncSettings:
-        mode = env.get(SIDECARS_ENV, "local")
-        if mode not in ("local", "pods"):
-            raise ValueError(f"{SIDECARS_ENV} must be 'local' or 'pods', got {mode!r}")
-
         def port(name: str) -> int:
             raw = env.get(name, "0")
             if not raw.isdigit() or int(raw) > 65535:
                 raise ValueError(f"{name} must be a port number (0 for any), got {raw!r}")
             return int(raw)
 
-        return cls(mode == "pods", port(PORT_ENV), port(ENGINE_PORT_ENV))
+        return cls(port(PORT_ENV), port(ENGINE_PORT_ENV))
 
 
 class StoreHost(Locatable):
@@ -120,6 +120,7 @@ def sidecar_options(
     """
     if on_gpu:
         return {
+            "max_restarts": SIDECAR_MAX_RESTARTS,
             "num_cpus": 0,
             "num_gpus": SIDECAR_SHARE,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -127,6 +128,7 @@ def sidecar_options(
             ),
         }
     return {
+        "max_restarts": SIDECAR_MAX_RESTARTS,
         "num_cpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
     }
@@ -149,13 +151,27 @@ def sidecar_placement(
     return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
 
 
+@dataclass
+class SidecarCheck:
+    """Sidecars lost since the last check: for good (why, by engine), or started again by Ray
+    (engine indices)."""
+
+    dead: list[str] = field(default_factory=list)
+    restarted: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return "; ".join([*self.dead, *(f"engine-{i}: its sidecar died and Ray started it "
+                                         "again" for i in self.restarted)])
+
+
 class WeightSyncActors:
-    """The store actor and (for local runs) the sidecar actors of one driver."""
+    """The store actor and the sidecar actors of one driver."""
 
     def __init__(self, settings: SyncSettings) -> None:
         self.settings = settings
         self.store: Any = None
         self.sidecars: list[Any] = []
+        self.incarnations: dict[int, str] = {}  # by engine index, as last checked
 
     def start_store(self) -> tuple[str, int]:
         """Start the store on the Ray head node; returns the address the trainer joins."""
@@ -175,12 +191,10 @@ class WeightSyncActors:
         placement: tuple[PlacementGroup, list[int]],
         sync_on_gpu: bool,
     ) -> None:
-        """One sidecar per engine, named `engine-<i>` (not on pods): on the engine's node,
-        and when it stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the
-        engine's first slot (`placement`: the group and each engine's first slot) holding a
-        share of that GPU."""
-        if self.settings.pod_sidecars:
-            return
+        """One sidecar per engine, named `engine-<i>`: on the engine's node, and when it
+        stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the engine's
+        first slot (`placement`: the group and each engine's first slot) holding a share of
+        that GPU."""
         where = engines.localities()
         cls = ray.remote(SidecarActor)
         pg, slots = placement
@@ -199,8 +213,45 @@ class WeightSyncActors:
             self.sidecars.append(cls.options(**options).remote(config))
 
     def health(self) -> list[dict[str, Any]]:
-        """Each local sidecar's `/health` answer (empty when the pods run them)."""
+        """Each sidecar's `/health` answer, by engine index."""
         return list(ray.get([s.health.remote() for s in self.sidecars]))
+
+    def check(self) -> SidecarCheck:
+        """Which sidecars died since the last check: Ray gave up on them, or started them
+        again (a new incarnation, which missed what was sent meanwhile and registers anew)."""
+        check = SidecarCheck()
+        for i, sidecar in enumerate(self.sidecars):
+            try:
+                health = ray.get(sidecar.health.remote(), timeout=HEALTH_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                check.dead.append(f"engine-{i}: its sidecar did not answer within "
+                                  f"{HEALTH_TIMEOUT_S:.0f}s")
+                continue
+            except ray.exceptions.RayActorError as err:
+                check.dead.append(f"engine-{i}: its sidecar died and was not started again "
+                                  f"({SIDECAR_MAX_RESTARTS} restarts an attempt): "
+                                  f"{str(err).splitlines()[0]}")
+                continue
+            if self.incarnations.get(i, health["incarnation"]) != health["incarnation"]:
+                check.restarted.append(i)
+            self.incarnations[i] = health["incarnation"]
+        return check
+
+    def wait_registered(self, engines: list[int], timeout_s: float) -> bool:
+        """Whether the sidecars of `engines` registered with the store within `timeout_s`
+        (a started one does that on its own, then waits for announcements)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                states = ray.get([self.sidecars[i].health.remote() for i in engines],
+                                 timeout=HEALTH_TIMEOUT_S)
+            except ray.exceptions.RayError:
+                return False
+            if all(h["state"] not in ("starting", "disconnected") for h in states):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the sidecars (each within a deadline, unless not `graceful`), then kill them

@@ -34,6 +34,7 @@ class Attempt:
     stop: StopSignals
     cluster: Cluster
     checkpoints: Checkpoints
+    number: int  # which attempt of the job this is (the operator's restart count; 0 locally)
     tracking: Trackers = field(default_factory=Trackers)  # none until start-up starts them
     job: Job | None = None  # once start-up completed
     loop_started: bool = False  # from here on a first signal lets the step finish
@@ -43,10 +44,11 @@ class Attempt:
               ) -> Attempt:
         """Raises OSError when the workdir cannot be written."""
         stop = StopSignals()
+        number = attempt_number(dict(os.environ))
         checkpoints = Checkpoints(options.workdir / "checkpoints", spec.checkpoint.keep_last,
-                                  attempt_number(dict(os.environ)), reporter)
+                                  number, reporter)
         return cls(name, spec, options, reporter, stop, Cluster(options, stop.install),
-                   checkpoints)
+                   checkpoints, number)
 
     @property
     def step(self) -> int:
@@ -66,7 +68,7 @@ class Attempt:
         the checkpoint the next attempt resumes from, and whether it stopped at once."""
         signum = self.stop.signum or 0
         self.reporter.stopped(RuntimeStop(
-            signal=self.stop.name, attempt=attempt_number(dict(os.environ)),
+            signal=self.stop.name, attempt=self.number,
             step=self.step, checkpoint_step=self.checkpoints.latest_step(),
             aborted=aborted, exit_code=exits.for_signal(signum), time=timestamp()))
 

@@ -8,8 +8,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
-
 from rljob.checkpoint.store import Verified
 from rljob.cluster.cluster import Roles
 from rljob.cluster.rollout_pipeline import Batch, Staleness
@@ -24,6 +22,9 @@ from rljob_api.exits import JobError
 from rljob_api.spec import RLJobSpec
 
 WEIGHT_SYNC_LOG = "weight_sync.jsonl"
+# How long a sidecar Ray started again has to register before its engine is sent the version
+# it missed (a new process: Python, torch, the store connection).
+SIDECAR_REJOIN_TIMEOUT_S = 120.0
 EVIDENCE_DIR = "nonfinite"
 
 
@@ -144,19 +145,42 @@ class Job:
         version = self.state.weight_version
         try:
             result = self.roles.trainers.publish(version, again)
-        except ray.exceptions.RayTaskError as err:
-            if isinstance(err.cause, NonFiniteWeights):
-                message = f"{err.cause}; nothing was sent to the engines"
-                self.attempt.checkpoints.check_writer()  # one left behind reports nothing
-                self.attempt.fail("NonFiniteWeights", message, retryable=False)
-                raise JobError(exits.NONFINITE, f"NonFiniteWeights: {message}") from None
-            raise
+        except NonFiniteWeights as err:
+            message = f"{err}; nothing was sent to the engines"
+            self.attempt.checkpoints.check_writer()  # one left behind reports nothing
+            self.attempt.fail("NonFiniteWeights", message, retryable=False)
+            raise JobError(exits.NONFINITE, f"NonFiniteWeights: {message}") from None
         self.log_sync(result)
+        if result.stale:
+            result = self.after_lost_sidecars(result)
         if result.stale:
             reasons = "; ".join(f"{name}: {why}" for name, why in sorted(result.stale.items()))
             raise JobError(exits.FAILED, f"WeightSyncFailed: engines did not install "
                            f"weight version {version}: {reasons}")
         self.engine_version = version
+
+    def after_lost_sidecars(self, result: SyncResult) -> SyncResult:
+        """A delivery with stale engines whose sidecars died: those Ray started again are
+        sent the version once more when they have registered; one that stays lost, or
+        stale after that, ends the attempt as `WeightSyncSidecarLost` (the job restarts
+        from its checkpoint, counted against spec.recovery.maxRestarts). Stale engines whose
+        sidecars are fine are left to the caller."""
+        cluster = self.attempt.cluster
+        check = cluster.check_sidecars()
+        if not check.dead and not check.restarted:
+            return result
+        version = result.version
+        if not check.dead and cluster.sidecars_registered(check.restarted,
+                                                          SIDECAR_REJOIN_TIMEOUT_S):
+            print(f"weight sync: {check.describe()}; sending version {version} again",
+                  file=sys.stderr, flush=True)
+            result = self.roles.trainers.publish(version, True)
+            self.log_sync(result)
+            if not result.stale:
+                return result
+        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(result.stale.items()))
+        raise JobError(exits.FAILED, f"WeightSyncSidecarLost: {check.describe()}; engines "
+                       f"did not install weight version {version}: {reasons}")
 
     def log_sync(self, result: SyncResult) -> None:
         metrics_log.append(self.workdir / WEIGHT_SYNC_LOG, {

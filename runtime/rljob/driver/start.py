@@ -6,10 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-import ray
-
 from rljob.checkpoint.store import Verified
-from rljob.cluster.cluster import attempt_number
 from rljob.cluster.placement import plan
 from rljob.cluster.weight_sync import SyncSettings
 from rljob.driver.attempt import Attempt
@@ -53,9 +50,9 @@ def start(attempt: Attempt) -> Job:
     report_resume(attempt, loaded, state.step)
     attempt.tracking = Trackers.start(
         spec.tracking, attempt.name, options.workdir, first_step=state.step,
-        attempt=attempt_number(dict(os.environ)),
+        attempt=attempt.number,
         config=spec.model_dump(by_alias=True, mode="json"))
-    # The store on the Ray head, a sidecar per engine (unless the pods run them), and
+    # The store on the Ray head, a sidecar per engine next to it, and
     # trainer rank 0 joined as the publisher; versions continue from the checkpoint.
     store = cluster.start_weight_sync(settings, spec, roles)
     # Every actor exists now: show where, before waiting on anything they must do.
@@ -64,12 +61,17 @@ def start(attempt: Attempt) -> Job:
                                  state.weight_version, roles.devices.sync_on_gpu)
     try:
         roles.trainers.wait_for_engines(len(roles.engines), ENGINE_JOIN_TIMEOUT_S)
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, TimeoutError):
-            raise JobError(exits.FAILED, f"WeightSyncFailed: {err.cause}; every engine needs "
-                           "its weight-sync sidecar (in a pod: a weight-sync container)"
-                           ) from None
-        raise
+    except TimeoutError as err:
+        check = cluster.check_sidecars()
+        lost = check.dead or check.restarted
+        raise JobError(exits.FAILED, ("WeightSyncSidecarLost" if lost else
+                                      "WeightSyncFailed") + f": {err}; every engine "
+                       "needs its weight-sync sidecar" + (f"; {check.describe()}"
+                                                          if lost else "")) from None
+    # Which sidecar incarnations the engines start with: a later one is a sidecar restarted.
+    check = cluster.check_sidecars()
+    if check.dead:
+        raise JobError(exits.FAILED, f"WeightSyncSidecarLost: {check.describe()}")
     job = Job(attempt, roles, state, resumed=loaded is not None,
               max_staleness=((spec.rollout.max_staleness or 1)
                              if spec.rollout.mode == RolloutMode.async_ else None),
@@ -84,7 +86,7 @@ def report_resume(attempt: Attempt, loaded: Verified | None, step: int) -> None:
     lostSteps from it): the checkpoint's step, path and verified manifest digest, or that
     there was none and the attempt starts at step 0."""
     attempt.reporter.resumed(ResumeReport(
-        attempt=attempt_number(dict(os.environ)), found=loaded is not None,
+        attempt=attempt.number, found=loaded is not None,
         step=step, path=str(loaded.path) if loaded else None,
         checksum=loaded.checksum if loaded else None, at=timestamp(),
         driver_pod_uid=os.environ.get(env.POD_UID) or None))

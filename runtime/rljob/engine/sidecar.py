@@ -58,7 +58,7 @@ from rljob.weightsync.wire import (
     use_file_system_sharing,
 )
 from rljob_api import layout
-from rljob_api.env import ENGINE_INDEX, ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYNC_TRAINER
+from rljob_api.env import ENGINE_URL, POD_IP, POD_NAME, WEIGHT_SYNC_TRAINER
 
 log = logging.getLogger("rljob.engine.sidecar")
 
@@ -468,8 +468,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
     p.add_argument(
         "--engine-name",
         default="",
-        help=f"this engine's name in the group (default: ${POD_NAME}, plus -${ENGINE_INDEX} "
-        "where the operator sets it: in a pod of several engines)",
+        help=f"this engine's name in the group (default: ${POD_NAME}, else the host name)",
     )
     p.add_argument("--listen", default=f"0.0.0.0:{layout.WEIGHT_SYNC_HEALTH_PORT}",
                    help="HOST:PORT for /health and /metrics")
@@ -491,12 +490,7 @@ def parse_args(argv: Sequence[str] | None) -> SidecarConfig:
         raise SystemExit(
             f"rljob-weight-sync: --trainer HOST:PORT (or ${WEIGHT_SYNC_TRAINER}) is required"
         )
-    index = env.get(ENGINE_INDEX)
-    if index is not None and not index.isdigit():
-        raise SystemExit(f"rljob-weight-sync: {ENGINE_INDEX} must be a number, got {index!r}")
-    engine_name = args.engine_name or layout.engine_name(
-        env.get(POD_NAME, socket.gethostname()), None if index is None else int(index)
-    )
+    engine_name = args.engine_name or env.get(POD_NAME, socket.gethostname())
     trainer_host, trainer_port = _host_port(args.trainer, "--trainer")
     listen_host, listen_port = _host_port(args.listen, "--listen")
     if args.device != "cpu" and not args.device.startswith("cuda"):
