@@ -24,6 +24,9 @@ from tests.polling import wait_for
 
 POOL_LABEL = "rljob.io/test-pool"
 INTERVAL = 0.5  # the operator's resync interval in tests
+# How long a node is NotReady before the operator counts it lost, in tests: short, so that a
+# stopped kubelet reads NodeLost within seconds (tests of the bound itself choose theirs).
+NODE_LOST_AFTER = 2.0
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Operator:
     proc: subprocess.Popen[bytes] | None = None
     kubeconfig: Path | None = None  # default: the control plane's admin
     extra_args: tuple[str, ...] = ()
+    node_lost_after: float = NODE_LOST_AFTER
 
     def start(self) -> None:
         kubeconfig = self.kubeconfig or self.cp.kubeconfig
@@ -49,7 +53,7 @@ class Operator:
                  "--server-timeout", "30", "--metrics-port", str(self.metrics_port),
                  "--metrics-addr", "127.0.0.1",
                  "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
-                 *self.extra_args],
+                 "--node-lost-after", str(self.node_lost_after), *self.extra_args],
                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
             )

@@ -6,6 +6,17 @@ import argparse
 import os
 from dataclasses import dataclass
 
+# How long a node must have been NotReady (its Ready condition False or Unknown, counted from
+# that condition's lastTransitionTime) before the operator counts it lost: force-deletes the
+# job pods bound to it and restarts their running attempts as NodeLost. The node controller
+# only marks a node NotReady after its kubelet has been silent for node-monitor-grace-period
+# (40-50 s), and the kubelet often returns (a restart, a network or control-plane blip),
+# while a restart costs a GPU job its steps since the last checkpoint and minutes of start-up:
+# two more minutes ride out such blips. It stays well under the 300 s after which Kubernetes
+# evicts the pods itself (the default NoExecute toleration), which would leave them
+# terminating on the unreachable node. A node that is deleted counts at once.
+NODE_LOST_AFTER_SECONDS = 120.0
+
 
 @dataclass(frozen=True)
 class OperatorConfig:
@@ -19,6 +30,7 @@ class OperatorConfig:
     metrics_addr: str = "0.0.0.0"
     liveness: str | None = "http://0.0.0.0:8080/healthz"
     verbose: bool = False
+    node_lost_after: float = NODE_LOST_AFTER_SECONDS  # 0: a node not Ready is lost at once
 
 
 def _env_float(name: str, default: float) -> float:
@@ -54,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--liveness", default=os.environ.get(
         "RLJOB_OPERATOR_LIVENESS", OperatorConfig.liveness),
                    help="liveness endpoint URL, e.g. http://0.0.0.0:8080/healthz; '' disables")
+    p.add_argument("--node-lost-after", type=float,
+                   default=_env_float("RLJOB_OPERATOR_NODE_LOST_AFTER",
+                                      OperatorConfig.node_lost_after),
+                   help="seconds a node must be NotReady before its job pods are force-deleted "
+                        "and their jobs restarted; 0: at once ($RLJOB_OPERATOR_NODE_LOST_AFTER)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -66,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> OperatorConfig:
         raise SystemExit("rljob-operator: --resync must be > 0 seconds")
     if args.workers < 1:
         raise SystemExit("rljob-operator: --workers must be >= 1")
+    if args.node_lost_after < 0:
+        raise SystemExit("rljob-operator: --node-lost-after must be >= 0 seconds")
     return OperatorConfig(
         kubeconfig=args.kubeconfig or None,
         namespaces=tuple(args.namespaces),
@@ -77,4 +96,5 @@ def parse_args(argv: list[str] | None = None) -> OperatorConfig:
         metrics_addr=args.metrics_addr,
         liveness=args.liveness or None,
         verbose=args.verbose,
+        node_lost_after=args.node_lost_after,
     )

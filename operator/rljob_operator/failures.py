@@ -86,8 +86,11 @@ def unshared_claim_message(claim: str, modes: tuple[str, ...]) -> str:
 # -- a running attempt ---------------------------------------------------------------------
 
 
-def _node_lost(node: str | None, pod: str) -> Failure:
-    return Failure(FailureKind.node_lost.value, f"node {node} is not Ready or was removed", pod)
+def _node_lost(node: str | None, pod: str, obs: Observed) -> Failure:
+    outage = obs.outages.get(node) if node is not None else None
+    message = outage.describe(str(node)) if outage is not None \
+        else f"node {node} is not Ready or was removed"
+    return Failure(FailureKind.node_lost.value, message, pod)
 
 
 def _gone(name: str, hint: FailureHint | None) -> Failure:
@@ -101,7 +104,7 @@ def detect_failure(driver: PodView, obs: Observed, runtime: Obj | None) -> Failu
     """The first sign that the running attempt of `driver` is broken, most specific cause
     first; `runtime` is `status.runtimeFailure` as stored."""
     if driver.node in obs.lost_nodes:
-        return _node_lost(driver.node, driver.name)
+        return _node_lost(driver.node, driver.name, obs)
     if driver.failure is not None:
         doomed = terminal_exit(driver, runtime)
         if doomed is not None:
@@ -119,7 +122,7 @@ def detect_failure(driver: PodView, obs: Observed, runtime: Obj | None) -> Failu
     recorded = driver.recorded_compute
     for pod in obs.compute:
         if pod.node in obs.lost_nodes and pod.name in recorded:
-            return _node_lost(pod.node, pod.name)
+            return _node_lost(pod.node, pod.name, obs)
     for pod in obs.compute:
         if pod.failure is not None and pod.name in recorded:
             return Failure(pod.failure.kind, pod.failure.message, pod.name)
@@ -163,9 +166,9 @@ def terminal_exit(driver: PodView, runtime: Obj | None) -> Failure | None:
 def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure | None:
     """The driver failed because Ray lost the node of pods its runtime names
     (`runtimeFailure.lostPods`): the failure is named after what Kubernetes knows of those
-    pods (a lost node, a deletion, a failure). Ray usually notices first (a node's NotReady
-    takes Kubernetes about 40 s), so until Kubernetes agrees it is `WorkerLost`, renamed
-    while the job recovers (`refine_last_failure`)."""
+    pods (a node that is not Ready, a deletion, a failure). Ray usually notices first (a
+    node's NotReady takes Kubernetes about 40 s), so until Kubernetes agrees it is
+    `WorkerLost`, renamed while the job recovers (`refine_last_failure`)."""
     reported = attempt_failure(driver, runtime)
     lost = [str(p) for p in reported.get("lostPods") or []]
     if not lost:
@@ -173,8 +176,10 @@ def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure 
     pods = {p.name: p for p in obs.compute}
     for name in lost:
         pod = pods.get(name)
-        if pod is not None and pod.node in obs.lost_nodes:
-            return _node_lost(pod.node, name)
+        # The attempt already failed: a node that is not Ready names the cause, lost or not
+        # (yet); counting it lost only decides whether its pods are force-deleted.
+        if pod is not None and pod.node in obs.outages:
+            return _node_lost(pod.node, name, obs)
     for name in lost:
         pod = pods.get(name)
         if pod is None or pod.deleting:
@@ -187,17 +192,17 @@ def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure 
 
 def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStatus:
     """A `WorkerLost` failure (Ray lost a pod's node before Kubernetes noticed) renamed
-    `NodeLost` once the pod's node is seen lost, before the next attempt starts (which waits
-    for that pod's replacement): the reason then says what happened, the message what Ray saw
-    first."""
+    `NodeLost` once the pod's node is seen not Ready, before the next attempt starts (which
+    waits for that pod's replacement): the reason then says what happened, the message what
+    Ray saw first."""
     last = recovery.last_failure
     if last is None or last.reason != FailureKind.worker_lost.value:
         return recovery
     pod = next((p for p in obs.compute if p.name == last.pod), None)
-    if pod is None or pod.node not in obs.lost_nodes:
+    if pod is None or pod.node not in obs.outages:
         return recovery
-    message = (f"node {pod.node} is not Ready or was removed; Ray saw it first: "
-               f"{last.message}")[:MESSAGE_MAX]
+    outage = obs.outages[str(pod.node)]
+    message = f"{outage.describe(str(pod.node))}; Ray saw it first: {last.message}"[:MESSAGE_MAX]
     refined = last.model_copy(update={"reason": FailureKind.node_lost.value, "message": message})
     return recovery.model_copy(update={"last_failure": refined})
 

@@ -77,7 +77,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Nodes: listed for all jobs at once, every 3 resync intervals (30 s in production).
     nodes = NodeCache(kube.list_nodes, ttl=min(30.0, max(1.5, 3 * cfg.interval)),
                       min_age=min(2.0, cfg.interval))
-    reconciler = Reconciler(kube, metrics, memory, store=store, nodes=nodes, resync=cfg.resync)
+    reconciler = Reconciler(kube, metrics, memory, store=store, nodes=nodes, resync=cfg.resync,
+                            node_lost_after=cfg.node_lost_after)
     controller = Controller(reconciler.reconcile, cfg.interval, cfg.workers)
 
     def remembered() -> dict[str, int]:

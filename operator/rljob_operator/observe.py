@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from rljob_api.spec import FailureKind
+from rljob_api.status import parse_timestamp, timestamp
 from rljob_operator import names
 
 Obj = dict[str, Any]
@@ -90,12 +92,32 @@ class PodView:
 
 
 @dataclass(frozen=True)
+class NodeOutage:
+    """A node the job's pods are bound to that is not Ready: gone from the node list, or
+    its Ready condition False or Unknown."""
+
+    status: str  # the Ready condition's status ("False", "Unknown"), or "gone"
+    since: datetime | None  # the Ready condition's lastTransitionTime; None when gone
+    # When the node counts as lost (its pods force-deleted, the attempt failed as NodeLost);
+    # None: at once (a node that is gone, or whose condition carries no time).
+    lost_at: datetime | None
+
+    def describe(self, node: str) -> str:
+        """The outage in words, for conditions and events."""
+        if self.since is None:
+            return f"node {node} was removed" if self.status == "gone" else \
+                f"node {node} is not Ready ({self.status})"
+        return f"node {node} is not Ready ({self.status}) since {timestamp(self.since)}"
+
+
+@dataclass(frozen=True)
 class Observed:
     """Everything one reconcile knows about a job's children."""
 
     cluster: ClusterState
     driver: PodView | None
     compute: tuple[PodView, ...]
+    # Nodes counted lost: their pods will never be finished by a kubelet (see `node_outages`).
     lost_nodes: frozenset[str]
     hints: Mapping[str, FailureHint] = field(default_factory=dict)
     in_the_way: InTheWay | None = None  # a child's name taken by an object not the job's
@@ -103,6 +125,12 @@ class Observed:
     # Access modes of the user's checkpoint claim (`spec.checkpoint.pvc`); None when the job
     # brings none or it does not exist (yet: pods wait for it under the start-up deadline).
     checkpoint_modes: tuple[str, ...] | None = None
+    # Every node of the job's pods that is not Ready, lost or not (yet).
+    outages: Mapping[str, NodeOutage] = field(default_factory=dict)
+
+    def pending_losses(self) -> dict[str, NodeOutage]:
+        """Nodes that are not Ready but do not count as lost yet: they may come back."""
+        return {n: o for n, o in self.outages.items() if n not in self.lost_nodes}
 
     def live_compute(self) -> list[PodView]:
         """Compute pods that are neither failed, going away, nor on a lost node."""
@@ -218,14 +246,36 @@ def pod_view(pod: Obj) -> PodView:
     )
 
 
-def lost_nodes(nodes: Iterable[Obj], used: Iterable[str]) -> frozenset[str]:
-    """Nodes the job's pods are bound to that are gone or not Ready."""
-    ready = {
-        n["metadata"]["name"]
-        for n in nodes
-        if (_condition(n, "Ready") or {}).get("status") == "True"
-    }
-    return frozenset(name for name in used if name not in ready)
+def node_outages(nodes: Iterable[Obj], used: Iterable[str],
+                 lost_after: float) -> dict[str, NodeOutage]:
+    """The nodes the job's pods are bound to that are gone or not Ready, each with when it
+    counts as lost: a node that is gone at once (no kubelet is left to finish its pods), one
+    that is not Ready once it has been so for `lost_after` seconds since its Ready
+    condition's lastTransitionTime. A node is only marked NotReady after its kubelet has been
+    silent for the node-monitor grace period, and it often comes back (a kubelet restart, a
+    network or control-plane blip): force-deleting its pods at once would restart jobs whose
+    processes still run. A condition without a time cannot be debounced and counts at once."""
+    listed = {n["metadata"]["name"]: n for n in nodes}
+    out: dict[str, NodeOutage] = {}
+    for name in sorted(set(used)):
+        node = listed.get(name)
+        if node is None:
+            out[name] = NodeOutage("gone", None, None)
+            continue
+        ready = _condition(node, "Ready") or {}
+        status = str(ready.get("status") or "Unknown")
+        if status == "True":
+            continue
+        since = parse_timestamp(ready.get("lastTransitionTime"))
+        lost_at = since + timedelta(seconds=lost_after) if since is not None else None
+        out[name] = NodeOutage(status, since, lost_at if lost_after > 0 else None)
+    return out
+
+
+def lost_nodes(outages: Mapping[str, NodeOutage], now: datetime | None) -> frozenset[str]:
+    """The nodes of `outages` that count as lost at `now` (None: those lost at once)."""
+    return frozenset(name for name, o in outages.items()
+                     if o.lost_at is None or (now is not None and now >= o.lost_at))
 
 
 def _controller_uid(meta: Obj) -> str | None:
@@ -236,11 +286,15 @@ def _controller_uid(meta: Obj) -> str | None:
 
 def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
             hints: Mapping[str, FailureHint] | None = None, uid: str | None = None,
-            in_the_way: InTheWay | None = None) -> Observed:
+            in_the_way: InTheWay | None = None, now: datetime | None = None,
+            node_lost_after: float = 0.0) -> Observed:
     """The job's children as one view. With the RLJob's `uid`, a RayCluster or driver pod of
     the child's name that the job does not own is reported as in the way (never adopted,
     patched or deleted), and pods of another RayCluster (say, of a deleted job of the same
-    name) are not taken for this job's compute pods."""
+    name) are not taken for this job's compute pods. A node that is not Ready counts as lost
+    once it has been so for `node_lost_after` seconds at `now` (0: at once)."""
+    if node_lost_after > 0 and now is None:
+        raise ValueError("observe: node_lost_after needs the clock (now)")
     pods = list(pods)
     driver_name = names.driver_name(job_name)
     cluster_uid: str | None = None
@@ -264,11 +318,12 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
             # its pods not collected yet): never taken for this job's compute pods.
             continue
         kept.append(pod)
-    return _observe(job_name, raycluster, kept, nodes, hints, in_the_way)
+    return _observe(job_name, raycluster, kept, nodes, hints, in_the_way, now, node_lost_after)
 
 
 def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
-             hints: Mapping[str, FailureHint] | None, in_the_way: InTheWay | None) -> Observed:
+             hints: Mapping[str, FailureHint] | None, in_the_way: InTheWay | None,
+             now: datetime | None, node_lost_after: float) -> Observed:
     views = [pod_view(p) for p in pods]
     driver_name = names.driver_name(job_name)
     driver = next((v for v in views if v.name == driver_name), None)
@@ -284,12 +339,14 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
         cluster = "deleting" if deleting else "present"
         revision = (raycluster["metadata"].get("annotations") or {}).get(
             names.ANNOTATION_REVISION)
+    outages = node_outages(nodes, used, node_lost_after)
     return Observed(
         cluster=cluster,
         driver=driver,
         compute=compute,
-        lost_nodes=lost_nodes(nodes, used),
+        lost_nodes=lost_nodes(outages, now),
         hints=dict(hints or {}),
         in_the_way=in_the_way,
         cluster_revision=revision,
+        outages=outages,
     )

@@ -17,6 +17,7 @@ from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import (
     MESSAGE_MAX,
     TERMINAL_PHASES,
+    Condition,
     Phase,
     RecoveryStatus,
     parse_timestamp,
@@ -36,9 +37,11 @@ from rljob_operator.failures import (
 from rljob_operator.observe import InTheWay, Observed, PodView
 from rljob_operator.situation import JobView, Situation
 from rljob_operator.status import (
+    STARTED_MESSAGE,
     STARTING_PHASES,
     build_status,
     condition,
+    not_ready,
     operator_fields,
     recovery_status,
     scheduling_conditions,
@@ -118,7 +121,7 @@ def _suspended(s: Situation) -> Decision:
     """The driver goes first (on SIGTERM its runtime finishes the step and saves, which needs
     the trainers and engines); the RayCluster only once the driver pod is gone."""
     driver = s.obs.driver
-    if driver is not None and driver.node in s.obs.lost_nodes:
+    if driver is not None and driver.name in s.stranded_pods():
         driver = None  # no kubelet will stop it: force-deleted below, as stranded
     message = "spec.scheduling.suspend is true: compute released, checkpoints kept"
     if driver is not None:
@@ -216,24 +219,28 @@ def _recover_or_fail(s: Situation, failure: Failure) -> Decision:
     stranded = s.stranded_pods()
     failed = tuple(p.name for p in s.obs.compute if p.failure is not None)
     lost: tuple[str, ...] = ()
-    if failure.kind == FailureKind.worker_lost.value:
-        # Ray says the pod's node is gone while Kubernetes still counts the pod ready: it is
-        # deleted (gracefully: on a lost node it stays terminating, bound to that node, until
-        # the node is seen NotReady and it is force-deleted as stranded) so that no attempt
-        # starts on it.
-        lost = tuple(p.name for p in s.obs.compute if p.name == failure.pod and not p.deleting)
+    if failure.kind in {FailureKind.worker_lost.value, FailureKind.node_lost.value}:
+        # Ray lost the pod's node, whether or not Kubernetes counts the pod lost yet: it is
+        # deleted so that no attempt starts on it, gracefully; once it is terminating on a
+        # node that is not Ready, it is force-deleted as stranded.
+        lost = tuple(p.name for p in s.obs.compute if p.name == failure.pod
+                     and not p.deleting and p.name not in stranded)
     actions = Actions(
         create_cluster=s.obs.cluster == "absent",
         delete_driver=driver is not None and not driver.deleting,
         delete_pods=tuple(sorted(set(stranded) | set(failed))),
         replace_pods=lost,
     )
+    node_due = s.next_node_loss()
     return Decision(status, actions, Event("Warning", "Recovering", message),
-                    requeue_after=float(delay), restart=failure)
+                    requeue_after=float(delay) if node_due is None else min(delay, node_due),
+                    restart=failure)
 
 
 def _startup_failed(s: Situation, since: str, problem: Problem | None) -> Decision:
-    """Past the start-up deadline: Failed with what blocked it."""
+    """Past the start-up deadline: Failed with what blocked it. Only an attempt whose driver
+    has not started running gets here (`_progressing`): a running driver is never failed
+    for a slow or NotReady pod."""
     timeout = s.spec.recovery.startup_timeout_seconds
     if problem is None:
         driver = s.obs.driver
@@ -287,7 +294,11 @@ def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
     next_at = s.recovery.next_attempt_at if recovering else None
     waiting_phase = Phase.recovering.value if recovering else (
         Phase.initializing.value if s.all_scheduled() else Phase.pending.value)
-    if attempt is not None and attempt.phase == "Running" and ready:
+    if attempt is not None and attempt.phase == "Running":
+        # The attempt has started: its driver runs (it is only made once every compute pod
+        # runs). From here the start-up deadline no longer applies: a compute pod that turns
+        # NotReady or is slow to come back is reported (Ready=False/PodsNotReady), not
+        # failed; if the runtime cannot do without it, the driver fails and the job restarts.
         phase, action, next_at = Phase.running.value, None, None
     elif attempt is not None:
         phase, action = waiting_phase, "StartingDriver"
@@ -311,9 +322,15 @@ def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
         action = None
     rec = recovery_status(s, action, next_at)
     ready_cond = condition(s, "Ready", "True", "Running", "the driver and every compute pod run")
-    started = condition(s, "Started", "True", "Started", "the driver and every compute pod run")
+    started = condition(s, "Started", "True", "Started", STARTED_MESSAGE)
     since: str | None = None
     change = _spec_change(s, driver)
+    node_due = s.next_node_loss()
+    if node_due is not None:
+        requeue = node_due if requeue is None else min(requeue, node_due)
+    unready = not_ready(s) if phase == Phase.running.value else None
+    if unready is not None:
+        ready_cond = condition(s, "Ready", "False", "PodsNotReady", unready)
     if phase != Phase.running.value:
         ready_cond = condition(s, "Ready", "False", action or phase, f"phase {phase}")
         if change is not None:
@@ -341,11 +358,26 @@ def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
         replace_pods=() if stopping else tuple(p for p in s.outdated_pods()
                                                if p not in s.stranded_pods()),
     )
-    event = _phase_event(s, phase, rec)
+    event = _phase_event(s, phase, rec) or _readiness_event(s, ready_cond)
+    if event is not None and unready is not None and event.reason != "PodsNotReady":
+        event = replace(event, message=f"{event.message}; {unready}")
     if change is not None and (actions.patch_cluster or (
             s.driver_outdated(driver) and driver is not None and not driver.deleting)):
         event = Event("Normal", "SpecChanged", change)
     return Decision(status, actions, event, requeue)
+
+
+def _readiness_event(s: Situation, ready: Condition) -> Event | None:
+    """While the driver runs: a Warning when pods stop being Ready or what they wait for
+    changes, a Normal event once every pod is Ready again."""
+    stored: Obj = next((c for c in s.stored.get("conditions") or []
+                        if c.get("type") == "Ready"), {})
+    if ready.reason == "PodsNotReady" and (stored.get("reason") != ready.reason
+                                           or stored.get("message") != ready.message):
+        return Event("Warning", "PodsNotReady", ready.message)
+    if ready.status == "True" and stored.get("reason") == "PodsNotReady":
+        return Event("Normal", "PodsReady", "every pod is Ready again")
+    return None
 
 
 def _spec_change(s: Situation, driver: PodView | None) -> str | None:

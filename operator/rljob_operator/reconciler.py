@@ -19,6 +19,7 @@ from rljob_api.status import parse_timestamp
 from rljob_operator import builders, names
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
+from rljob_operator.config import NODE_LOST_AFTER_SECONDS
 from rljob_operator.controller import GONE, Gone
 from rljob_operator.decision import Actions, Event
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
@@ -57,7 +58,8 @@ class Reconciler:
                  clock: Callable[[], datetime] = _utcnow, store: Store | None = None,
                  nodes: NodeCache | None = None,
                  resync: float = SAFETY_RESYNC_SECONDS,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 node_lost_after: float = NODE_LOST_AFTER_SECONDS) -> None:
         self.kube = kube
         self.metrics = metrics
         self.memory = memory
@@ -66,6 +68,7 @@ class Reconciler:
         self.nodes = nodes or NodeCache(kube.list_nodes, ttl=0.0, min_age=0.0)
         self.resync = resync
         self.monotonic = monotonic
+        self.node_lost_after = node_lost_after
         # For the support objects' creates, which go out together.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
 
@@ -207,13 +210,14 @@ class Reconciler:
             if in_the_way is None:
                 with self.memory.job((namespace, name)) as held:
                     held.in_the_way = None
+        now = self.clock()
         observed = observe(name, cluster, pods, nodes,
                            self.memory.hints((namespace, name)), uid=ref.uid,
-                           in_the_way=in_the_way)
+                           in_the_way=in_the_way, now=now,
+                           node_lost_after=self.node_lost_after)
         if job.spec is not None and job.spec.checkpoint.pvc:
             observed = replace(observed, checkpoint_modes=self._claim_modes(
                 namespace, name, job.spec.checkpoint.pvc))
-        now = self.clock()
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
             self.kube.apply_status(namespace, name, decision.status)

@@ -147,10 +147,21 @@ class Situation:
         return self.obs.cluster == "present" and len(live) >= sum(self.expected().values())
 
     def stranded_pods(self) -> tuple[str, ...]:
-        """Pods on lost nodes: no kubelet will ever finish them, so they are force-deleted
-        for KubeRay to replace them elsewhere."""
+        """Pods no kubelet will finish: those on lost nodes, and those already being deleted
+        on a node that is not Ready (they go in any case, and a replacement waits for them).
+        They are force-deleted for KubeRay to replace them elsewhere. A pod that is not
+        being deleted on a node that is not Ready yet counts as lost is left alone: the node
+        may come back, and its pods with it."""
         pods = [*self.obs.compute, *([self.obs.driver] if self.obs.driver else [])]
-        return tuple(p.name for p in pods if p.node in self.obs.lost_nodes)
+        return tuple(p.name for p in pods if p.node in self.obs.lost_nodes
+                     or (p.deleting and p.node in self.obs.outages))
+
+    def next_node_loss(self) -> float | None:
+        """Seconds until the first node of the job's pods that is not Ready counts as lost
+        (None: no such node): the decision is made again at that moment, not a resync
+        later."""
+        due = [o.lost_at for o in self.obs.pending_losses().values() if o.lost_at is not None]
+        return max(0.0, (min(due) - self.now).total_seconds()) if due else None
 
     # -- the start-up clock ----------------------------------------------------------------
 

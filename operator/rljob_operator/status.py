@@ -20,7 +20,8 @@ from rljob_api.status import (
     timestamp,
 )
 from rljob_api.status import Failure as LastFailure
-from rljob_operator.failures import Problem, job_unschedulable_message
+from rljob_operator.failures import MAX_LISTED_PODS, Problem, job_unschedulable_message
+from rljob_operator.observe import PodView
 from rljob_operator.situation import Situation
 
 Obj = dict[str, Any]
@@ -28,6 +29,7 @@ Obj = dict[str, Any]
 # mount is made again if it is missing.
 STARTING_PHASES = frozenset({Phase.pending.value, Phase.initializing.value,
                              Phase.recovering.value})
+STARTED_MESSAGE = "the driver runs; it was started once every compute pod ran"
 # The fields of status.recovery derived from the runtime's report each time
 # (resume_figures); the operator decides the others itself and carries them over.
 DERIVED_RECOVERY_FIELDS = {"resumed_from_step", "lost_steps"}
@@ -158,7 +160,44 @@ def waiting_for(s: Situation) -> str:
         out += f"; the driver pod {driver.name} is {driver.phase}{how}"
     else:
         out += "; the driver pod is not created yet"
-    return out
+    return "; ".join([out, *_node_waits(s)])
+
+
+def _node_waits(s: Situation) -> list[str]:
+    """Nodes of the job's pods that are not Ready and not counted lost yet, and when they
+    will be (their pods force-deleted, a running attempt restarted as NodeLost)."""
+    return [f"{outage.describe(node)}; its pods count as lost at {timestamp(outage.lost_at)} "
+            "unless it is Ready again"
+            for node, outage in sorted(s.obs.pending_losses().items())
+            if outage.lost_at is not None]
+
+
+def _pod_wait(pod: PodView) -> str:
+    """What a pod that is not Ready waits for, in the kubelet's words where it gave some."""
+    if pod.phase == "Running":
+        return f"{pod.name} (Running, not Ready)"
+    return f"{pod.name} ({pod.phase}: {pod.waiting})" if pod.waiting \
+        else f"{pod.name} ({pod.phase})"
+
+
+def not_ready(s: Situation) -> str | None:
+    """While the attempt's driver runs: which of its pods are not Ready and what each waits
+    for (a container being created or its image pulled, a readiness probe, a node that is not
+    Ready); None when every pod is Ready. A report, not a failure: the job is not failed for
+    it, and no start-up deadline runs."""
+    driver = s.obs.driver
+    pods = [*([driver] if driver is not None else []), *s.live()]
+    waiting = [p for p in pods if not (p.phase == "Running" and p.ready)]
+    nodes = _node_waits(s)
+    if not waiting and not nodes:
+        return None
+    parts = ["the driver runs"]
+    if waiting:
+        shown = [_pod_wait(p) for p in waiting[:MAX_LISTED_PODS]]
+        more = len(waiting) - MAX_LISTED_PODS
+        parts.append("not Ready: " + ", ".join(shown) + (f" and {more} more" if more > 0
+                                                          else ""))
+    return "; ".join([*parts, *nodes])
 
 
 def started_condition(s: Situation, since: str, problem: Problem | None) -> Condition:

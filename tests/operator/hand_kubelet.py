@@ -4,7 +4,9 @@ pulled, a container that runs) the way a kubelet would.
 
 kwok starts every pod on its nodes at once, which leaves no room for a pod that never
 starts; this node does. Its Lease is renewed from a thread, as a kubelet's heartbeat, so
-the node controller keeps it Ready for as long as the test runs.
+the node controller keeps it Ready for as long as the test runs, or until the test silences
+its kubelet (`Kubelet.silence`): kwok, told to let go of a node, may still report it Ready
+again a while later, so a node that must stay NotReady for a set time is a hand node.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from rljob_api.status import timestamp as now
@@ -38,19 +41,59 @@ def _ready_status(gpus: int) -> dict[str, Any]:
         "lastTransitionTime": now()}]}}
 
 
+@dataclass
+class Kubelet:
+    """Whether the hand-played kubelet of a node reports (renews its Lease, posts it
+    Ready); switched under `lock`, so that no report lands after it is silenced."""
+
+    cp: ControlPlane
+    node: str
+    gpus: int
+    reporting: bool = True
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def report(self) -> None:
+        with self.lock:
+            if self.reporting:
+                self.cp.apply(_lease(self.node))
+                self.cp.kubectl("patch", "node", self.node, "--subresource=status",
+                                "--type=merge", "-p", json.dumps(_ready_status(self.gpus)),
+                                check=False)
+
+    def silence(self) -> None:
+        """The kubelet stops reporting, and its node reads Ready `Unknown` from now on, as
+        the node controller marks a node whose kubelet went silent (the test does not wait
+        for its grace period)."""
+        with self.lock:
+            self.reporting = False
+        unknown = {"status": {"conditions": [{
+            "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+            "message": "Kubelet stopped posting node status.", "lastHeartbeatTime": now(),
+            "lastTransitionTime": now()}]}}
+        self.cp.kubectl("patch", "node", self.node, "--subresource=status",
+                        "--type=strategic", "-p", json.dumps(unknown))
+
+    def resume(self) -> None:
+        """The kubelet reports again: its node is Ready from now on."""
+        with self.lock:
+            self.reporting = True
+        self.report()
+
+
 @contextmanager
-def hand_node(cp: ControlPlane, name: str, pool: str, gpus: int) -> Iterator[str]:
-    """A Ready node labelled for `pool` with no kubelet behind it; removed on exit."""
+def hand_node(cp: ControlPlane, name: str, pool: str, gpus: int,
+              kubelet: Kubelet | None = None) -> Iterator[str]:
+    """A Ready node labelled for `pool` with no kubelet behind it but the test's (`kubelet`,
+    to silence it); removed on exit."""
     node = fake_node(name, gpus, {POOL_LABEL: pool})
     node["metadata"]["annotations"] = {}  # not kwok's: nothing starts its pods
     cp.apply(node)
     stop = threading.Event()
+    kubelet = kubelet or Kubelet(cp, name, gpus)
 
     def beat() -> None:
         while True:
-            cp.apply(_lease(name))
-            cp.kubectl("patch", "node", name, "--subresource=status", "--type=merge",
-                       "-p", json.dumps(_ready_status(gpus)), check=False)
+            kubelet.report()
             if stop.wait(HEARTBEAT_SECONDS):
                 return
 

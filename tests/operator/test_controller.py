@@ -105,6 +105,13 @@ def test_command_line_flags() -> None:
         parse_args(["--interval", "0"])
 
 
+def test_node_lost_after_defaults_to_two_minutes_and_takes_zero() -> None:
+    assert parse_args([]).node_lost_after == 120.0
+    assert parse_args(["--node-lost-after", "0"]).node_lost_after == 0.0
+    with pytest.raises(SystemExit, match="--node-lost-after must be >= 0"):
+        parse_args(["--node-lost-after", "-1"])
+
+
 def test_operator_imports_no_runtime_stack() -> None:
     """The operator image stays small and its start fast: no torch, ray, megatron, sglang."""
     code = ("import sys, rljob_operator.__main__; "

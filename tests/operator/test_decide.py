@@ -89,11 +89,13 @@ def built(body: Obj, pods: list[Obj], rc: Obj | None) -> tuple[list[Obj], Obj | 
 
 
 def run(body: Obj, pods: list[Obj], now: datetime = T0, cluster: bool = True,
-        nodes: list[Obj] | None = None, hints: dict[str, FailureHint] | None = None) -> Decision:
+        nodes: list[Obj] | None = None, hints: dict[str, FailureHint] | None = None,
+        lost_after: float = 0.0) -> Decision:
     rc = {"metadata": {"name": "rl"}} if cluster else None
     if spec_problems(body["spec"]) == []:
         pods, rc = built(body, pods, rc)
-    obs = observe("rl", rc, pods, [READY_NODE] if nodes is None else nodes, hints)
+    obs = observe("rl", rc, pods, [READY_NODE] if nodes is None else nodes, hints, now=now,
+                  node_lost_after=lost_after)
     return decide(parse_job(body), obs, now)
 
 
@@ -748,3 +750,146 @@ def test_an_operator_field_edit_restarts_nothing() -> None:
     d = decide(parse_job(after), observe("rl", rc, pods, [READY_NODE]), T0)
     assert d.status["phase"] == "Running" and d.status["recovery"]["maxRestarts"] == 7
     assert d.actions == Actions() and d.event is None
+
+
+# -- slow pods and nodes that are not Ready -------------------------------------------------
+
+SHORT = {**SPEC, "recovery": {**SPEC["recovery"], "startupTimeoutSeconds": 60}}
+
+
+def not_ready(p: Obj) -> Obj:
+    """A running pod whose Ready condition went False (a readiness probe, or the node
+    controller after its node stopped reporting)."""
+    p["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
+    return p
+
+
+def node(name: str, status: str, since: datetime | None) -> Obj:
+    cond: Obj = {"type": "Ready", "status": status}
+    if since is not None:
+        cond["lastTransitionTime"] = iso(since)
+    return {"metadata": {"name": name}, "status": {"conditions": [cond]}}
+
+
+def on_n2(name: str, ready: bool = True, deleting: bool = False) -> list[Obj]:
+    """The compute pods, `name` bound to node n2 (not Ready, being deleted, as asked), the
+    others to n1."""
+    out = [pod(n, c, node="n1") for n, c in COMPUTE if n != name]
+    moved = pod(name, dict(COMPUTE)[name], node="n2", deleting=deleting)
+    return [*out, moved if ready else not_ready(moved)]
+
+
+def test_a_running_driver_outlasts_a_not_ready_pod_past_the_startup_timeout() -> None:
+    body = applied(job(RUNNING, SHORT), run(job(RUNNING, SHORT), [*compute(), driver()]))
+    slow = [*compute("rl-trainer-worker-a"), not_ready(pod("rl-trainer-worker-a", "trainer"))]
+    first = run(body, [*slow, driver()], now=T0 + timedelta(seconds=1))
+    assert first.status["phase"] == "Running" and "startingSince" not in first.status
+    ready = conditions(first)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "PodsNotReady")
+    assert "rl-trainer-worker-a (Running, not Ready)" in ready["message"]
+    assert started(first)["status"] == "True"
+    assert first.event is not None and (first.event.type, first.event.reason) == (
+        "Warning", "PodsNotReady")
+    assert first.requeue_after is None
+    body = applied(body, first)
+    # An hour later, far past startupTimeoutSeconds: still Running, nothing deleted.
+    later = run(body, [*slow, driver()], now=T0 + timedelta(hours=1))
+    assert later.status["phase"] == "Running" and later.restart is None
+    assert later.actions == Actions() and later.event is None
+    assert not needs_write(body["status"], later.status)
+    back = run(body, [*compute(), driver()], now=T0 + timedelta(hours=1, seconds=5))
+    assert conditions(back)["Ready"]["status"] == "True"
+    assert back.event is not None and back.event.reason == "PodsReady"
+
+
+def test_a_restarted_driver_runs_while_a_pod_is_slow_to_come_back() -> None:
+    """A restart whose driver runs has started: a pod slow to be Ready (its container still
+    being created, an image being pulled) is reported, and no deadline fails the job."""
+    status = {**RUNNING, "phase": "Recovering", "startingSince": iso(T0),
+              "recovery": {"restarts": 1, "maxRestarts": 2}}
+    creating = waiting("rl-rollout-worker-b", "rollout", "ContainerCreating")
+    pods = [*compute("rl-rollout-worker-b"), creating, driver(restarts=1)]
+    d = run(job(status, SHORT), pods, now=T0 + timedelta(minutes=30))
+    assert d.status["phase"] == "Running" and d.actions == Actions()
+    assert "rl-rollout-worker-b (Pending: ContainerCreating)" in conditions(d)["Ready"]["message"]
+    assert d.event is not None and d.event.reason == "Resumed"
+    assert "ContainerCreating" in d.event.message
+
+
+def test_a_never_started_job_stuck_in_image_pull_still_fails_at_its_deadline() -> None:
+    stuck = [*compute("rl-head-a"), waiting("rl-head-a", "head", "ImagePullBackOff")]
+    body = applied(job(spec=SHORT), run(job(spec=SHORT), stuck))
+    d = run(body, stuck, now=T0 + timedelta(seconds=61))
+    assert d.status["phase"] == "Failed"
+    assert conditions(d)["Failed"]["reason"] == "ImagePullBackOff"
+
+
+def test_node_outages_count_as_lost_after_the_bound_or_at_once_when_gone() -> None:
+    pods = [*on_n2("rl-trainer-worker-a"), driver()]
+    nodes = [READY_NODE, node("n2", "Unknown", T0)]
+    early = observe("rl", None, pods, nodes, now=T0 + timedelta(seconds=119),
+                    node_lost_after=120)
+    assert early.lost_nodes == frozenset() and set(early.pending_losses()) == {"n2"}
+    assert early.outages["n2"].lost_at == T0 + timedelta(seconds=120)
+    due = observe("rl", None, pods, nodes, now=T0 + timedelta(seconds=120), node_lost_after=120)
+    assert due.lost_nodes == {"n2"} and due.pending_losses() == {}
+    gone = observe("rl", None, pods, [READY_NODE], now=T0, node_lost_after=120)
+    assert gone.lost_nodes == {"n2"}
+    # A condition without a time cannot be debounced; 0 turns debouncing off.
+    untimed = observe("rl", None, pods, [READY_NODE, node("n2", "False", None)], now=T0,
+                      node_lost_after=120)
+    assert untimed.lost_nodes == {"n2"}
+    assert observe("rl", None, pods, nodes, now=T0, node_lost_after=0).lost_nodes == {"n2"}
+
+
+def test_a_brief_node_not_ready_costs_nothing() -> None:
+    body = applied(job(RUNNING), run(job(RUNNING), [*compute(), driver()]))
+    pods = [*on_n2("rl-trainer-worker-a", ready=False), driver()]
+    nodes = [READY_NODE, node("n2", "Unknown", T0)]
+    d = run(body, pods, now=T0 + timedelta(seconds=30), nodes=nodes, lost_after=120)
+    assert d.status["phase"] == "Running" and d.restart is None
+    assert d.actions == Actions()  # no pod deleted
+    message = conditions(d)["Ready"]["message"]
+    assert f"node n2 is not Ready (Unknown) since {iso(T0)}" in message
+    assert f"count as lost at {iso(T0 + timedelta(seconds=120))}" in message
+    assert d.requeue_after == 90  # looked at again when the bound expires
+    body = applied(body, d)
+    back = run(body, [*compute(), driver()], now=T0 + timedelta(seconds=60))
+    assert back.status["phase"] == "Running" and back.actions == Actions()
+    assert back.status["recovery"]["restarts"] == 0
+
+
+def test_a_node_not_ready_past_the_bound_is_lost_and_its_pods_force_deleted() -> None:
+    pods = [*on_n2("rl-trainer-worker-a"), driver()]
+    nodes = [READY_NODE, node("n2", "Unknown", T0)]
+    d = run(job(RUNNING), pods, now=T0 + timedelta(seconds=120), nodes=nodes, lost_after=120)
+    last = d.status["recovery"]["lastFailure"]
+    assert (last["reason"], last["pod"]) == ("NodeLost", "rl-trainer-worker-a")
+    assert last["message"] == f"node n2 is not Ready (Unknown) since {iso(T0)}"
+    assert d.actions.delete_pods == ("rl-trainer-worker-a",) and d.actions.delete_driver
+
+
+def test_pods_going_anyway_on_a_node_not_ready_are_force_deleted_at_once() -> None:
+    """A pod the operator deleted (its worker was lost) on a node that is not Ready: no
+    kubelet finishes its deletion, and its replacement waits for it."""
+    status = {**RUNNING, "phase": "Recovering", "startingSince": iso(T0),
+              "recovery": {"restarts": 1, "maxRestarts": 2}}
+    pods = on_n2("rl-trainer-worker-a", ready=False, deleting=True)
+    nodes = [READY_NODE, node("n2", "Unknown", T0)]
+    d = run(job(status), pods, now=T0 + timedelta(seconds=5), nodes=nodes, lost_after=120)
+    assert d.actions.delete_pods == ("rl-trainer-worker-a",)
+    # Not being deleted: left alone until the bound, and the start-up says what it waits for.
+    d = run(job(status), on_n2("rl-trainer-worker-a", ready=False),
+            now=T0 + timedelta(seconds=5), nodes=nodes, lost_after=120)
+    assert d.actions.delete_pods == () and d.requeue_after == 115
+    assert "node n2 is not Ready (Unknown)" in started(d)["message"]
+
+
+def test_a_worker_ray_lost_on_a_node_not_ready_is_node_lost_and_goes_at_once() -> None:
+    status = {**RUNNING, "runtimeFailure": lost_worker_report("rl-trainer-worker-a")}
+    nodes = [READY_NODE, node("n2", "Unknown", T0)]
+    d = run(job(status), [*on_n2("rl-trainer-worker-a"), exited(1)],
+            now=T0 + timedelta(seconds=30), nodes=nodes, lost_after=120)
+    last = d.status["recovery"]["lastFailure"]
+    assert (last["reason"], last["pod"]) == ("NodeLost", "rl-trainer-worker-a")
+    assert d.actions.replace_pods == ("rl-trainer-worker-a",) and not d.actions.delete_pods
