@@ -3,15 +3,19 @@
 The format is SGLang's `serialized_named_tensors`: base64 of `ForkingPickler.dumps(...)` with
 torch's reductions registered, so CUDA tensors travel as CUDA IPC handles and CPU tensors as
 shared-memory file names (`file_system` strategy: no file descriptor passing, which HTTP
-cannot carry). The receiving process maps the same memory. An entry holds either a list of
-(name, tensor), or, with `load_format: "flattened_bucket"` (SGLang's, since 0.4.10), a dict of
-one flat tensor and the name, shape, dtype and element range of every tensor in it: one
-handle to share and open instead of one a tensor, which is what a version costs to hand over.
+cannot carry). The receiving process maps the same memory. A CUDA tensor's GPU is named by
+its UUID, not by the sender's device index, so a receiver that numbers its GPUs otherwise
+(another CUDA_VISIBLE_DEVICES, another container's allocation) opens it on the right one.
+An entry holds either a list of (name, tensor), or, with `load_format: "flattened_bucket"`
+(SGLang's, since 0.4.10), a dict of one flat tensor and the name, shape, dtype and element
+range of every tensor in it: one handle to share and open instead of one a tensor, which is
+what a version costs to hand over.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import pickle
 from collections.abc import Mapping, Sequence
@@ -21,8 +25,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
+import torch.multiprocessing.reductions as torch_reductions
 
 from rljob.weightsync.nonfinite import SCREEN_ALONE, nonfinite_names
+from rljob.weightsync.protocol import gpu_uuid
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -35,10 +41,76 @@ def use_file_system_sharing() -> None:
     torch_mp.set_sharing_strategy("file_system")
 
 
+# Position of the device index among the arguments torch's `reduce_tensor` gives
+# `rebuild_cuda_tensor` (tensor class, size, stride, offset, storage class, dtype, device, ...).
+_CUDA_DEVICE_ARG = 6
+
+
+@functools.cache
+def _gpu_uuids() -> tuple[str, ...]:
+    """The UUID of each GPU this process sees, by its device index here, written as SGLang
+    writes it in a handle (`str` of torch's device-properties UUID)."""
+    return tuple(gpu_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count()))
+
+
+def device_index(device: int | str, uuids: Sequence[str]) -> int:
+    """This process's index of the GPU a handle names: an index as it is, a UUID as the
+    index of that GPU among `uuids` (the GPUs this process sees, in its numbering)."""
+    if isinstance(device, int):
+        return device
+    if device in uuids:
+        return uuids.index(device)
+    raise ValueError(f"a CUDA IPC handle names GPU {device}, which this process does not see "
+                     f"(it sees {', '.join(uuids) or 'no GPU'}): sender and receiver must "
+                     "run in the container allocated that GPU")
+
+
+def _reduce_by_uuid(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """torch's reduction of `tensor`, naming a CUDA tensor's GPU by UUID instead of by this
+    process's device index, which the receiver may number differently (another
+    CUDA_VISIBLE_DEVICES, another container's allocation). SGLang's servers patch torch's
+    reductions (`monkey_patch_torch_reductions`) to expect exactly this: a UUID there, never
+    an index; `decode_named_tensors` reads either."""
+    rebuild, args = torch_reductions.reduce_tensor(tensor)
+    if rebuild is torch_reductions.rebuild_cuda_tensor:
+        args = (*args[:_CUDA_DEVICE_ARG], _gpu_uuids()[args[_CUDA_DEVICE_ARG]],
+                *args[_CUDA_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler with torch's tensor reductions, CUDA devices named by UUID."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return _reduce_by_uuid(obj)
+        return NotImplemented
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's `rebuild_cuda_tensor` for a handle whose device is an index or a UUID."""
+    device = device_index(args[_CUDA_DEVICE_ARG], _gpu_uuids())
+    rebuild: Any = torch_reductions.rebuild_cuda_tensor  # typed by torch as 15 named args
+    rebuilt: torch.Tensor = rebuild(*args[:_CUDA_DEVICE_ARG], device,
+                                    *args[_CUDA_DEVICE_ARG + 1:])
+    return rebuilt
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
+        return super().find_class(module, name)
+
+
 def _dumps(obj: Any) -> str:
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _loads(entry: str) -> Any:
+    return _Unpickler(io.BytesIO(base64.b64decode(entry))).load()
 
 
 def _shared(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,7 +189,7 @@ def _decoded(obj: Any) -> NamedTensors:
 def decode_named_tensors(entry: str) -> NamedTensors:
     """The inverse of `encode_named_tensors` and `encode_flattened`, run in the engine."""
     use_file_system_sharing()
-    return _decoded(pickle.loads(base64.b64decode(entry)))
+    return _decoded(_loads(entry))
 
 
 def copy_into(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
