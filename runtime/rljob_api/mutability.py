@@ -116,6 +116,9 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "the claim exists in the class it was created in"),
     FieldEffect("checkpoint.path", Effect.immutable, "the checkpoints are there"),
     FieldEffect("checkpoint", Effect.restart, _RESTART_CONFIG),
+    FieldEffect("weightSync.bucketSizeMb", Effect.compute,
+                "the pods holding engines are replaced: their memory includes one bucket for "
+                "each engine's weight-sync sidecar"),
     FieldEffect("weightSync", Effect.restart, _RESTART_CONFIG),
     FieldEffect("recovery", Effect.operator, "the operator's own policy, applied to the next "
                 "failure or start-up"),

@@ -116,9 +116,9 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
         Edit("hooks", {"reward": {"function": "my_rewards:score"},
                        "generate": {"function": "my_generate:generate"}}),
         Edit("checkpoint", {"checkpoint": {"interval": 5, "keepLast": 4, "format": "hf"}}),
-        Edit("weight-sync", {"weightSync": {"mode": "disk", "bucketSizeMb": 256,
-                                            "verifyDigest": False, "scanNonfinite": False,
-                                            "ackTimeoutSeconds": 600}}),
+        Edit("weight-sync", {"weightSync": {"mode": "disk", "verifyDigest": False,
+                                            "scanNonfinite": False, "ackTimeoutSeconds": 600}}),
+        Edit("weight-sync-bucket", {"weightSync": {"bucketSizeMb": 256}}),
         Edit("tracking", {"tracking": {
             "tensorboard": {"enabled": True, "logDir": "/checkpoints/tensorboard/rl"},
             "wandb": {"enabled": True, "project": "rl", "entity": "team-a", "mode": "online",
