@@ -79,7 +79,7 @@ def host_copy_gbs(nbytes: int) -> tuple[float, float]:
     return nbytes / best[0] / 1e9, nbytes / best[1] / 1e9
 
 
-def rollout(engine: HFEngine, task: Any, spec: Any, step: int) -> list[dict[str, Any]]:
+def rollout(engine: HFEngine, task: Any, spec: Any, step: int) -> list[Sample]:
     """One rollout step's samples from the engine, rewarded like the driver's worker does."""
     algo, sampling = spec.algorithm, spec.rollout.sampling
     samples = []
@@ -97,7 +97,7 @@ def rollout(engine: HFEngine, task: Any, spec: Any, step: int) -> list[dict[str,
                 response_length=len(response), loss_mask=[1] * len(response),
                 rollout_log_probs=[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]],
                 reward=task.reward(out["text"], prompt.label), weight_version=str(step),
-                status=Status.completed).to_json())
+                status=Status.completed))
     return samples
 
 
@@ -164,7 +164,7 @@ def main() -> None:
         print(row(f"step {step}: training (engine off)", trainer, engine, peak)
               + f" | release {released / MIB:.1f} MiB in {took * 1e3:.1f} ms; trainer back "
               f"{back / MIB:.1f} MiB in {took_back * 1e3:.1f} ms; "
-              f"{result['optimizer_steps']} optimizer steps", flush=True)
+              f"{result.optimizer_steps} optimizer steps", flush=True)
         engine.resume_memory()
         engine.install(trainer.named_weights(), str(step + 1))
         print(row(f"step {step}: engine back, v{step + 1} in", trainer, engine), flush=True)

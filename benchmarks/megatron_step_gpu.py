@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,7 @@ def main() -> None:
             / (args.peak_tflops * 1e12),
             "tokens": sum(mb.tokens.numel() for mb in batches),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-            **metrics,
+            **asdict(metrics),
         }
         records.append(rec)
         print(json.dumps(rec), flush=True)

@@ -4,15 +4,15 @@ use it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from rljob.rollout.sample import Sample, Status
+from rljob.trainer.metrics import TrainMetrics
 
 TEMPERATURE = 0.7
 
@@ -47,7 +47,7 @@ def float64_logprobs(model_dir: Path, samples: list[Sample]) -> list[list[float]
 
 def check_policy_logprobs(
     logprobs: Callable[[list[Sample]], list[list[float]]],
-    train: Callable[[list[Sample], bool], Mapping[str, Any]],
+    train: Callable[[list[Sample], bool], TrainMetrics],
     model_dir: Path, samples: list[Sample],
 ) -> list[list[float]]:
     """A trainer's `logprobs` before any step: one per response token, equal to a float64
@@ -61,8 +61,8 @@ def check_policy_logprobs(
     for s, lp in zip(samples, before, strict=True):
         s.rollout_log_probs = lp
     metrics = train(samples, True)
-    assert metrics["optimizer_steps"] == 2
-    assert metrics["logprob_gap_max"] < 1e-6
+    assert metrics.optimizer_steps == 2
+    assert metrics.logprob_gap_max < 1e-6
     after = logprobs(samples)
     moved = max(abs(a - b) for ra, rb in zip(after, before, strict=True)
                 for a, b in zip(ra, rb, strict=True))

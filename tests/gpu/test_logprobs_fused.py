@@ -347,7 +347,7 @@ def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
 
     from rljob.kernels.logprobs import pad_responses, response_index
     from rljob.kernels.logprobs_vocab_parallel import vocab_parallel_logprobs
-    from rljob.trainer.batch import Batch
+    from rljob.trainer.batch import PaddedBatch
     from rljob.trainer.torch.actor import response_logprobs
 
     torch.manual_seed(0)
@@ -365,8 +365,8 @@ def test_torch_trainer_on_gpu_takes_the_fused_path() -> None:
     for row, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         attn[row, : p + r] = 1
     t_max = max(responses)
-    batch = Batch(ids, attn, prompts, responses, torch.ones(3, t_max, device="cuda"),
-                  torch.zeros(3, t_max, device="cuda"))
+    batch = PaddedBatch(ids, attn, prompts, responses, torch.ones(3, t_max, device="cuda"),
+                        torch.zeros(3, t_max, device="cuda"))
     g_lp = torch.randn(3, t_max, device="cuda")
     g_ent = torch.randn(3, t_max, device="cuda")
 

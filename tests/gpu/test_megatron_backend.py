@@ -187,10 +187,10 @@ def test_same_loss_and_grad_norm_as_torch_path(kind: str, tied: bool, loss: Loss
     batches = _batches(seed=7, tis=tis)
     ref_loss, ref_norm = _torch_path(model, batches, kind=loss)
     metrics = trainer.train_step(batches)
-    print(f"{kind} {loss} tis={tis}: loss {metrics['loss']:.8f} vs {ref_loss:.8f}; "
-          f"grad norm {metrics['grad_norm']:.8f} vs {ref_norm:.8f}")
-    assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
-    assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    print(f"{kind} {loss} tis={tis}: loss {metrics.loss:.8f} vs {ref_loss:.8f}; "
+          f"grad norm {metrics.grad_norm:.8f} vs {ref_norm:.8f}")
+    assert metrics.loss == pytest.approx(ref_loss, rel=1e-4, abs=1e-5)
+    assert metrics.grad_norm == pytest.approx(ref_norm, rel=1e-4)
 
 
 @pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("qwen2", True)])
@@ -226,8 +226,8 @@ def test_resume_from_distributed_checkpoint_is_exact(kind: str, tied: bool, tmp_
         assert torch.equal(tensor, saved[name]), name
     continued = [resumed.train_step(_batches(seed=s)) for s in (2, 4)]
     for step, (want, got) in enumerate(zip(uninterrupted, continued, strict=True)):
-        print(f"{kind} step {step + 3}: loss {got['loss']!r} vs uninterrupted {want['loss']!r}; "
-              f"grad norm {got['grad_norm']!r} vs {want['grad_norm']!r}")
+        print(f"{kind} step {step + 3}: loss {got.loss!r} vs uninterrupted {want.loss!r}; "
+              f"grad norm {got.grad_norm!r} vs {want.grad_norm!r}")
         # Same weights, optimizer state (Adam's step count included) and batch, same kernels:
         # the figures are bit-identical (measured on an H200), not merely close.
         assert got == want, step
@@ -310,6 +310,6 @@ def test_actor_clips_against_the_engines_logprobs_with_old_logprobs_rollout(tmp_
                                  "", "cuda")
     metrics = actor.train(with_engine_excess(samples, actor.logprobs(samples)), False)
     actor.sync.close()
-    assert metrics["optimizer_steps"] == 1
-    assert metrics["logprob_gap"] == pytest.approx(ENGINE_EXCESS, abs=1e-4)
-    assert metrics["clipfrac"] == pytest.approx(NEGATIVE_ADVANTAGE_SHARE, abs=1e-6)
+    assert metrics.optimizer_steps == 1
+    assert metrics.logprob_gap == pytest.approx(ENGINE_EXCESS, abs=1e-4)
+    assert metrics.step_means.clipfrac == pytest.approx(NEGATIVE_ADVANTAGE_SHARE, abs=1e-6)

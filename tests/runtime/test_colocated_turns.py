@@ -23,7 +23,7 @@ from rljob.driver.state import LoopState
 from rljob.driver.stop import StopSignals
 from rljob.reporting.tracking import Trackers
 from rljob.rollout.stats import RolloutStats
-from rljob.trainer.metrics import TrainMetrics
+from rljob.trainer.metrics import OptimizerFigures, TrainMetrics
 
 
 class Actor:
@@ -42,7 +42,9 @@ class Actor:
 
 def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool,
          log: list[str]) -> Job:
-    metrics = TrainMetrics(step_means={}, reward=0.5, kl=0.0, logprob_gap=0.0,
+    means = OptimizerFigures(loss=0.0, pg_loss=0.0, kl_loss=0.0, entropy=0.0, clipfrac=0.0,
+                             value_loss=0.0, grad_norm=0.0)
+    metrics = TrainMetrics(step_means=means, reward=0.5, kl=0.0, logprob_gap=0.0,
                            logprob_gap_max=0.0, response_length=0.0,
                            step_skipped=[False] * optimizer_steps or [True],
                            nonfinite=[] if optimizer_steps else ["skipped"])

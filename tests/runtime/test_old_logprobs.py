@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from rljob.cluster.cluster import rendezvous_address
 from rljob.cluster.trainer_group import TrainerGroup
 from rljob.driver.model_files import prepare_model
+from rljob.trainer.metrics import TrainMetrics
 from rljob.trainer.torch.actor import TorchTrainer
 from tests.logprob_samples import (
     ENGINE_EXCESS,
@@ -27,7 +28,7 @@ from tests.runtime.jobs import job_spec
 pytestmark = pytest.mark.runtime
 
 
-def _first_step(tmp_path: Path, changes: dict[str, Any]) -> dict[str, Any]:
+def _first_step(tmp_path: Path, changes: dict[str, Any]) -> TrainMetrics:
     """One optimizer step on `samples_of` with engine log-probs above the trainer's own."""
     spec = job_spec(tmp_path, {
         "rollout": {"sampling": {"temperature": TEMPERATURE}, **changes.get("rollout", {})},
@@ -45,8 +46,8 @@ def _first_step(tmp_path: Path, changes: dict[str, Any]) -> dict[str, Any]:
         group.shutdown(timeout_s=30)
     finally:
         group.kill()
-    assert metrics["optimizer_steps"] == 1
-    assert metrics["logprob_gap"] == pytest.approx(ENGINE_EXCESS, abs=1e-5)
+    assert metrics.optimizer_steps == 1
+    assert metrics.logprob_gap == pytest.approx(ENGINE_EXCESS, abs=1e-5)
     return metrics
 
 
@@ -58,4 +59,5 @@ def _first_step(tmp_path: Path, changes: dict[str, Any]) -> dict[str, Any]:
 ], ids=["sync-default-trainer", "rollout", "async-default-rollout", "async-trainer"])
 def test_the_old_policy_the_clip_measures_from(ray_local: None, tmp_path: Path,
                                                changes: dict[str, Any], clipped: float) -> None:
-    assert _first_step(tmp_path, changes)["clipfrac"] == pytest.approx(clipped, abs=1e-6)
+    clipfrac = _first_step(tmp_path, changes).step_means.clipfrac
+    assert clipfrac == pytest.approx(clipped, abs=1e-6)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -30,6 +29,7 @@ from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.model.tiny_model import write_tiny
 from rljob.reporting import metrics_log
 from rljob.rollout.sample import Sample, Status
+from rljob.rollout.stats import RolloutStats
 from rljob.rollout.tasks import load_task
 from rljob.rollout.worker import RolloutWorker
 from rljob_api.exits import OK as EXIT_OK
@@ -88,7 +88,7 @@ def _worker(server: ServerThread, data: Path, mask: bool) -> RolloutWorker:
 
 
 def _cut_step(worker: RolloutWorker, server: ServerThread, step: int
-              ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+              ) -> tuple[list[Sample], RolloutStats]:
     """A step whose cut waits until the engine has generated 3 tokens of another request."""
     progress = PROGRESS[server.url]
     hooks_for_tests.REWARD_GATE = lambda: progress.tokens >= 3
@@ -110,7 +110,7 @@ def _new_version(server: ServerThread, version: str) -> None:
     server.engine.install(named, version)
 
 
-def _check_continued(batch: list[dict[str, Any]], before: dict[Key, Sample],
+def _check_continued(batch: list[Sample], before: dict[Key, Sample],
                      old_tokens: dict[Key, int], mask: bool) -> tuple[int, int]:
     """Every sample of `batch` that was carried (`before`: the carried samples as the last
     step left them) starts with its carried tokens and log-probs and runs on to
@@ -118,8 +118,7 @@ def _check_continued(batch: list[dict[str, Any]], before: dict[Key, Sample],
     version changed, if it got tokens of the new version. Returns (carried tokens
     resumed, tokens masked)."""
     carried_tokens = masked = 0
-    for d in batch:
-        got = Sample.from_json(d)
+    for got in batch:
         prior = before.get((got.prompt, got.index))
         if prior is None:
             assert got.loss_mask == [1] * got.response_length
@@ -149,9 +148,9 @@ def test_cut_groups_are_carried_and_continued_under_the_new_version(
         engine: ServerThread, data: Path, mask: bool) -> None:
     worker = _worker(engine, data, mask)
     batch, stats = _cut_step(worker, engine, 0)
-    assert len(batch) == 2 and all(d["response_length"] == MAX_NEW for d in batch)
+    assert len(batch) == 2 and all(d.response_length == MAX_NEW for d in batch)
     carried = _carried(worker)
-    assert stats["partial_groups_carried"] == len(carried) / 2 == 2
+    assert stats.partial_groups_carried == len(carried) / 2 == 2
     # the cut landed mid-generation: one carried sample has some tokens, not all
     assert any(0 < s.response_length < MAX_NEW and s.status.value == "aborted"
                for s in carried.values())
@@ -165,12 +164,12 @@ def test_cut_groups_are_carried_and_continued_under_the_new_version(
     for step in (1, 2, 3):  # carried groups go first; each finishes within a step or two
         batch, stats = _cut_step(worker, engine, step)
         carried_tokens, masked = _check_continued(batch, carried, old_tokens, mask)
-        assert stats["partial_tokens_resumed"] == carried_tokens
-        assert stats.get("masked_off_policy_tokens", 0.0) == masked
+        assert stats.partial_tokens_resumed == carried_tokens
+        assert (stats.masked_off_policy_tokens or 0.0) == masked
         total_masked += masked
-        seen += len(partial_prompts & {(d["prompt"], d["index"]) for d in batch})
+        seen += len(partial_prompts & {(d.prompt, d.index) for d in batch})
         carried = {k: s for k, s in carried.items()
-                   if k not in {(d["prompt"], d["index"]) for d in batch}} | _carried(worker)
+                   if k not in {(d.prompt, d.index) for d in batch}} | _carried(worker)
         if seen:
             break
     assert seen, "no sample cut mid-generation was ever continued"
@@ -187,12 +186,12 @@ def test_async_bound_drops_carried_groups_with_older_tokens(
     assert len(carried) == 4 and {s.first_weight_version for s in carried.values()} == {"0"}
     _new_version(engine, "2")
     batch, stats = asyncio.run(worker.generate(1, oldest_version=1))
-    assert stats["stale_groups_dropped"] == 2 and stats["partial_tokens_resumed"] == 0
-    assert {d["weight_version"] for d in batch} == {"2"}
-    assert all(not d["version_spans"] or d["version_spans"][0][0] == "2" for d in batch)
+    assert stats.stale_groups_dropped == 2 and stats.partial_tokens_resumed == 0
+    assert {d.weight_version for d in batch} == {"2"}
+    assert all(not d.version_spans or d.version_spans[0][0] == "2" for d in batch)
     # the dropped groups' prompts came back first: the batch is one of them, from scratch
-    assert {d["prompt"] for d in batch} <= {k[0] for k in carried}
-    assert all(d["response_length"] == MAX_NEW for d in batch)
+    assert {d.prompt for d in batch} <= {k[0] for k in carried}
+    assert all(d.response_length == MAX_NEW for d in batch)
 
 
 def test_a_checkpoint_carries_the_cut_groups_to_a_resumed_worker(
@@ -237,10 +236,10 @@ def test_a_checkpoint_carries_the_cut_groups_to_a_resumed_worker(
         batch, carried, {k: s.response_length for k, s in carried.items()}, mask=True)
     # the step's jobs were the two carried groups and one new prompt: every carried prompt
     # is either in the batch, continued, or still carried
-    kept = {(d["prompt"], d["index"]) for d in batch} | set(_carried(resumed))
+    kept = {(d.prompt, d.index) for d in batch} | set(_carried(resumed))
     assert set(carried) <= kept
-    assert stats["partial_groups_resumed"] == 2
-    assert stats["partial_tokens_resumed"] == carried_tokens
+    assert stats.partial_groups_resumed == 2
+    assert stats.partial_tokens_resumed == carried_tokens
 
 
 def test_carried_groups_are_generated_again_when_partial_rollout_is_turned_off(

@@ -3,7 +3,7 @@ logic: what lag a batch has, and when a batch a checkpoint kept is generated aga
 
 from __future__ import annotations
 
-from rljob.cluster.rollout_pipeline import Batch, Staleness
+from rljob.cluster.rollout_pipeline import RolloutBatch, Staleness
 from rljob.rollout.sample import Sample
 
 
@@ -12,7 +12,7 @@ def _sample(version: str, spans: list[tuple[str, int]] | None = None) -> Sample:
 
 
 def test_staleness_counts_the_oldest_token_and_falls_back_to_the_launch_version() -> None:
-    batch = Batch(step=5, stats={}, engine_version=3, samples=[
+    batch = RolloutBatch(step=5, stats={}, engine_version=3, samples=[
         _sample("4"),                          # lag 1
         _sample("4", [("2", 0), ("4", 7)]),   # continued: its first tokens are version 2
         _sample(""),                           # a custom generate recorded none: version 3
@@ -25,7 +25,8 @@ def test_staleness_counts_the_oldest_token_and_falls_back_to_the_launch_version(
 
 
 def test_a_kept_batch_that_no_longer_fits_is_named() -> None:
-    batch = Batch(step=5, stats={}, engine_version=3, samples=[_sample("3"), _sample("4")])
+    batch = RolloutBatch(step=5, stats={}, engine_version=3,
+                         samples=[_sample("3"), _sample("4")])
     assert batch.misfit(oldest_version=3, samples_per_step=2) is None
     assert "older than rollout.maxStaleness now allows" in str(
         batch.misfit(oldest_version=4, samples_per_step=2))

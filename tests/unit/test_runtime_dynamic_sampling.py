@@ -14,6 +14,8 @@ import pytest
 
 from rljob.model.tiny_model import write_tiny
 from rljob.rollout.hooks import HookError
+from rljob.rollout.sample import Sample
+from rljob.rollout.stats import RolloutStats
 from rljob.rollout.tasks import load_task
 from rljob.rollout.worker import RolloutWorker
 from rljob_api.spec import RLJobSpec, TinyModel
@@ -48,12 +50,12 @@ def _worker(tmp_path: Path, generate: str = "scripted_generate", tis: bool = Fal
     return worker
 
 
-def _step(worker: RolloutWorker, step: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def _step(worker: RolloutWorker, step: int) -> tuple[list[Sample], RolloutStats]:
     return asyncio.run(worker.generate(step))
 
 
-def _prompts(samples: list[dict[str, Any]]) -> list[tuple[int, str]]:
-    return [(s["group_index"], s["prompt"]) for s in samples]
+def _prompts(samples: list[Sample]) -> list[tuple[int, str]]:
+    return [(s.group_index, s.prompt) for s in samples]
 
 
 def test_zero_variance_groups_are_replaced_then_fill_the_batch_at_the_bound(
@@ -63,19 +65,17 @@ def test_zero_variance_groups_are_replaced_then_fill_the_batch_at_the_bound(
     # round 1: p0 (u, set aside), p1 (v, kept); round 2: p2 (u); round 3 (the bound): p3 (u);
     # then the first set-aside group, p0, fills the one missing group.
     assert _prompts(samples) == [(0, "p1"), (0, "p1"), (1, "p0"), (1, "p0")]
-    assert {k: stats[k] for k in ("generation_rounds", "generated_groups", "filtered_groups",
-                                  "filtered_groups_kept")} == {
-        "generation_rounds": 3.0, "generated_groups": 4.0, "filtered_groups": 3.0,
-        "filtered_groups_kept": 1.0}
+    assert (stats.generation_rounds, stats.generated_groups, stats.filtered_groups,
+            stats.filtered_groups_kept) == (3.0, 4.0, 3.0, 1.0)
     # every group generated this step had its own seeds (p1 was group 1 of round 1)
-    assert samples[0]["seed"] != samples[2]["seed"]
+    assert samples[0].seed != samples[2].seed
     assert worker.state() == {"epoch": 0, "index": 4, "buffer": []}  # dropped prompts consumed
 
     samples, stats = _step(worker, 1)
     # round 1: p4 (v) kept, p5 (u) dropped; round 2: p6 (v) kept: full, nothing filled in
     assert _prompts(samples) == [(0, "p4"), (0, "p4"), (1, "p6"), (1, "p6")]
-    assert (stats["generation_rounds"], stats["filtered_groups"],
-            stats["filtered_groups_kept"]) == (2.0, 1.0, 0.0)
+    assert (stats.generation_rounds, stats.filtered_groups,
+            stats.filtered_groups_kept) == (2.0, 1.0, 0.0)
     assert worker.state() == {"epoch": 0, "index": 7, "buffer": []}
 
 
@@ -93,7 +93,7 @@ def test_without_dynamic_sampling_equal_reward_groups_are_trained_on(tmp_path: P
     worker = _worker(tmp_path, dynamic=False)
     samples, stats = _step(worker, 0)
     assert _prompts(samples) == [(0, "p0"), (0, "p0"), (1, "p1"), (1, "p1")]
-    assert stats["generation_rounds"] == 1.0 and "filtered_groups" not in stats
+    assert stats.generation_rounds == 1.0 and stats.filtered_groups is None
 
 
 @pytest.mark.parametrize(("tis", "more", "named"), [

@@ -19,6 +19,7 @@ from rljob.algo.advantages import (
 from rljob.algo.losses import kl_estimate, policy_loss, truncated_is_weights, value_loss
 from rljob.rollout.sample import Sample
 from rljob.trainer.batch import advantages, policy_settings, rollout_summary, truncated_is
+from rljob.trainer.metrics import StepFigures
 from rljob_api.spec import AlgorithmSpec
 
 pytestmark = pytest.mark.unit
@@ -203,11 +204,12 @@ def test_truncated_importance_weights_and_their_metrics() -> None:
     tis = truncated_is(_algo(tis={"enabled": True, "cap": 2.0}), old, rollout, mask)
     assert tis is not None
     samples = [Sample(prompt="p", reward=1.0, response_length=3)]
-    step = {"loss": 0.5, "skipped": 0.0}
+    step = StepFigures(loss=0.5, pg_loss=0.0, kl_loss=0.0, entropy=0.0, clipfrac=0.0,
+                       value_loss=0.0, grad_norm=0.0, skipped=False)
     m = rollout_summary(samples, old, old, rollout, mask, [step], [], tis)
-    assert m["tis_weight"] == pytest.approx((1.105171 + 0.606531 + 2.0) / 3, abs=1e-6)
-    assert m["tis_truncated"] == pytest.approx(1 / 3)
+    assert m.tis_weight == pytest.approx((1.105171 + 0.606531 + 2.0) / 3, abs=1e-6)
+    assert m.tis_truncated == pytest.approx(1 / 3)
     # |rollout - old| over the response tokens: 0.1, 0.5, 1.0 (the masked 5.0 is not counted)
-    assert m["logprob_gap"] == pytest.approx(1.6 / 3)
-    assert m["logprob_gap_max"] == pytest.approx(1.0)
-    assert "tis_weight" not in rollout_summary(samples, old, old, rollout, mask, [step], [], None)
+    assert m.logprob_gap == pytest.approx(1.6 / 3)
+    assert m.logprob_gap_max == pytest.approx(1.0)
+    assert rollout_summary(samples, old, old, rollout, mask, [step], [], None).tis_weight is None

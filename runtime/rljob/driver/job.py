@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rljob.checkpoint.store import Verified
 from rljob.cluster.cluster import Roles
-from rljob.cluster.rollout_pipeline import Batch, Staleness
+from rljob.cluster.rollout_pipeline import RolloutBatch, Staleness
 from rljob.driver.attempt import Attempt
 from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
@@ -77,7 +77,7 @@ class Job:
 
     # ---- the step's parts ----------------------------------------------------------------
 
-    def take_batch(self) -> tuple[Batch, Staleness]:
+    def take_batch(self) -> tuple[RolloutBatch, Staleness]:
         """This step's rewarded samples, and how far they lag the policy."""
         state, algo, bound = self.state, self.spec.algorithm, self.max_staleness
         batch = self.roles.rollout.take(

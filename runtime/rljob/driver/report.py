@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from rljob.cluster.rollout_pipeline import Batch, Staleness
+from rljob.cluster.rollout_pipeline import RolloutBatch, Staleness
 from rljob.driver.job import Job
 from rljob.reporting import metrics_log
 from rljob.trainer.metrics import TrainMetrics
@@ -23,7 +23,7 @@ class StepTimes:
     step: float  # the whole step
 
 
-def step_row(job: Job, metrics: TrainMetrics, batch: Batch, staleness: Staleness,
+def step_row(job: Job, metrics: TrainMetrics, batch: RolloutBatch, staleness: Staleness,
              times: StepTimes, evaluation: dict[str, float]) -> dict[str, Any]:
     """The step's metrics.jsonl row (docs/algorithms.md lists its figures)."""
     state = job.state
@@ -47,7 +47,7 @@ def step_row(job: Job, metrics: TrainMetrics, batch: Batch, staleness: Staleness
     return row
 
 
-def report_step(job: Job, metrics: TrainMetrics, batch: Batch, staleness: Staleness,
+def report_step(job: Job, metrics: TrainMetrics, batch: RolloutBatch, staleness: Staleness,
                 times: StepTimes, evaluation: dict[str, float]) -> None:
     """One finished step into metrics.jsonl, the trackers and the RLJob's status.progress."""
     state, stats = job.state, batch.stats

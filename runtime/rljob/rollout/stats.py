@@ -3,19 +3,16 @@
 
 The loop reads the typed fields it acts on or reports in status (tokens/s, filtered
 groups); metrics.jsonl gets every figure that applies to the job's options (`row()`), so a
-figure an option does not produce is absent, not zero. It is also a read-only mapping of
-those figures by their metrics.jsonl names.
+figure an option does not produce is absent, not zero (None here).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from rljob.reporting.figures import Figures
-
 
 @dataclass(frozen=True)
-class RolloutStats(Figures):
+class RolloutStats:
     rollout_seconds: float
     response_tokens: float
     tokens_per_second: float  # of tokens generated in this step (not carried ones)
@@ -32,6 +29,7 @@ class RolloutStats(Figures):
     masked_off_policy_tokens: float | None = None
 
     def row(self) -> dict[str, float]:
+        """The figures metrics.jsonl reports for the step's rollout, by field name."""
         return {f.name: value for f in fields(self)
                 if (value := getattr(self, f.name)) is not None}
 

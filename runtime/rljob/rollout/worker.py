@@ -182,9 +182,8 @@ class RolloutWorker(Locatable):
                 task.cancel()
 
     async def generate(self, step: int, oldest_version: int | None = None
-                       ) -> tuple[list[dict[str, Any]], RolloutStats]:
-        """One rollout step: rolloutBatchSize complete groups of rewarded samples, in their
-        JSON form (`Sample.to_json`: what checkpoints keep of them too).
+                       ) -> tuple[list[Sample], RolloutStats]:
+        """One rollout step: rolloutBatchSize complete groups of rewarded samples.
 
         Groups with an aborted sample go back to the data source and are generated again
         (up to MAX_REFILLS rounds). With dynamic sampling, groups whose rewards are all equal
@@ -279,7 +278,7 @@ class RolloutWorker(Locatable):
                 stale_groups_dropped=float(stale) if oldest_version is not None else None,
                 masked_off_policy_tokens=float(sum(s.mask_older_versions() for s in samples))
                 if partial.mask_off_policy_tokens else None)
-        return [s.to_json() for s in samples], stats
+        return samples, stats
 
     def _check_log_probs(self, samples: list[Sample]) -> None:
         """TIS weighs every token by the engine's log-prob, and `oldLogprobs: rollout` takes

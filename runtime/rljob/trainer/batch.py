@@ -14,7 +14,7 @@ from torch import Tensor
 from rljob.algo import advantages as adv_fns
 from rljob.algo.losses import LossKind, truncated_is_weights
 from rljob.rollout.sample import Sample
-from rljob.trainer.metrics import TrainMetrics
+from rljob.trainer.metrics import OptimizerFigures, StepFigures, TrainMetrics
 from rljob_api.spec import AlgorithmSpec, OldLogprobs
 
 
@@ -23,7 +23,9 @@ class InitialKLMismatch(AssertionError):
 
 
 @dataclass
-class Batch:
+class PaddedBatch:
+    """Samples as right-padded tensors, prompt and response lengths kept per row."""
+
     input_ids: Tensor  # [B, L], right-padded
     attention_mask: Tensor  # [B, L]
     prompt_lengths: list[int]
@@ -31,13 +33,13 @@ class Batch:
     loss_mask: Tensor  # [B, T] float, T = longest response
     rollout_logp: Tensor  # [B, T]
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device),
-                     self.prompt_lengths, self.response_lengths, self.loss_mask.to(device),
-                     self.rollout_logp.to(device))
+    def to(self, device: torch.device) -> PaddedBatch:
+        return PaddedBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                           self.prompt_lengths, self.response_lengths,
+                           self.loss_mask.to(device), self.rollout_logp.to(device))
 
 
-def collate(samples: list[Sample], pad_id: int) -> Batch:
+def collate(samples: list[Sample], pad_id: int) -> PaddedBatch:
     width = max(len(s.tokens) for s in samples)
     t_max = max(s.response_length for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -50,8 +52,8 @@ def collate(samples: list[Sample], pad_id: int) -> Batch:
         mask[row, : s.response_length] = torch.tensor(s.loss_mask, dtype=torch.float32)
         if s.rollout_log_probs:
             rollout[row, : s.response_length] = torch.tensor(s.rollout_log_probs)
-    return Batch(ids, attn, [len(s.tokens) - s.response_length for s in samples],
-                 [s.response_length for s in samples], mask, rollout)
+    return PaddedBatch(ids, attn, [len(s.tokens) - s.response_length for s in samples],
+                       [s.response_length for s in samples], mask, rollout)
 
 
 @dataclass(frozen=True)
@@ -108,25 +110,23 @@ def truncated_is(algo: AlgorithmSpec, old: Tensor, rollout_logp: Tensor, mask: T
 
 def rollout_summary(
     samples: list[Sample], old: Tensor, ref: Tensor, rollout_logp: Tensor, mask: Tensor,
-    steps: list[dict[str, float]], skipped: list[str], tis: TruncatedIS | None,
+    steps: list[StepFigures], skipped: list[str], tis: TruncatedIS | None,
 ) -> TrainMetrics:
-    """One rollout step's metrics, the same for every trainer backend: step means, reward,
-    KL to the reference, the rollout-vs-trainer log-prob gap per response token and, with
-    TIS, the mean weight and the share of tokens whose weight the cap truncated. Each of
-    `steps` marks with `skipped` (1.0) an optimizer step skipped for non-finite values;
-    `skipped` says why each one was."""
+    """One rollout step's metrics, the same for every trainer backend: the means of its
+    optimizer steps' figures, reward, KL to the reference, the rollout-vs-trainer log-prob
+    gap per response token and, with TIS, the mean weight and the share of tokens whose
+    weight the cap truncated. `skipped` says why each skipped one of `steps` was."""
     tokens = max(float(mask.sum()), 1.0)
     rewards = [float("nan") if s.reward is None else s.reward for s in samples]
     gap = (rollout_logp - old).abs() * mask
-    means = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0] if key != "skipped"}
     return TrainMetrics(
-        step_means=means,
+        step_means=OptimizerFigures.mean(steps),
         reward=float(np.mean(rewards)),
         kl=float(((old - ref) * mask).sum()) / tokens,
         logprob_gap=float(gap.sum()) / tokens,
         logprob_gap_max=float(gap.max()) if gap.numel() else 0.0,
         response_length=float(np.mean([s.response_length for s in samples])),
-        step_skipped=[bool(s["skipped"]) for s in steps],
+        step_skipped=[s.skipped for s in steps],
         nonfinite=skipped,
         tis_weight=None if tis is None else float(tis.weights.sum()) / tokens,
         tis_truncated=None if tis is None else float(tis.truncated.sum()) / tokens,

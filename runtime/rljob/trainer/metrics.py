@@ -1,20 +1,54 @@
-"""`TrainMetrics`: what one rollout step of training reports, the same for every backend.
+"""What training reports, the same for every backend.
 
-The loop reads its typed fields (reward, optimizer steps, skipped steps and why); reporting
-writes `row()` into metrics.jsonl and the trackers. It is also a read-only mapping of those
-reported figures by name, so a figure is read the way metrics.jsonl names it.
+A backend reports each optimizer step as a `StepFigures`; `rljob.trainer.batch.rollout_summary`
+turns one rollout step's into its `TrainMetrics`. The loop reads TrainMetrics' typed fields
+(reward, optimizer steps, skipped steps and why); reporting writes `row()` into metrics.jsonl
+and the trackers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from rljob.reporting.figures import Figures
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
-class TrainMetrics(Figures):
-    step_means: dict[str, float]  # loss, pg_loss, kl_loss, entropy, clipfrac, grad_norm, ...
+class OptimizerFigures:
+    """The figures of an optimizer step, by their metrics.jsonl names: each loss term a token
+    mean over the step's slice, and the policy's gradient norm before clipping."""
+
+    loss: float
+    pg_loss: float
+    kl_loss: float
+    entropy: float
+    clipfrac: float
+    value_loss: float  # of the critic; 0 without one
+    grad_norm: float
+
+    @staticmethod
+    def mean(steps: Sequence[OptimizerFigures]) -> OptimizerFigures:
+        """Each figure's mean over `steps` (NaN when a skipped step's is)."""
+        return OptimizerFigures(**{name: sum(getattr(s, name) for s in steps) / len(steps)
+                                   for name in FIGURES})
+
+    def row(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in FIGURES}
+
+
+FIGURES = tuple(f.name for f in fields(OptimizerFigures))
+
+
+@dataclass(frozen=True)
+class StepFigures(OptimizerFigures):
+    """One optimizer step as a backend reports it. `skipped`: its loss or gradient norm was
+    non-finite and nothing was applied (the figures are then what was measured, or NaN)."""
+
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class TrainMetrics:
+    step_means: OptimizerFigures  # over the rollout step's optimizer steps
     reward: float
     kl: float  # to the reference, per response token
     logprob_gap: float  # |rollout − trainer| log-prob per response token: mean ...
@@ -35,7 +69,7 @@ class TrainMetrics(Figures):
 
     def row(self) -> dict[str, float]:
         """The figures metrics.jsonl reports for the step's training."""
-        out = dict(self.step_means)
+        out = self.step_means.row()
         if self.tis_weight is not None and self.tis_truncated is not None:
             out["tis_weight"] = self.tis_weight
             out["tis_truncated"] = self.tis_truncated

@@ -33,7 +33,7 @@ from rljob.model.tiny_model import torch_dtype
 from rljob.reporting import worker_metrics
 from rljob.rollout.sample import Sample
 from rljob.trainer.batch import (
-    Batch,
+    PaddedBatch,
     advantages,
     collate,
     micro_batches,
@@ -55,15 +55,13 @@ from rljob.trainer.megatron.training import (
     PolicyMicroBatch,
     init_parallel,
 )
-from rljob.trainer.metrics import TrainMetrics
+from rljob.trainer.metrics import StepFigures, TrainMetrics
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.wire import NamedTensors
 from rljob_api.spec import RLJobSpec
 
 CHECKPOINT_DIR = "megatron"
-TORCH_KEYS = {"loss": "loss", "pg_loss": "pg_loss", "kl": "kl_loss", "entropy": "entropy",
-              "clipfrac": "clipfrac"}
 
 
 def check_supported(spec: RLJobSpec) -> None:
@@ -132,7 +130,7 @@ class MegatronTrainerActor(TrainerActor):
 
     # ---- batches -----------------------------------------------------------------------
 
-    def _policy_batch(self, batch: Batch, old: Tensor, ref: Tensor, adv: Tensor,
+    def _policy_batch(self, batch: PaddedBatch, old: Tensor, ref: Tensor, adv: Tensor,
                       is_weight: Tensor | None = None) -> PolicyMicroBatch:
         t = max(batch.response_lengths)
         return PolicyMicroBatch(
@@ -141,12 +139,12 @@ class MegatronTrainerActor(TrainerActor):
             old_logp=old[:, :t], advantages=adv[:, :t], ref_logp=ref[:, :t],
             is_weight=None if is_weight is None else is_weight[:, :t])
 
-    def _batches(self, samples: list[Sample]) -> list[Batch]:
+    def _batches(self, samples: list[Sample]) -> list[PaddedBatch]:
         """All samples of a rollout step in micro-batches, in order."""
         groups = micro_batches(list(range(len(samples))), self.spec.algorithm.micro_batch_size)
         return [collate([samples[i] for i in mb], self.pad_id) for mb in groups]
 
-    def _infer(self, batches: list[Batch], width: int,
+    def _infer(self, batches: list[PaddedBatch], width: int,
                models: tuple[torch.nn.Module | None, ...] = (None,)) -> list[Tensor]:
         """Log-probs `[N, width]` of all samples under each of `models` (None: the policy),
         on every rank."""
@@ -182,7 +180,7 @@ class MegatronTrainerActor(TrainerActor):
         behaviour = old_policy_logprobs(self.spec.old_logprobs(), old, rollout_logp, mask)
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
-        steps: list[dict[str, float]] = []
+        steps: list[StepFigures] = []
         skipped: list[str] = []
         for k in range(algo.steps_per_rollout):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
@@ -191,16 +189,17 @@ class MegatronTrainerActor(TrainerActor):
                                       None if tis is None else tis.weights[mb])
                    for mb in micro_batches(idx[dp_rank::dp_size], algo.micro_batch_size)]
             try:
-                m = self.trainer.train_step(mbs)
-                row = {TORCH_KEYS[key]: m[key] for key in TORCH_KEYS}
-                row.update(value_loss=0.0, grad_norm=m["grad_norm"], skipped=0.0)
+                r = self.trainer.train_step(mbs)
+                step = StepFigures(loss=r.loss, pg_loss=r.pg_loss, kl_loss=r.kl,
+                                   entropy=r.entropy, clipfrac=r.clipfrac, value_loss=0.0,
+                                   grad_norm=r.grad_norm, skipped=False)
             except NonFiniteError as err:
                 skipped.append(f"optimizer step {k}: {err}")
-                row = {**{v: float("nan") for v in TORCH_KEYS.values()}, "value_loss": 0.0,
-                       "grad_norm": float("nan"), "skipped": 1.0}
-            worker_metrics.record_train_step(row["loss"], row["grad_norm"],
-                                             skipped=bool(row["skipped"]))
-            steps.append(row)
+                nan = float("nan")
+                step = StepFigures(loss=nan, pg_loss=nan, kl_loss=nan, entropy=nan,
+                                   clipfrac=nan, value_loss=0.0, grad_norm=nan, skipped=True)
+            worker_metrics.record_train_step(step.loss, step.grad_norm, skipped=step.skipped)
+            steps.append(step)
         return rollout_summary(samples, old, ref, rollout_logp, mask, steps, skipped, tis)
 
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:

@@ -48,11 +48,25 @@ from rljob.trainer.megatron.model import (
 )
 from rljob.trainer.megatron.shape import ModelShape
 
-METRICS = ("loss", "pg_loss", "kl", "entropy", "clipfrac")
+METRICS = ("loss", "pg_loss", "kl", "entropy", "clipfrac")  # the loss terms a step sums
 
 
 class NonFiniteError(FloatingPointError):
     """A loss or gradient norm was NaN/inf; the step was not applied."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One applied optimizer step: each of its loss terms (`METRICS`) as a token mean over
+    the step, the gradient norm and the response tokens it trained on."""
+
+    loss: float
+    pg_loss: float
+    kl: float
+    entropy: float
+    clipfrac: float
+    grad_norm: float
+    tokens: float
 
 
 @dataclass(frozen=True)
@@ -311,8 +325,10 @@ class MegatronTrainer:
         self.model.train()
         return [d["logp"] for d in out]
 
-    def train_step(self, micro_batches: Sequence[PolicyMicroBatch]) -> dict[str, float]:
-        """One optimizer step over `micro_batches`; metrics are token means over the step."""
+    def train_step(self, micro_batches: Sequence[PolicyMicroBatch]) -> StepResult:
+        """One optimizer step over `micro_batches`; its loss terms are token means over the
+        step. Raises NonFiniteError, having applied nothing, on a non-finite loss term or
+        gradient norm."""
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -331,9 +347,8 @@ class MegatronTrainer:
             raise NonFiniteError(f"gradient norm {grad_norm}; step not applied")
         tokens = float(sums[-1].item())
         values = sums.tolist()[:-1]
-        metrics = {k: float(v) / max(tokens, 1.0) for k, v in zip(METRICS, values, strict=True)}
-        metrics.update(grad_norm=float(grad_norm), tokens=tokens)
-        return metrics
+        means = {k: float(v) / max(tokens, 1.0) for k, v in zip(METRICS, values, strict=True)}
+        return StepResult(**means, grad_norm=float(grad_norm), tokens=tokens)
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This pipeline stage's weights in HF names (tensor shards gathered, padding stripped):

@@ -33,7 +33,7 @@ from rljob.model.tiny_model import torch_dtype
 from rljob.reporting import worker_metrics
 from rljob.rollout.sample import Sample
 from rljob.trainer.batch import (
-    Batch,
+    PaddedBatch,
     advantages,
     collate,
     micro_batches,
@@ -47,7 +47,7 @@ from rljob.trainer.batch import (
     widen,
 )
 from rljob.trainer.interface import TrainerActor
-from rljob.trainer.metrics import TrainMetrics
+from rljob.trainer.metrics import StepFigures, TrainMetrics
 from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.wire import NamedTensors
@@ -85,7 +85,7 @@ class Inference:
 
 
 def response_logprobs(
-    model: PreTrainedModel, batch: Batch, chunk_tokens: int, temperature: float
+    model: PreTrainedModel, batch: PaddedBatch, chunk_tokens: int, temperature: float
 ) -> tuple[Tensor, Tensor]:
     """Padded [B, T] log-probs and entropies of the response tokens, chunked."""
     hidden = model.get_decoder()(
@@ -110,7 +110,7 @@ def response_logprobs(
     return pad_responses(logp, batch.response_lengths), pad_responses(ent, batch.response_lengths)
 
 
-def response_values(critic: PreTrainedModel, batch: Batch) -> Tensor:
+def response_values(critic: PreTrainedModel, batch: PaddedBatch) -> Tensor:
     out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[..., 0]
     rows, cols = response_index(batch.prompt_lengths, batch.response_lengths)
     return pad_responses(out[rows.to(out.device), cols.to(out.device)].float(),
@@ -217,7 +217,7 @@ class TorchTrainer(TrainerActor):
         policy = policy_settings(algo)
         tis = truncated_is(algo, inf.old_logp, inf.rollout_logp, mask)
         old = old_policy_logprobs(self.spec.old_logprobs(), inf.old_logp, inf.rollout_logp, mask)
-        step_metrics: list[dict[str, float]] = []
+        step_metrics: list[StepFigures] = []
         skipped: list[str] = []
         for k in range(algo.steps_per_rollout):
             idx = list(range(k * algo.global_batch_size, (k + 1) * algo.global_batch_size))
@@ -259,7 +259,7 @@ class TorchTrainer(TrainerActor):
             dist.all_reduce(t)
         return t
 
-    def _optimizer_step(self, sums: Sums, skipped: list[str], k: int) -> dict[str, float]:
+    def _optimizer_step(self, sums: Sums, skipped: list[str], k: int) -> StepFigures:
         totals = self._all_reduce(sums.as_tensor())
         models: list[tuple[PreTrainedModel, torch.optim.Optimizer]] = [
             (self.model, self.optimizer)]
@@ -284,11 +284,10 @@ class TorchTrainer(TrainerActor):
         worker_metrics.record_train_step(float(totals[0]), norms[0], skipped=reason is not None)
         if reason is not None:
             skipped.append(reason)
-        names = ("loss", "pg_loss", "kl_loss", "entropy", "clipfrac", "value_loss")
-        out = {n: float(v) for n, v in zip(names, totals.tolist(), strict=True)}
-        out["grad_norm"] = norms[0]
-        out["skipped"] = float(reason is not None)
-        return out
+        loss, pg_loss, kl_loss, entropy, clipfrac, value_loss = totals.tolist()
+        return StepFigures(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy,
+                           clipfrac=clipfrac, value_loss=value_loss, grad_norm=norms[0],
+                           skipped=reason is not None)
 
     # ---- weights ---------------------------------------------------------------------
 
