@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-_SUFFIX = {
-    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+_SUFFIX: dict[str, int | Decimal] = {
+    "m": Decimal("0.001"), "": 1,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([a-zA-Z]*)$")
@@ -25,5 +26,11 @@ def memory_bytes(value: int | str) -> int:
 
 
 def mebibytes(nbytes: int) -> str:
-    """`nbytes` as a quantity in Mi, rounded up (what the operator writes)."""
-    return f"{-(-nbytes // MIB)}Mi"
+    """`nbytes` rounded up to whole Mi, written as the API server writes it back (the largest
+    binary suffix that divides it: 5Gi, not 5120Mi), so what the operator builds compares
+    equal to what the pods show."""
+    mib = -(-nbytes // MIB)
+    for suffix, per in (("Ei", 2**40), ("Pi", 2**30), ("Ti", 2**20), ("Gi", 2**10)):
+        if mib % per == 0:
+            return f"{mib // per}{suffix}"
+    return f"{mib}Mi"

@@ -113,9 +113,9 @@ def test_colocated_uses_one_shared_group_with_a_port_per_engine() -> None:
 @pytest.mark.parametrize(("resources", "want"), [
     # 4 engines × (768 MiB process + 256 MiB bucket) = 4096 MiB on top of the user's figures
     ({"requests": {"memory": "8Gi"}, "limits": {"memory": "64Gi"}},
-     {"requests": "12288Mi", "limits": "69632Mi"}),
+     {"requests": "12Gi", "limits": "68Gi"}),  # written as the API server writes them
     ({"requests": {"memory": "1G"}}, {"requests": "5050Mi", "limits": None}),  # 953.7 + 4096, up
-    ({}, {"requests": "4096Mi", "limits": None}),  # no limit stays no limit
+    ({}, {"requests": "4Gi", "limits": None}),  # no limit stays no limit
 ])
 def test_sidecar_memory_is_added_to_the_engine_container(
         resources: dict[str, Any], want: dict[str, str | None]) -> None:
