@@ -119,7 +119,7 @@ BAD_SPECS: list[BadSpec] = [
         "colocated-sglang-in-the-trainer-image",
         {"placement": "colocated", "trainer.gpusPerReplica": 1, "rollout.backend": "sglang"},
         "spec",
-        rule_message("!self.trainer.image.startsWith("),
+        rule_message("self.trainer.image.startsWith("),
     ),
     BadSpec(
         "async-colocated",

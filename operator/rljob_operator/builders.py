@@ -30,6 +30,7 @@ from rljob_api.layout import (
     group_resource,
     group_slots,
     rollout_gpus_per_pod,
+    weight_sync_health_port,
 )
 from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
@@ -230,10 +231,13 @@ def sidecar_memory_mib(spec: RLJobSpec) -> int:
 
 def _add_sidecar_memory(resources: Obj, mib: int) -> None:
     """Add `mib` to the container's memory request, and to its limit where it has one (no
-    limit stays no limit). A quantity that is not memory is left for the API server to
-    refuse, naming it."""
-    for kind in ("requests", "limits"):
-        have = resources.get(kind, {}).get("memory")
+    limit stays no limit). A request left out defaults to the limit, as Kubernetes would
+    make it. A quantity that is not memory is left for the API server to refuse, naming
+    it."""
+    requests, limits = resources.get("requests", {}), resources.get("limits", {})
+    wanted = {"requests": requests.get("memory", limits.get("memory")),
+              "limits": limits.get("memory")}
+    for kind, have in wanted.items():
         if have is None and kind == "limits":
             continue
         try:
@@ -244,8 +248,11 @@ def _add_sidecar_memory(resources: Obj, mib: int) -> None:
 
 
 def _engine_ports(engines: int) -> list[Obj]:
-    return [{"containerPort": engine_port(i), "name": names.per_engine("engine", i, engines)}
-            for i in range(engines)]
+    """Each engine's port and its sidecar's (/health, /metrics), engine by engine."""
+    return [port for i in range(engines) for port in (
+        {"containerPort": engine_port(i), "name": names.per_engine("engine", i, engines)},
+        {"containerPort": weight_sync_health_port(i),
+         "name": names.per_engine(names.WEIGHT_SYNC, i, engines)})]
 
 
 def _ray_resources(slot: str, count: int) -> str:

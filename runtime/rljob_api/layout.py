@@ -30,8 +30,8 @@ COLOCATED = "colocated"
 DRIVER = "driver"
 GROUPS = (TRAINER, ROLLOUT, COLOCATED)
 
-# Ports. Engine i of a pod listens on ENGINE_PORT + i; `rljob-weight-sync` run by hand serves
-# /health and /metrics on WEIGHT_SYNC_HEALTH_PORT. The weight-sync store runs on the Ray
+# Ports. Engine i of a pod listens on ENGINE_PORT + i and its weight-sync sidecar serves
+# /health and /metrics on WEIGHT_SYNC_HEALTH_PORT + i. The weight-sync store runs on the Ray
 # head node (the driver starts it there), so every pod reaches it through the head Service
 # on WEIGHT_SYNC_PORT, as the driver's Ray node reaches the head's GCS on RAY_GCS_PORT.
 RAY_GCS_PORT = 6379
@@ -55,6 +55,11 @@ HEAD_RESOURCE = "node:__internal_head__"
 
 def engine_port(index: int) -> int:
     return ENGINE_PORT + index
+
+
+def weight_sync_health_port(index: int) -> int:
+    """Where the sidecar of engine `index` of a pod serves /health and /metrics."""
+    return WEIGHT_SYNC_HEALTH_PORT + index
 
 
 def engine_count(spec: RLJobSpec) -> int:

@@ -196,14 +196,15 @@ RULES: tuple[Rule, ...] = (
     Rule(
         at=(),
         cel="self.placement != 'colocated' || self.rollout.backend != 'sglang' || "
-        f"!self.trainer.image.startsWith('{TRAINER_IMAGE}:')",
+        f"!(self.trainer.image.startsWith('{TRAINER_IMAGE}:') || "
+        f"self.trainer.image.startsWith('{TRAINER_IMAGE}@'))",
         message="spec.placement colocated: the engines start in the trainer's pods, from "
         f"spec.trainer.image, and the trainer image {TRAINER_IMAGE} has no SGLang; set "
         f"spec.trainer.image to {COLOCATED_IMAGE}:{IMAGE_VERSION} (images/Dockerfile "
         "ROLE=colocated) or an image of your own with both, or use rollout.backend hf",
         check=lambda s: (
             s["placement"] != "colocated" or s["rollout"]["backend"] != "sglang"
-            or not s["trainer"]["image"].startswith(f"{TRAINER_IMAGE}:")
+            or not s["trainer"]["image"].startswith((f"{TRAINER_IMAGE}:", f"{TRAINER_IMAGE}@"))
         ),
         field_path=".trainer.image",
     ),

@@ -92,6 +92,7 @@ def test_weight_sync_rendezvous_goes_through_the_head_service(placement: str) ->
     group = next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] != "trainer")
     (engine,) = containers(group)
     assert {"containerPort": 30000, "name": "engine"} in engine["ports"]
+    assert {"containerPort": 8090, "name": "weight-sync"} in engine["ports"]
     # The driver puts the store and engines where the pods declare them.
     (driver,) = builders.build_driver(JOB, s, 0, [])["spec"]["containers"]
     denv = env_of(driver)
@@ -103,10 +104,12 @@ def test_colocated_uses_one_shared_group_with_a_port_per_engine() -> None:
              rollout={"gpus": 16, "gpusPerEngine": 2})
     groups = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("colocated", 2)]
-    # Each pod holds 8 / 2 = 4 engines: a port for each, their sidecars in the same container.
+    # Each pod holds 8 / 2 = 4 engines: a port for each and one for its sidecar, which runs
+    # in the same container.
     (main,) = containers(groups[0])
-    assert main["ports"] == [{"containerPort": 30000 + i, "name": f"engine-{i}"}
-                             for i in range(4)]
+    assert main["ports"] == [port for i in range(4) for port in (
+        {"containerPort": 30000 + i, "name": f"engine-{i}"},
+        {"containerPort": 8090 + i, "name": f"weight-sync-{i}"})]
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
@@ -139,8 +142,9 @@ def test_trainer_pods_get_no_sidecar_memory() -> None:
               ["workerGroupSpecs"]}
     assert containers(groups["trainer"])[0]["resources"]["limits"]["memory"] == "64Gi"
     rollout = containers(groups["rollout"])[0]["resources"]
-    assert rollout["limits"]["memory"] == f"{32 * 1024 + 768 + 512}Mi"
-    assert rollout["requests"]["memory"] == f"{768 + 512}Mi"
+    # the request Kubernetes would have taken from the limit, grown as the limit is
+    assert rollout["limits"]["memory"] == rollout["requests"]["memory"] == \
+        f"{32 * 1024 + 768 + 512}Mi"
 
 
 def test_hf_rollout_and_cpu_trainer_request_no_gpus() -> None:

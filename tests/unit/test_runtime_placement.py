@@ -18,7 +18,7 @@ from rljob.cluster.placement import (
 )
 from rljob.cluster.weight_sync import SyncSettings, sidecar_device
 from rljob.engine.slots import SlotDeviceError, engine_gpus
-from rljob_api.layout import slots_per_pod
+from rljob_api.layout import slots_per_pod, weight_sync_health_port
 from rljob_api.spec import COLOCATED_IMAGE as COLOCATED_REPO
 from rljob_api.spec import RLJobSpec, RolloutBackend, WeightSyncMode
 from rljob_api.validate import spec_problems
@@ -272,11 +272,15 @@ def test_engines_listen_on_the_ports_their_pods_declare(
     (workers,) = [g for g in build_raycluster(job, spec)["spec"]["workerGroupSpecs"]
                   if g["groupName"] == group]
     (main,) = workers["template"]["spec"]["containers"]
-    declared = {p["containerPort"] for p in main["ports"]}
+    declared = {p["name"]: p["containerPort"] for p in main["ports"]}
+    engines = {port for name, port in declared.items() if name.startswith("engine")}
     pods = {f"{group}-{replica}" for replica in range(workers["replicas"])}
     assert {pod for pod, _ in runtime} == pods
-    assert {port for _, port in runtime} <= declared
-    assert len(declared) == len(runtime) // len(pods)
+    assert {port for _, port in runtime} == engines
+    assert len(engines) == len(runtime) // len(pods)
+    # each engine's sidecar serves /health and /metrics on the port declared beside it
+    sidecars = {port for name, port in declared.items() if name.startswith("weight-sync")}
+    assert sidecars == {weight_sync_health_port(p - settings.engine_port) for p in engines}
 
 
 def test_port_clashes_name_the_engines_ray_put_together() -> None:

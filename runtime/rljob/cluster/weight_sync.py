@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +42,7 @@ from rljob.engine.launcher import Locality
 from rljob.engine.sidecar import Sidecar, SidecarConfig
 from rljob.reporting.locatable import Locatable
 from rljob.weightsync.group import open_store
-from rljob_api import env
+from rljob_api import env, layout
 from rljob_api.layout import HEAD_RESOURCE
 
 PORT_ENV = env.WEIGHT_SYNC_PORT
@@ -151,17 +151,29 @@ def sidecar_placement(
     return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
 
 
+def engine_name(index: int) -> str:
+    """The name engine `index` has in weight sync (its sidecar registers under it)."""
+    return f"engine-{index}"
+
+
 @dataclass
 class SidecarCheck:
-    """Sidecars lost since the last check: for good (why, by engine), or started again by Ray
-    (engine indices)."""
+    """Sidecars lost since the last check, by engine index: for good (why), or being started
+    or started again by Ray."""
 
-    dead: list[str] = field(default_factory=list)
+    dead: dict[int, str] = field(default_factory=dict)
     restarted: list[int] = field(default_factory=list)
 
+    def of_engines(self, names: Iterable[str]) -> SidecarCheck:
+        """Only what happened to the sidecars of the engines named (those left stale)."""
+        engines = {i for i in [*self.dead, *self.restarted] if engine_name(i) in set(names)}
+        return SidecarCheck({i: why for i, why in self.dead.items() if i in engines},
+                            [i for i in self.restarted if i in engines])
+
     def describe(self) -> str:
-        return "; ".join([*self.dead, *(f"engine-{i}: its sidecar died and Ray started it "
-                                         "again" for i in self.restarted)])
+        return "; ".join([*(f"{engine_name(i)}: {why}" for i, why in self.dead.items()),
+                          *(f"{engine_name(i)}: its sidecar died and Ray started it again"
+                            for i in self.restarted)])
 
 
 class WeightSyncActors:
@@ -200,13 +212,17 @@ class WeightSyncActors:
         pg, slots = placement
         for i, (url, loc, slot) in enumerate(zip(engines.urls, where, slots, strict=True)):
             device, options = sidecar_placement(pg, slot, loc, sync_on_gpu)
+            # In pods: the port the pod declares for the sidecar of the engine at this port.
+            listen_port = (layout.weight_sync_health_port(
+                int(url.rsplit(":", 1)[1]) - self.settings.engine_port)
+                if self.settings.engine_port else 0)
             config = SidecarConfig(
-                engine_name=f"engine-{i}",
+                engine_name=engine_name(i),
                 engine_url=url,
                 trainer_host=store[0],
                 trainer_port=store[1],
                 listen_host="127.0.0.1" if loopback else "0.0.0.0",
-                listen_port=0,
+                listen_port=listen_port,
                 advertise_host="127.0.0.1" if loopback else "",
                 device=device,
             )
@@ -217,37 +233,45 @@ class WeightSyncActors:
         return list(ray.get([s.health.remote() for s in self.sidecars]))
 
     def check(self) -> SidecarCheck:
-        """Which sidecars died since the last check: Ray gave up on them, or started them
-        again (a new incarnation, which missed what was sent meanwhile and registers anew)."""
+        """Which sidecars died since the last check: Ray gave up on them, or is starting or
+        started them again (a new incarnation, which missed what was sent meanwhile and
+        registers anew; `wait_registered` waits for it)."""
         check = SidecarCheck()
         for i, sidecar in enumerate(self.sidecars):
             try:
                 health = ray.get(sidecar.health.remote(), timeout=HEALTH_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                check.dead.append(f"engine-{i}: its sidecar did not answer within "
-                                  f"{HEALTH_TIMEOUT_S:.0f}s")
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                check.restarted.append(i)  # Ray is starting it again (or it is busy)
+                self.incarnations.pop(i, None)
                 continue
             except ray.exceptions.RayActorError as err:
-                check.dead.append(f"engine-{i}: its sidecar died and was not started again "
-                                  f"({SIDECAR_MAX_RESTARTS} restarts an attempt): "
-                                  f"{str(err).splitlines()[0]}")
+                check.dead[i] = (f"its sidecar died and was not started again "
+                                 f"({SIDECAR_MAX_RESTARTS} restarts an attempt): "
+                                 f"{str(err).splitlines()[0]}")
                 continue
-            if self.incarnations.get(i, health["incarnation"]) != health["incarnation"]:
+            known = self.incarnations.get(i)
+            if known is not None and known != health["incarnation"]:
                 check.restarted.append(i)
             self.incarnations[i] = health["incarnation"]
         return check
 
     def wait_registered(self, engines: list[int], timeout_s: float) -> bool:
-        """Whether the sidecars of `engines` registered with the store within `timeout_s`
-        (a started one does that on its own, then waits for announcements)."""
+        """Whether the sidecars of `engines` answer and registered with the store within
+        `timeout_s` (one Ray is starting again answers once started, then registers on its
+        own); False when one is gone for good or the deadline passes."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 states = ray.get([self.sidecars[i].health.remote() for i in engines],
                                  timeout=HEALTH_TIMEOUT_S)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                states = None  # still starting
             except ray.exceptions.RayError:
                 return False
-            if all(h["state"] not in ("starting", "disconnected") for h in states):
+            if states is not None and all(h["state"] not in ("starting", "disconnected")
+                                          for h in states):
+                for i, h in zip(engines, states, strict=True):
+                    self.incarnations[i] = h["incarnation"]
                 return True
             if time.monotonic() >= deadline:
                 return False

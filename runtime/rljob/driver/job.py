@@ -153,6 +153,10 @@ class Job:
         self.log_sync(result)
         if result.stale:
             result = self.after_lost_sidecars(result)
+        elif result.attempts > 1:
+            # Repaired within the delivery (a sidecar Ray started again rejoined in time):
+            # what the sidecars are now is the baseline a later loss is measured from.
+            self.attempt.cluster.check_sidecars()
         if result.stale:
             reasons = "; ".join(f"{name}: {why}" for name, why in sorted(result.stale.items()))
             raise JobError(exits.FAILED, f"WeightSyncFailed: engines did not install "
@@ -166,7 +170,7 @@ class Job:
         from its checkpoint, counted against spec.recovery.maxRestarts). Stale engines whose
         sidecars are fine are left to the caller."""
         cluster = self.attempt.cluster
-        check = cluster.check_sidecars()
+        check = cluster.check_sidecars().of_engines(result.stale)
         if not check.dead and not check.restarted:
             return result
         version = result.version
