@@ -172,9 +172,10 @@ def _blocked(s: Situation, found: InTheWay) -> Decision:
 # -- failures and recovery -----------------------------------------------------------------
 
 
-def _recover_or_fail(s: Situation, failure: Failure) -> Decision:
+def _recover_or_fail(s: Situation, failure: Failure, retried_always: bool = False
+                     ) -> Decision:
     """A restart after `failure` (with backoff), or Failed when the failure is not retried
-    or the restarts are used up."""
+    (`retried_always`: whatever spec.recovery.retryOn says) or the restarts are used up."""
     spec = s.spec
     last = LastFailure(reason=failure.kind, message=failure.message[:MESSAGE_MAX],
                        time=timestamp(s.now))
@@ -186,7 +187,7 @@ def _recover_or_fail(s: Situation, failure: Failure) -> Decision:
     if FailureKind.node_lost in retried:
         # What Ray sees first of a lost node; it is renamed NodeLost once Kubernetes agrees.
         retried.add(FailureKind.worker_lost)
-    if failure.kind not in retried:
+    if failure.kind not in retried and not retried_always:
         return _fail(s, failure.kind, f"{failure.message} (pod {failure.pod}); "
                      f"{failure.kind} is not in spec.recovery.retryOn", last)
     if s.restarts >= spec.recovery.max_restarts:
@@ -238,9 +239,13 @@ def _recover_or_fail(s: Situation, failure: Failure) -> Decision:
 
 
 def _startup_failed(s: Situation, since: str, problem: Problem | None) -> Decision:
-    """Past the start-up deadline: Failed with what blocked it. Only an attempt whose driver
-    has not started running gets here (`_progressing`): a running driver is never failed
-    for a slow or NotReady pod."""
+    """Past the start-up deadline: Failed with what blocked it, or, for a job recovering
+    from a failure (it ran before), restarted again like any failure, counted against
+    spec.recovery.maxRestarts: a replacement pod on a fresh node may pull a large image
+    for longer than a first start does, and a job that trained for days should not be
+    failed for good by one slow pod. Only an attempt whose driver has not started running
+    gets here (`_progressing`): a running driver is never failed for a slow or NotReady
+    pod."""
     timeout = s.spec.recovery.startup_timeout_seconds
     if problem is None:
         driver = s.obs.driver
@@ -249,6 +254,9 @@ def _startup_failed(s: Situation, since: str, problem: Problem | None) -> Decisi
         problem = Problem(reason, waiting_for(s), driver.name if driver is not None else None)
     message = (f"the job did not start within {timeout}s of {since} "
                f"(spec.recovery.startupTimeoutSeconds): {problem.message}")
+    if s.phase == Phase.recovering.value:
+        return _recover_or_fail(s, Failure(problem.reason, message, problem.pod),
+                                retried_always=True)
     last = LastFailure(reason=problem.reason, message=message[:MESSAGE_MAX],
                        time=timestamp(s.now))
     if problem.pod:

@@ -627,7 +627,8 @@ class RecoverySpec(ApiModel):
             "driver starts once every compute pod runs). "
             "What blocks start-up (image pull errors, crash loops, unschedulable pods, a driver "
             "that does not start) is shown in the `Started` condition at once; past the deadline "
-            "the job fails with that reason. Once the driver runs, a pod that turns NotReady or "
+            "the job fails with that reason, or, recovering from a failure, restarts again "
+            "(counted against maxRestarts). Once the driver runs, a pod that turns NotReady or "
             "is slow to come back is reported, never failed by this deadline. 0: no deadline."
         ),
     )

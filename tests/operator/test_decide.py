@@ -893,3 +893,29 @@ def test_a_worker_ray_lost_on_a_node_not_ready_is_node_lost_and_goes_at_once() -
     last = d.status["recovery"]["lastFailure"]
     assert (last["reason"], last["pod"]) == ("NodeLost", "rl-trainer-worker-a")
     assert d.actions.replace_pods == ("rl-trainer-worker-a",) and not d.actions.delete_pods
+
+
+def test_a_recoverys_slow_replacement_pod_restarts_again_never_fails_the_job() -> None:
+    """A job that ran before, recovering, whose replacement pod is still being created past
+    the start-up deadline (a large image on a fresh node): restarted again, counted, with
+    the reason; failed only once its restarts are used up."""
+    body = applied(job(RUNNING), run(job(RUNNING), [*compute("rl-trainer-worker-a"),
+                                                    driver()]))
+    assert body["status"]["phase"] == "Recovering"
+    slow = [*compute("rl-trainer-worker-a"),
+            waiting("rl-trainer-worker-b", "trainer", "ContainerCreating")]
+    since = datetime.fromisoformat(body["status"]["startingSince"].replace("Z", "+00:00"))
+    timeout = RLJobSpec.model_validate(SPEC).recovery.startup_timeout_seconds
+    late = since + timedelta(seconds=timeout + 1)
+    d = run(body, slow, now=late)
+    assert d.status["phase"] == "Recovering", d.status
+    recovery = d.status["recovery"]
+    assert recovery["restarts"] == body["status"]["recovery"]["restarts"] + 1
+    assert recovery["lastFailure"]["reason"] == "StartupTimeout"
+    assert "did not start within" in recovery["lastFailure"]["message"]
+    assert not d.actions.delete_cluster  # the pod keeps pulling; the next attempt waits
+    spent = copy.deepcopy(body)
+    spent["status"]["recovery"]["restarts"] = SPEC["recovery"]["maxRestarts"]
+    d = run(spent, slow, now=late)
+    assert d.status["phase"] == "Failed"
+    assert conditions(d)["Failed"]["reason"] == "RestartLimitExceeded"
