@@ -108,7 +108,9 @@ def _fail(s: Situation, reason: str, message: str,
 
 
 def _succeed(s: Situation) -> Decision:
-    message = "the driver completed every step"
+    message = ("the driver placed every process, reported its devices (its log's "
+               "device-plan lines) and stopped: rljob.io/plan-only" if s.job.plan_only
+               else "the driver completed every step")
     status = build_status(s, Phase.succeeded.value, [
         condition(s, "Ready", "False", "Succeeded", message),
         condition(s, "Succeeded", "True", "DriverSucceeded", message),

@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
                    help="checkpoints, metrics.jsonl and curves.png (default runs/<job name>); "
                         "an existing one is resumed")
+    p.add_argument("--plan-only", action="store_true",
+                   help="place every worker as the job would, print the devices each process "
+                        "would use (`device-plan:` lines) and stop, starting none of them: a "
+                        "check of a GPU cluster's layout before a long run")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--join", default=None, metavar="HOST:PORT",
                        help="make this machine a Ray node of the cluster whose head (GCS) is "
@@ -65,7 +69,7 @@ def run_command(args: argparse.Namespace) -> int:
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
-    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join)
+    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join, args.plan_only)
     try:
         return run_job(name, spec, options, reporter)
     finally:

@@ -20,7 +20,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rljob.cluster import ray_node, whereabouts
+from rljob.cluster import device_plan, ray_node, whereabouts
+from rljob.cluster.device_plan import ProcessDevices
 from rljob.cluster.engine_group import EngineGroup
 from rljob.cluster.placement import (
     DeviceError,
@@ -58,6 +59,7 @@ class RunOptions:
     max_steps: int | None = None
     ray_address: str | None = None  # a cluster this machine already is a node of
     join: str | None = None  # HOST:PORT of a head to join as a node of our own (pods)
+    plan_only: bool = False  # place and report each process's devices, start none
 
     @property
     def on_cluster(self) -> bool:
@@ -303,6 +305,16 @@ class Cluster:
         if problems:
             raise JobError(exits.INVALID, "\n".join(problems))
         return Roles(self.trainers, self.engines, rollout, offload, devices)
+
+    def plan_devices(self, spec: RLJobSpec) -> list[ProcessDevices]:
+        """Every process of the job placed as `place` and `start_weight_sync` place them, each
+        reporting the devices it would use (`rljob.cluster.device_plan`); nothing starts."""
+        layout = plan(spec)
+        self.start_ray(layout)
+        devices = self.choose_devices(spec)
+        pg = self.reserve(layout, devices)
+        return device_plan.probe(pg, layout, devices, spec,
+                                 lambda slot: slot_options(pg, layout, devices, slot))
 
     def start_weight_sync(self, settings: SyncSettings, spec: RLJobSpec, roles: Roles
                           ) -> tuple[str, int]:

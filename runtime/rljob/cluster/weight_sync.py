@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import (
 from rljob.cluster.engine_group import EngineGroup
 from rljob.cluster.placement import SIDECAR_SHARE
 from rljob.engine.launcher import Locality
+from rljob.engine.rank_devices import show_engine_gpus
 from rljob.engine.sidecar import Sidecar, SidecarConfig
 from rljob.reporting.locatable import Locatable
 from rljob.weightsync.group import open_store
@@ -100,6 +101,8 @@ class SidecarActor(Locatable):
     def __init__(self, config: SidecarConfig) -> None:
         if not config.advertise_host:
             config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
+        # Before CUDA starts in this process: rank r's GPU becomes cuda:r.
+        show_engine_gpus(config.engine_gpus)
         self.sidecar = Sidecar(config)
         threading.Thread(target=self.sidecar.run, name="weight-sync", daemon=True).start()
 
@@ -134,11 +137,12 @@ def sidecar_options(
     }
 
 
-def sidecar_device(engine_cuda_visible: str, sync_on_gpu: bool) -> str:
-    """Where the sidecar of an engine that sees `engine_cuda_visible` stages: that engine's
-    GPU when weights travel GPU to GPU (Ray shows the sidecar's share that GPU alone, as
-    index 0), else the CPU (a CPU engine, or a gloo group, which takes CPU buffers only)."""
-    return "cuda:0" if sync_on_gpu and engine_cuda_visible else "cpu"
+def sidecar_device(engine_gpus: str, sync_on_gpu: bool) -> str:
+    """Where the sidecar of an engine on `engine_gpus` stages: that engine's first GPU when
+    weights travel GPU to GPU (Ray gives the sidecar a share of it, and `show_engine_gpus`
+    keeps it at index 0), else the CPU (a CPU engine, or a gloo group, which takes CPU
+    buffers only)."""
+    return "cuda:0" if sync_on_gpu and engine_gpus else "cpu"
 
 
 def sidecar_placement(
@@ -146,8 +150,8 @@ def sidecar_placement(
 ) -> tuple[str, dict[str, Any]]:
     """The device the sidecar of an engine stages on, and the Ray options that start it
     there: `slot` is the engine's first slot, `locality` what the engine reports of itself
-    (`node_id`, `cuda_visible_devices`)."""
-    device = sidecar_device(locality.cuda_visible_devices, sync_on_gpu)
+    (`node_id`, `gpus`)."""
+    device = sidecar_device(locality.gpus, sync_on_gpu)
     return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
 
 
@@ -225,6 +229,7 @@ class WeightSyncActors:
                 listen_port=listen_port,
                 advertise_host="127.0.0.1" if loopback else "",
                 device=device,
+                engine_gpus=loc.gpus if device != "cpu" else "",
             )
             self.sidecars.append(cls.options(**options).remote(config))
 

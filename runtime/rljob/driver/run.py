@@ -10,6 +10,7 @@ import time
 from rljob.cluster.cluster import RunOptions
 from rljob.driver import loop, outcome
 from rljob.driver.attempt import Attempt
+from rljob.driver.plan_only import plan_only
 from rljob.driver.report import summary
 from rljob.driver.start import start
 from rljob.reporting import metrics_log
@@ -49,6 +50,8 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
 def run_attempt(attempt: Attempt) -> int:
     """Start, train, and close the run: the curves plotted, the trackers finished, the
     summary printed. A stop before the end is reported (not a failure)."""
+    if attempt.options.plan_only:
+        return plan_only(attempt)
     job = start(attempt)
     started = time.monotonic()
     end = job.end_step()

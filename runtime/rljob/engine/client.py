@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,8 +300,18 @@ class EngineClient:
     def update_from_named_tensors(
         self, named: list[tuple[str, torch.Tensor]], version: str, timeout_s: float
     ) -> InstallResult:
-        """Install full HF-named tensors, which every rank loads (each keeps its own shard,
-        as SGLang's `load_weights` does), as one entry per rank, each a pickle of its own.
+        """Install full HF-named tensors, which every rank loads from the same memory
+        (`update_from_rank_tensors` with one list for every rank)."""
+        return self.update_from_rank_tensors([named] * self.tp_size(), version, timeout_s)
+
+    def update_from_rank_tensors(
+        self, named_by_rank: Sequence[list[tuple[str, torch.Tensor]]], version: str,
+        timeout_s: float,
+    ) -> InstallResult:
+        """Install full HF-named tensors, rank r loading `named_by_rank[r]` (each keeps its
+        own shard, as SGLang's `load_weights` does), as one entry per rank, each a pickle of
+        its own. A sidecar gives each rank the version on that rank's GPU
+        (`rljob.engine.rank_devices`).
 
         An engine of one rank is sent the version as one flattened bucket when the tensors
         are views of one buffer in one dtype (the sidecar's staging): one handle to share
@@ -313,11 +324,14 @@ class EngineClient:
         the others: the sender's reused buffers are gone for the next version.
         """
         ranks = self.tp_size()
-        flat = flat_span(named) if ranks == 1 else None
+        if len(named_by_rank) != ranks:
+            raise ValueError(f"{len(named_by_rank)} rank entries for an engine of {ranks} "
+                             "tensor-parallel ranks")
+        flat = flat_span(named_by_rank[0]) if ranks == 1 else None
         if flat is not None:
-            return self.update_from_tensor([encode_flattened(named, flat)], version, timeout_s,
-                                           FLATTENED)
-        entries = [encode_named_tensors(named) for _ in range(ranks)]
+            return self.update_from_tensor([encode_flattened(named_by_rank[0], flat)], version,
+                                           timeout_s, FLATTENED)
+        entries = [encode_named_tensors(named) for named in named_by_rank]
         return self.update_from_tensor(entries, version, timeout_s)
 
     def release_memory(self, timeout_s: float) -> None:

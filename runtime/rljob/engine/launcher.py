@@ -34,10 +34,11 @@ OCCUPATION_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Locality:
-    """An engine's Ray node and the GPUs it sees ("" on CPU)."""
+    """An engine's Ray node and its GPUs: Ray's ids of every slot's GPU, first slot first,
+    comma-separated as CUDA_VISIBLE_DEVICES takes them ("" on CPU)."""
 
     node_id: str
-    cuda_visible_devices: str
+    gpus: str
 
 
 def _free_port(host: str) -> int:
@@ -59,6 +60,7 @@ class EngineProcess(Locatable):
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
         advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
         gpus = engine_gpus(here(), further_slots or [])
+        self.gpus = gpus if device.startswith("cuda") else []
         if backend == "hf":
             self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version, tp),
                                        bind_host, port)
@@ -86,10 +88,9 @@ class EngineProcess(Locatable):
         return self.url
 
     def locality(self) -> Locality:
-        """Where this engine runs: its sidecar must run there too (shared memory, same GPU)."""
-        return Locality(str(ray.get_runtime_context().get_node_id()),
-                        os.environ.get("CUDA_VISIBLE_DEVICES", "")
-                        if self.device.startswith("cuda") else "")
+        """Where this engine runs: its sidecar must run there too (shared memory, the same
+        GPUs)."""
+        return Locality(str(ray.get_runtime_context().get_node_id()), ",".join(self.gpus))
 
     def release_memory(self) -> None:
         """Give the GPU to a colocated trainer: weights (and SGLang's KV cache and CUDA

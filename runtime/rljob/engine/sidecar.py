@@ -36,6 +36,7 @@ from prometheus_client import (
 from torch._C._distributed_c10d import Store
 
 from rljob.engine.client import EngineClient, EngineError
+from rljob.engine.rank_devices import RankCopies, entry_devices
 from rljob.weightsync import disk
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.nonfinite import nonfinite_names, nonfinite_report
@@ -73,6 +74,9 @@ class SidecarConfig:
     listen_port: int = layout.WEIGHT_SYNC_HEALTH_PORT
     advertise_host: str = ""
     device: str = "cpu"
+    # The engine's GPUs (Ray's ids, first slot first; "" on CPU): a sidecar actor is shown
+    # them all, so rank r's entry goes on rank r's GPU (`rljob.engine.rank_devices`).
+    engine_gpus: str = ""
     connect_timeout_s: float = 30.0
     collective_timeout_s: float = 120.0
     install_timeout_s: float = 300.0
@@ -125,6 +129,8 @@ class Sidecar:
         self._epoch = -1
         self._http: ThreadingHTTPServer | None = None
         self._staging: list[torch.Tensor] = []
+        self._flat: torch.Tensor | None = None  # the one allocation `_staging` views
+        self._rank_copies = RankCopies()
         # The GPU this sidecar touches, index made explicit: staging, its NCCL rank and the
         # identity it registers with (how the trainer sees whether they share a GPU).
         self.device = rank_device(config.device)
@@ -266,17 +272,12 @@ class Sidecar:
         self.state = f"installing v{ann.version}"
         try:
             if ann.transport == "broadcast":
-                named = [
-                    nt
-                    for b, buf in zip(layout, buffers, strict=True)
-                    for nt in unpack_bucket(b, buf)
-                ]
                 if self.device.type == "cuda":
                     # The engine reads the staging through handles it already holds, which
                     # carry no event to wait on: the bytes must be in place before it asks.
                     torch.cuda.synchronize(self.device)
-                result = self.engine.update_from_named_tensors(
-                    named, str(ann.version), self.config.install_timeout_s
+                result = self.engine.update_from_rank_tensors(
+                    self._rank_entries(layout), str(ann.version), self.config.install_timeout_s
                 )
             else:
                 result = self.engine.update_from_disk(
@@ -356,9 +357,26 @@ class Sidecar:
         """
         sizes = [b.nbytes for b in layout]
         if [b.numel() for b in self._staging] != sizes:
-            self._staging = []  # the old version's memory goes before the new is taken
-            self._staging = list(self._allocate(sum(sizes)).split(sizes))
+            # The old version's memory goes before the new is taken.
+            self._staging, self._flat = [], None
+            self._rank_copies.clear()
+            self._flat = self._allocate(sum(sizes))
+            self._staging = list(self._flat.split(sizes))
         return self._staging
+
+    def _rank_entries(self, layout: Sequence[BucketMeta]) -> list[list[tuple[str, torch.Tensor]]]:
+        """Each tensor-parallel rank's tensors of the staged, verified version: views of the
+        staging for the first rank, of a copy on its own GPU for each further rank of a GPU
+        engine (`rljob.engine.rank_devices`), of the same shared memory on the CPU."""
+        assert self._flat is not None, "staged first"
+        visible = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        devices = entry_devices(str(self.device), self.engine.tp_size(), visible)
+        sizes = [b.nbytes for b in layout]
+        return [
+            [nt for b, view in zip(layout, flat.split(sizes), strict=True)
+             for nt in unpack_bucket(b, view)]
+            for flat in self._rank_copies.copies(self._flat, devices)
+        ]
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
