@@ -182,6 +182,16 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
 
 
+def test_a_plan_only_job_s_driver_plans_only() -> None:
+    body = {"metadata": {"name": "rl", "namespace": "team-a", "uid": "uid-1",
+                         "annotations": {"rljob.io/plan-only": "true"}}}
+    ref = JobRef.of(body)
+    assert ref.plan_only and not JobRef.of({"metadata": {**body["metadata"],
+                                                         "annotations": {}}}).plan_only
+    (container,) = builders.build_driver(ref, spec(), 0, [])["spec"]["containers"]
+    assert container["command"][-1] == "--plan-only"
+
+
 def _all_containers(job: RLJobSpec) -> dict[str, dict[str, Any]]:
     """`<pod kind>/<container>` → container, for every container the job runs."""
     rc = builders.build_raycluster(JOB, job)

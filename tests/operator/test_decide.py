@@ -74,8 +74,7 @@ def built(body: Obj, pods: list[Obj], rc: Obj | None) -> tuple[list[Obj], Obj | 
     """The children as the operator built them from `body`'s spec: a pod or RayCluster
     without a revision gets the one the spec builds (a test sets another to mean outdated)."""
     spec = RLJobSpec.model_validate(body["spec"])
-    meta = body["metadata"]
-    want = revisions(JobRef(meta["name"], meta["namespace"], meta["uid"]), spec)
+    want = revisions(JobRef.of(body), spec)
     out = copy.deepcopy(pods)
     for p in out:
         component = p["metadata"]["labels"]["rljob.io/component"]
@@ -463,6 +462,20 @@ def test_suspend_tears_down_and_resume_waits_for_the_old_driver() -> None:
     assert resumed.status["recovery"]["restarts"] == 0
     assert resumed.actions.create_cluster and resumed.actions.create_driver is None
     assert resumed.status["phase"] == "Pending"
+
+
+def test_a_plan_only_job_runs_a_planning_driver_and_says_it_planned() -> None:
+    """`rljob.io/plan-only`: the driver the operator builds plans only, a driver built
+    without it is outdated, and the Succeeded job says it stopped after planning."""
+    body = job(RUNNING)
+    body["metadata"]["annotations"] = {"rljob.io/plan-only": "true"}
+    d = run(body, [*compute(), driver(phase="Succeeded")])
+    assert d.status["phase"] == "Succeeded"
+    (cond,) = [c for c in d.status["conditions"] if c["type"] == "Succeeded"]
+    assert "device-plan" in cond["message"] and "every step" not in cond["message"]
+    want = revisions(JobRef.of(body), RLJobSpec.model_validate(body["spec"]))
+    plain = revisions(JobRef("rl", "ns", "u"), RLJobSpec.model_validate(body["spec"]))
+    assert want.driver != plain.driver
 
 
 def test_succeeded_driver_finishes_the_job_and_terminal_phases_stay() -> None:

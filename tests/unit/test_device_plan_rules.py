@@ -1,0 +1,66 @@
+"""The pure parts of a device plan: how a container's allocation is read and named, which
+device each rank's entry goes on, and what `problems` calls a broken plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rljob.cluster.device_plan import ProcessDevices, allocation, physical, problems
+from rljob.engine.rank_devices import RankCopies, entry_devices
+
+pytestmark = pytest.mark.unit
+
+
+def test_allocation_is_read_as_nvidia_states_it() -> None:
+    assert allocation({"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == ["GPU-a", "GPU-b"]
+    assert allocation({"NVIDIA_VISIBLE_DEVICES": "void"}) == []
+    assert allocation({"NVIDIA_VISIBLE_DEVICES": "all"}) is None
+    assert allocation({}) is None
+
+
+def test_ray_ids_are_named_by_the_allocation() -> None:
+    assert physical(["1", "0"], ["GPU-a", "GPU-b"]) == ["GPU-b", "GPU-a"]
+    assert physical(["GPU-b"], ["GPU-a", "GPU-b"]) == ["GPU-b"]
+    assert physical(["2"], ["GPU-a", "GPU-b"]) == ["unallocated:2"]
+    assert physical(["3"], None) == ["3"]
+
+
+def test_each_rank_entry_goes_on_its_own_gpu_when_the_sidecar_sees_them() -> None:
+    assert entry_devices("cuda:0", 4, 4) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    # Fewer GPUs shown than ranks: every entry stays where the version was staged.
+    assert entry_devices("cuda:0", 2, 1) == ["cuda:0", "cuda:0"]
+    assert entry_devices("cpu", 2, 0) == ["cpu", "cpu"]
+
+
+def test_rank_copies_on_the_cpu_share_the_staging() -> None:
+    flat = torch.arange(8, dtype=torch.uint8)
+    copies = RankCopies().copies(flat, ["cpu", "cpu"])
+    assert all(c.data_ptr() == flat.data_ptr() for c in copies)
+
+
+def _r(role: str, index: int, gpus: list[str], pod: str = "p",
+       allocated: list[str] | None = None) -> ProcessDevices:
+    alloc = ["GPU-0", "GPU-1", "GPU-2", "GPU-3"] if allocated is None else allocated
+    return ProcessDevices(role, index, pod, alloc, [], "cuda:0", gpus)
+
+
+def test_a_sound_plan_has_no_problems() -> None:
+    assert problems([_r("trainer", 0, ["GPU-0"]), _r("trainer", 1, ["GPU-1"]),
+                     _r("engine", 0, ["GPU-2", "GPU-3"]),
+                     _r("sidecar", 0, ["GPU-2", "GPU-3"])]) == []
+
+
+@pytest.mark.parametrize(("reports", "expected"), [
+    ([_r("trainer", 0, ["GPU-7"])], "trainer-0 in pod p would use GPU-7"),
+    ([_r("trainer", 0, ["GPU-0"]), _r("trainer", 1, ["GPU-0"])], "trainer ranks share"),
+    ([_r("engine", 0, ["GPU-0"]), _r("engine", 1, ["GPU-0"])], "engines share"),
+    ([_r("engine", 0, ["GPU-2", "GPU-3"]), _r("sidecar", 0, ["GPU-2", "GPU-2"])],
+     "sidecar-0 would stage on ['GPU-2', 'GPU-2']"),
+    ([_r("engine", 0, ["GPU-2"], pod="a"), _r("sidecar", 0, ["GPU-2"], pod="b")],
+     "sidecar-0 is in pod b, its engine in a"),
+    ([_r("sidecar", 3, [])], "sidecar-3 has no engine"),
+])
+def test_a_broken_plan_is_named(reports: list[ProcessDevices], expected: str) -> None:
+    found = problems(reports)
+    assert len(found) == 1 and expected in found[0], found
