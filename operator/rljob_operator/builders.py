@@ -35,7 +35,7 @@ from rljob_api.layout import (
 from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
 from rljob_operator import names
-from rljob_operator.quantity import MIB, mebibytes, memory_bytes
+from rljob_operator.sidecar_memory import add_memory, sidecar_memory_mib
 
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
@@ -45,10 +45,6 @@ SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor fo
 DRIVER_SHM_GIB = 2
 HEAD_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
 DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
-# What one engine's weight-sync sidecar (a Ray actor in the engine's container) adds to that
-# container's memory, besides one bucket (`spec.weightSync.bucketSizeMb`), which it copies to
-# the host to hash: a Python process with torch and a Ray worker.
-SIDECAR_PROCESS_MIB = 768
 
 @dataclass(frozen=True)
 class JobRef:
@@ -227,35 +223,6 @@ def weight_sync_store(job: JobRef) -> str:
     return f"{names.head_service(job.name, job.namespace)}:{WEIGHT_SYNC_PORT}"
 
 
-def sidecar_memory_mib(spec: RLJobSpec) -> int:
-    """Memory one engine's weight-sync sidecar takes in its engine's container.
-
-    The sidecar runs in the container that holds its engine's GPU (docs/gpu-pods.md), so the
-    container is given its memory on top of the user's `resources`. A sidecar staging on the
-    CPU (engines on CPU, or a CPU trainer's gloo group) also holds one whole weight version in
-    /dev/shm, which the pod's shared-memory volume bounds.
-    """
-    return SIDECAR_PROCESS_MIB + spec.weight_sync.bucket_size_mb
-
-
-def _add_sidecar_memory(resources: Obj, mib: int) -> None:
-    """Add `mib` to the container's memory request, and to its limit where it has one (no
-    limit stays no limit). A request left out defaults to the limit, as Kubernetes would
-    make it. A quantity that is not memory is left for the API server to refuse, naming
-    it."""
-    requests, limits = resources.get("requests", {}), resources.get("limits", {})
-    wanted = {"requests": requests.get("memory", limits.get("memory")),
-              "limits": limits.get("memory")}
-    for kind, have in wanted.items():
-        if have is None and kind == "limits":
-            continue
-        try:
-            total = (memory_bytes(have) if have is not None else 0) + mib * MIB
-        except ValueError:
-            continue
-        resources.setdefault(kind, {})["memory"] = mebibytes(total)
-
-
 def _engine_ports(engines: int) -> list[Obj]:
     """Each engine's port and its sidecar's (/health, /metrics), engine by engine."""
     return [port for i in range(engines) for port in (
@@ -290,7 +257,7 @@ def _worker_group(job: JobRef, spec: RLJobSpec, group: str, replicas: int) -> Ob
         main = _ray_container(job, spec, "ray-worker", group, spec.trainer.image,
                               _resources(spec.trainer.resources, gpus), _engine_ports(engines))
     if engines:
-        _add_sidecar_memory(main["resources"], engines * sidecar_memory_mib(spec))
+        add_memory(main["resources"], engines * sidecar_memory_mib(spec))
     template = _pod_template(job, spec, group, [main], gpus)
     return {
         "groupName": group,

@@ -11,6 +11,7 @@ from rljob_api.spec import COLOCATED_IMAGE, RLJobSpec
 from rljob_api.validate import spec_problems
 from rljob_operator import builders
 from rljob_operator.builders import JobRef
+from rljob_operator.sidecar_memory import sidecar_memory_mib
 
 pytestmark = pytest.mark.unit
 JOB = JobRef("rl", "team-a", "uid-1")
@@ -126,7 +127,7 @@ def test_sidecar_memory_is_added_to_the_engine_container(
                                              "resources": resources},
              rollout={"gpus": 4, "gpusPerEngine": 1},
              weightSync={"bucketSizeMb": 256})
-    assert builders.sidecar_memory_mib(s) == 768 + 256
+    assert sidecar_memory_mib(s) == 768 + 256
     (group,) = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
     (main,) = containers(group)
     got = {kind: main["resources"].get(kind, {}).get("memory") for kind in want}
