@@ -1,13 +1,18 @@
 """The pure parts of a device plan: how a container's allocation is read and named, which
-device each rank's entry goes on, and what `problems` calls a broken plan."""
+device each rank's entry goes on, what `problems` calls a broken plan, and whether a CPU
+staging fits shared memory."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from rljob.cluster.device_plan import ProcessDevices, allocation, physical, problems
 from rljob.engine.rank_devices import RankCopies, entry_devices
+from rljob.engine.sidecar import shared_memory_fits
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +69,12 @@ def test_a_sound_plan_has_no_problems() -> None:
 def test_a_broken_plan_is_named(reports: list[ProcessDevices], expected: str) -> None:
     found = problems(reports)
     assert len(found) == 1 and expected in found[0], found
+
+
+def test_a_cpu_staging_larger_than_shared_memory_is_refused_naming_sizes(tmp_path: Path) -> None:
+    """Past /dev/shm's room a written page is a SIGBUS; the sidecar refuses first."""
+    room = os.statvfs(tmp_path)
+    free = room.f_bavail * room.f_frsize
+    shared_memory_fits(1024, tmp_path)
+    with pytest.raises(ValueError, match=r"does not fit .* MiB free\): a sidecar staging"):
+        shared_memory_fits(free + (1 << 30), tmp_path)
