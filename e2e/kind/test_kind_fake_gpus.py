@@ -1,11 +1,13 @@
 """GPUs as Kubernetes allocates them, in kind without GPUs.
 
 Each kind worker runs `rljob-fake-gpu`, a kubelet device plugin (hack/fake-gpu-plugin) that
-advertises 4 `nvidia.com/gpu` and, per container, gives what NVIDIA's device plugin and
-container toolkit give: `NVIDIA_VISIBLE_DEVICES` with the UUIDs of the container's GPUs and
-the device files `/dev/nvidia<i>` of those GPUs only. The scheduler, the kubelet's device
-manager and the container runtime are the real ones. Every fact asserted here is what a
-container printed about itself or what the Node and Pod status say.
+advertises 8 `nvidia.com/gpu` (its `--devices`: an H100/H200 node) and, per container, gives
+what NVIDIA's device plugin and container toolkit give: `NVIDIA_VISIBLE_DEVICES` with the
+UUIDs of the container's GPUs and the device files `/dev/nvidia<i>` of those GPUs only. The
+scheduler, the kubelet's device manager and the container runtime are the real ones. Every
+fact asserted here is what a container printed about itself or what the Node and Pod status
+say; the number of GPUs a worker has is read from its Node, so the test follows the
+plugin's `--devices`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.e2e
 
 NAMESPACE = "fake-gpus"
-GPUS_PER_NODE = 4        # hack/kind/rljob-fake-gpu.service: --devices 4
 RESOURCE = "nvidia.com/gpu"
 START_S = 300            # the image is on the node; 2 busy cores
 # Each container says what it was given, then holds its GPUs (a finished pod frees them).
@@ -176,20 +177,30 @@ def test_containers_get_their_own_fake_gpus_as_kubernetes_allocates_them(
     assert len(workers) >= 2, workers
     a, b = workers[:2]
 
-    # Every worker advertises its GPUs; the control plane none.
-    want = (str(GPUS_PER_NODE), str(GPUS_PER_NODE))
-    wait_for(lambda: all(_node_gpus(cluster)[w] == want for w in workers), timeout=120,
-             interval=1, what=f"{RESOURCE} capacity and allocatable {GPUS_PER_NODE} on "
-             "every worker", describe=lambda: str(_node_gpus(cluster)))
+    # Every worker advertises the same number of GPUs (at least 4, so that the pods below
+    # fit), allocatable as much as capacity; the control plane none.
+    def advertised() -> int | None:
+        seen = {_node_gpus(cluster)[w] for w in workers}
+        if len(seen) != 1:
+            return None
+        ((capacity, allocatable),) = seen
+        return int(capacity) if capacity and capacity == allocatable else None
+
+    per_node = wait_for(advertised, timeout=120, interval=1,
+                        what=f"every worker to advertise the same {RESOURCE} capacity, all of "
+                        "it allocatable", describe=lambda: str(_node_gpus(cluster)))
+    assert per_node >= 4, _node_gpus(cluster)
     assert all(gpus == (None, None) for node, gpus in _node_gpus(cluster).items()
                if node not in workers), _node_gpus(cluster)
 
-    # Worker a filled exactly: a 1-GPU pod, and a pod of three containers asking 1, 2 and
-    # none (a sidecar that asks for none gets none). Worker b: a 2-GPU pod.
+    # Worker a filled exactly: a pod of the GPUs left after the next one, and a pod of three
+    # containers asking 1, 2 and none (a sidecar that asks for none gets none). Worker b: a
+    # 2-GPU pod.
     pods = Pods(cluster)
-    asked = {("one", "main"): 1, ("pair", "a"): 1, ("pair", "b"): 2, ("pair", "none"): 0,
+    rest = per_node - 3
+    asked = {("one", "main"): rest, ("pair", "a"): 1, ("pair", "b"): 2, ("pair", "none"): 0,
              ("two", "main"): 2}
-    pods.create(_pod("one", {"main": 1}, a))
+    pods.create(_pod("one", {"main": rest}, a))
     pods.create(_pod("pair", {"a": 1, "b": 2, "none": 0}, a))
     pods.create(_pod("two", {"main": 2}, b))
     seen = [s for name in ("one", "pair", "two") for s in pods.reports(name)]
@@ -198,14 +209,15 @@ def test_containers_get_their_own_fake_gpus_as_kubernetes_allocates_them(
     by_node: dict[str, list[str]] = defaultdict(list)
     for s in seen:
         by_node[s.node] += s.visible
-    # No two containers of a node share a GPU; worker a's four are all given out.
+    # No two containers of a node share a GPU; every GPU of worker a is given out.
     assert all(len(ids) == len(set(ids)) for ids in by_node.values()), seen
-    assert sorted(by_node[a]) == [f"GPU-{a}-{i}" for i in range(GPUS_PER_NODE)], seen
+    assert sorted(by_node[a], key=lambda u: int(u.rsplit("-", 1)[1])) == [
+        f"GPU-{a}-{i}" for i in range(per_node)], seen
     assert len(by_node[b]) == 2, seen
 
     # More GPUs than any node has: Pending, Unschedulable. One more on the full worker a:
     # the same (the scheduler counts the GPUs held, not only the capacity).
-    pods.create(_pod("too-many", {"main": GPUS_PER_NODE + 1}))
+    pods.create(_pod("too-many", {"main": per_node + 1}))
     pods.create(_pod("a-is-full", {"main": 1}, a))
     for name in ("too-many", "a-is-full"):
         message = pods.unschedulable(name)

@@ -257,7 +257,7 @@ func (p *plugin) registerOnce(ctx context.Context, kubeletSock string) error {
 func main() {
 	host, _ := os.Hostname() // a kind node's hostname is its Node's name
 	cfg := config{socket: "rljob-fake-gpu.sock"}
-	flag.IntVar(&cfg.count, "devices", 4, "number of fake GPUs to advertise")
+	flag.IntVar(&cfg.count, "devices", 8, "number of fake GPUs to advertise (8: the common H100/H200 node)")
 	flag.StringVar(&cfg.node, "node", host, "node name in the devices' UUIDs (GPU-<node>-<i>)")
 	flag.StringVar(&cfg.resource, "resource", "nvidia.com/gpu", "extended resource to advertise")
 	flag.StringVar(&cfg.pluginDir, "plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin directory")
