@@ -7,6 +7,7 @@ messages `kubectl apply` would give.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def _schema_errors(spec: Obj) -> tuple[list[Problem], bool]:
         RLJobSpec.model_validate_json(json.dumps(spec, default=str), strict=True)
     except ValidationError as err:
         found, blocking = [], False
-        for e in err.errors(include_url=False):
+        for e in _one_per_union(err.errors(include_url=False)):
             msg = e["msg"]
             if e["type"] == "extra_forbidden":
                 moved = MOVED_FIELDS.get(tuple(str(part) for part in e["loc"]))
@@ -112,6 +113,32 @@ def _schema_errors(spec: Obj) -> tuple[list[Problem], bool]:
             found.append(Problem(_loc(e["loc"]), msg))
         return found, blocking
     return [], False
+
+
+# How pydantic names the branches of a union in an error's location (`int | str` quantities).
+_UNION_BRANCHES = frozenset({"int", "str", "constrained-str"})
+
+
+def _one_per_union(errors: list[Any]) -> list[Any]:
+    """An `int | str` field's value matches neither branch: pydantic reports one error per
+    branch, the API server one (the string's pattern or length, or the wrong type). Keep the
+    string branch's error where the value is a string, the integer's where it is not, at
+    the field's own location."""
+    kept: dict[tuple[Any, ...], Any] = {}
+    out: list[Any] = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        if not any(part in _UNION_BRANCHES for part in loc):
+            out.append(e)
+            continue
+        field = tuple(part for part in loc if part not in _UNION_BRANCHES)
+        wants_str = isinstance(e.get("input"), str)
+        on_str = any(part in ("str", "constrained-str") for part in loc)
+        if field not in kept or wants_str == on_str:
+            if field not in kept:
+                out.append(field)  # a placeholder, filled below
+            kept[field] = {**e, "loc": field}
+    return [kept[e] if isinstance(e, tuple) else e for e in out]
 
 
 def _without_nulls(value: Any) -> Any:
@@ -190,6 +217,9 @@ def manifest_problems(doc: Any) -> list[Problem]:
     return [*name_problems(doc.get("metadata"), rules=not blocked), *problems]
 
 
+_DNS_1123_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+
+
 def name_problems(meta: Any, rules: bool = True) -> list[Problem]:
     """Problems of a job's `metadata.name`: the root rules the API server checks at admission
     (rules.ROOT_RULES), which the operator checks again before it builds anything."""
@@ -198,8 +228,13 @@ def name_problems(meta: Any, rules: bool = True) -> list[Problem]:
         return [Problem("metadata.name", "is required: give the job a name")]
     if not isinstance(name, str):
         return [Problem("metadata.name", f"must be a string (got {name!r})")]
-    return [Problem("metadata.name", rule.message) for rule in ROOT_RULES
-            if rules and not rule.check({"metadata": {"name": name}})]
+    problems = []
+    if len(name) > 253 or not re.fullmatch(_DNS_1123_SUBDOMAIN, name):
+        # The API server's own check of every object's name, before any rule of ours.
+        problems.append(Problem("metadata.name", "must be a lowercase RFC 1123 subdomain "
+                                "(lower-case letters, digits, '-' and '.', at most 253)"))
+    return problems + [Problem("metadata.name", rule.message) for rule in ROOT_RULES
+                       if rules and not rule.check({"metadata": {"name": name}})]
 
 
 def load_job(path: str | Path) -> tuple[Obj, RLJobSpec]:
