@@ -381,3 +381,48 @@ def _transition(entry: FieldEffect) -> TransitionRule:
 TRANSITION_RULES: tuple[TransitionRule, ...] = tuple(
     _transition(entry) for entry in FIELD_EFFECTS if entry.effect == Effect.immutable
 )
+
+
+# -- where each check is enforced -------------------------------------------------------------
+
+ADMISSION, VALIDATE, OPERATOR, RUNTIME = "admission", "validate", "operator", "runtime"
+
+
+@dataclass(frozen=True)
+class Enforced:
+    """One check made before a job does any work, where it is made, and why not at admission
+    when it is not (docs/reference.md renders these as its enforcement table)."""
+
+    check: str
+    where: tuple[str, ...]
+    why_not_admission: str = ""
+
+
+# Checks the API server cannot make: each needs something CEL on the RLJob cannot read.
+NOT_AT_ADMISSION: tuple[Enforced, ...] = (
+    Enforced("spec.checkpoint.pvc must allow ReadWriteMany (every pod writes or reads the "
+             "checkpoints)", (OPERATOR,),
+             "it is a property of the PersistentVolumeClaim, another object"),
+    Enforced("the names of the job's children must not be taken by objects the job does not "
+             "own", (OPERATOR,), "it depends on other objects in the namespace"),
+    Enforced("spec.trainer.backend megatron needs a GPU per trainer rank in the Ray cluster "
+             "and megatron-core in the image", (RUNTIME,),
+             "it depends on the machine or image the job runs on (`rljob run` on a laptop; on "
+             "Kubernetes spec.trainer.gpusPerReplica >= 1 is checked at admission)"),
+    Enforced("a CPU weight-sync staging must fit the free room of /dev/shm", (RUNTIME,),
+             "it depends on the pod's memory and what else holds /dev/shm when the sidecar "
+             "starts"),
+)
+
+
+def enforcement() -> tuple[Enforced, ...]:
+    """Every check made before any work: the schema, each rule of this module (the API
+    server, `rljob validate --old` for edits, the operator's parse_job and `rljob run`'s
+    load_job all evaluate the same ones), and those only the operator or the runtime can
+    make."""
+    everywhere = (ADMISSION, VALIDATE, OPERATOR, RUNTIME)
+    schema = Enforced("the schema: types, bounds, enums, patterns, unknown fields "
+                      "(docs/reference.md, spec)", everywhere)
+    rules = tuple(Enforced(r.message, everywhere) for r in (*ROOT_RULES, *RULES))
+    edits = tuple(Enforced(t.message, (ADMISSION, VALIDATE)) for t in TRANSITION_RULES)
+    return (schema, *rules, *edits, *NOT_AT_ADMISSION)

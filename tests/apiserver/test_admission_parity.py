@@ -165,7 +165,7 @@ def rljobs(control_plane: ControlPlane) -> Any:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(doc=jobs())
 def test_admitted_exactly_when_validate_accepts(rljobs: Any, doc: Obj) -> None:
-    from kubernetes.client.rest import ApiException
+    from kubernetes.client.exceptions import ApiException
 
     problems = manifest_problems(doc)
     named = {p.field for p in problems}
@@ -173,7 +173,7 @@ def test_admitted_exactly_when_validate_accepts(rljobs: Any, doc: Obj) -> None:
         admitted = rljobs.create_namespaced_custom_object(
             GROUP, VERSION, "parity", PLURAL, doc, dry_run="All", field_validation="Strict")
     except ApiException as err:
-        status = json.loads(err.body)
+        status = json.loads(err.body or "{}")
         event(f"refused ({err.status})")
         assert problems, f"refused by the API server, accepted by rljob validate: {status}"
         if err.status == 400:  # unknown fields: refused before any validation
