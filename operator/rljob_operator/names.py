@@ -32,9 +32,6 @@ SPEC_DIR = "/etc/rljob"
 # The key of the Ray token in the job's Secret (the name KubeRay's own token Secrets use).
 RAY_TOKEN_KEY = "auth_token"
 
-# KubeRay refuses RayCluster names longer than this; the RayCluster carries the job's name.
-MAX_JOB_NAME = 53
-
 
 def raycluster_name(job: str) -> str:
     return job

@@ -15,8 +15,7 @@ from pydantic import ValidationError
 from rljob_api.layout import HEAD
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase, RecoveryStatus, parse_timestamp, timestamp
-from rljob_api.validate import spec_problems
-from rljob_operator import names
+from rljob_api.validate import name_problems, spec_problems
 from rljob_operator.builders import JobRef, Revisions, plans_only, revisions, worker_groups
 from rljob_operator.failures import refine_last_failure
 from rljob_operator.observe import Observed, PodView
@@ -43,10 +42,9 @@ def parse_job(body: Obj) -> JobView:
     name = meta["name"]
     raw = body.get("spec")
     spec: RLJobSpec | None = None
-    errors = [str(p) for p in spec_problems(raw)]
-    if len(name) > names.MAX_JOB_NAME:
-        errors.append(f"metadata.name must be at most {names.MAX_JOB_NAME} characters "
-                      "(KubeRay's RayCluster name limit); recreate the job with a shorter name")
+    # The same checks as admission (rljob_api.rules), for a job stored before they were
+    # there: it fails naming the field instead of making children that can never run.
+    errors = [str(p) for p in (*name_problems(meta), *spec_problems(raw))]
     if not errors:
         try:
             spec = RLJobSpec.model_validate(raw)

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from rljob_api import GROUP, KIND, PLURAL, SHORT_NAME, SINGULAR, VERSION
-from rljob_api.rules import RULES, TRANSITION_RULES
+from rljob_api.rules import ROOT_RULES, RULES, TRANSITION_RULES
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import RLJobStatus
 
@@ -84,6 +84,10 @@ def _structural(node: Schema) -> Schema:
         types = sorted(v.get("type", "") for v in real)
         if types == ["integer", "string"]:
             node["x-kubernetes-int-or-string"] = True
+            # The string's pattern applies to the string form only, as in Kubernetes' own
+            # int-or-string quantities; without it any string would be admitted.
+            for v in real:
+                node.update({k: v[k] for k in ("pattern", "maxLength") if k in v})
         elif len(real) == 1:
             node = {**real[0], **node}
         else:
@@ -196,6 +200,10 @@ def build_crd() -> Schema:
                             "description": "RLJob runs RL post-training (trainer + rollout "
                             "engines on Ray) and reports its progress.",
                             "required": ["spec"],
+                            "x-kubernetes-validations": [
+                                {"rule": rule.cel, "message": rule.message}
+                                for rule in ROOT_RULES
+                            ],
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},

@@ -16,7 +16,16 @@ from typing import Any
 from rljob_api import API_VERSION, KIND, SHORT_NAME
 from rljob_api.crd import PRINTER_COLUMNS, spec_schema, status_schema
 from rljob_api.mutability import EFFECT_WORDS, FIELD_EFFECTS, Effect
-from rljob_api.rules import RULES, TRANSITION_RULES
+from rljob_api.rules import (
+    ADMISSION,
+    OPERATOR,
+    ROOT_RULES,
+    RULES,
+    RUNTIME,
+    TRANSITION_RULES,
+    VALIDATE,
+    enforcement,
+)
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import OPERATOR_FIELDS, RUNTIME_FIELDS
 
@@ -162,6 +171,27 @@ def _where(at: tuple[str, ...]) -> str:
     return _code(".".join(("spec", *at)))
 
 
+_PLACES = {
+    ADMISSION: "API server (`kubectl apply`)",
+    VALIDATE: "`rljob validate`",
+    OPERATOR: "operator (before it builds anything)",
+    RUNTIME: "`rljob run` / the driver",
+}
+
+
+def render_enforcement() -> list[str]:
+    """Where each check made before any work is enforced, and why any is not at admission."""
+    lines = [
+        "| Check | " + " | ".join(_PLACES.values()) + " | Why not at admission |",
+        "| --- | " + " | ".join("---" for _ in _PLACES) + " | --- |",
+    ]
+    for entry in enforcement():
+        marks = ["yes" if place in entry.where else NO_VALUE for place in _PLACES]
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            entry.check, *marks, entry.why_not_admission or NO_VALUE)) + " |")
+    return lines
+
+
 _EFFECT_CELL = {
     Effect.immutable: "refused",
     Effect.operator: "applies at once",
@@ -216,15 +246,17 @@ def render_reference() -> str:
         "## Cross-field rules",
         "",
         "Checked by the API server (CEL) at `kubectl apply` and by `rljob validate` / "
-        "`rljob run` before any work; the message is what you see.",
+        "`rljob run` before any work; the message is what you see. Rules on `metadata.name` "
+        "apply to `self` (the whole RLJob), the only place the API server lets CEL read it.",
         "",
         "| Applies to | Rule | Message |",
         "| --- | --- | --- |",
     ]
-    for rule in RULES:
+    for rule in (*ROOT_RULES, *RULES):
+        where = _code("metadata.name") if rule in ROOT_RULES else _where(rule.at)
         lines.append(
             "| "
-            + " | ".join(_cell(c) for c in (_where(rule.at), _code(rule.cel), rule.message))
+            + " | ".join(_cell(c) for c in (where, _code(rule.cel), rule.message))
             + " |"
         )
     for trule in TRANSITION_RULES:
@@ -234,6 +266,15 @@ def render_reference() -> str:
             + " |"
         )
     lines += [
+        "",
+        "## Where each check is enforced",
+        "",
+        "Every check made before a job does any work. A job the API server admits passes "
+        "every check it can make, so the operator and the runtime fail it only for what the "
+        "last column names (tests/apiserver/test_admission_parity.py checks this over "
+        "generated specs).",
+        "",
+        *render_enforcement(),
         "",
         "## Editing a running job",
         "",

@@ -1,14 +1,18 @@
 """Cross-field rules, each written once as CEL (for the API server) and once in Python.
 
-The CRD generator places every rule's CEL at its `at` path as `x-kubernetes-validations`;
-`rljob validate` runs the Python twin on the defaulted spec. Both give the same message,
-and the control-plane tests check that the API server and Python agree rule by rule.
+The CRD generator places every rule's CEL at its `at` path as `x-kubernetes-validations`
+(`ROOT_RULES`, on `metadata.name`, at the root of the schema: the only place Kubernetes lets
+CEL read the object's name); `rljob validate` runs the Python twin on the defaulted spec and
+the operator runs the same twins before it builds anything. All give the same message, and
+the control-plane tests check that the API server and Python agree rule by rule and over
+generated specs (tests/apiserver/test_admission_parity.py).
 Python twins take plain camelCase dicts (the same view CEL has), so they still run when
 an unrelated field failed type validation.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +53,7 @@ class Rule:
     at: tuple[str, ...]
     cel: str
     message: str
-    check: Callable[[Mapping[str, Any]], bool]  # the validator passes a read-recording view
+    check: Callable[[Mapping[str, Any]], bool]  # on the defaulted object, camelCase
     field_path: str | None = None
 
 
@@ -67,7 +71,54 @@ def _quoted(names: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{n}'" for n in names) + "]"
 
 
+# KubeRay (v1.5, utils.ValidateRayClusterMetadata) refuses a RayCluster whose name is longer
+# than this or is no DNS-1035 label, and the job's RayCluster carries the job's name: a job
+# whose name breaks either would be admitted and never get a cluster.
+MAX_JOB_NAME = 53
+DNS_1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# The built-in tiny model's shape, checked again where it is built (rljob.model.tiny_model).
+TINY_SHAPE_MESSAGE = (
+    "spec.model.tiny.hiddenSize must be a multiple of 2 × numHeads (each head's width, "
+    "hiddenSize / numHeads, must be even for the rotary position embedding); change "
+    "hiddenSize or numHeads"
+)
+
+# Rules on the whole object (`self` is the RLJob; `at` is always the root). The API server
+# lets CEL read `self.metadata.name` only here.
+ROOT_RULES: tuple[Rule, ...] = (
+    Rule(
+        at=(),
+        cel=f"size(self.metadata.name) <= {MAX_JOB_NAME}",
+        message=f"metadata.name must be at most {MAX_JOB_NAME} characters: the job's "
+        "RayCluster carries its name and KubeRay refuses longer ones; recreate the job with a "
+        "shorter name",
+        check=lambda doc: len(doc["metadata"]["name"]) <= MAX_JOB_NAME,
+    ),
+    Rule(
+        at=(),
+        cel=f"self.metadata.name.matches('{DNS_1035_LABEL}')",
+        message="metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', "
+        "starting with a letter and ending with a letter or digit): the job's RayCluster and "
+        "its Services carry the name, and KubeRay refuses any other; recreate the job with "
+        "such a name",
+        check=lambda doc: re.fullmatch(DNS_1035_LABEL, doc["metadata"]["name"]) is not None,
+    ),
+)
+
+
 RULES: tuple[Rule, ...] = (
+    Rule(
+        at=("model",),
+        cel="self.source != 'builtin:tiny' || self.tiny.hiddenSize % (2 * self.tiny.numHeads) "
+        "== 0",
+        message=TINY_SHAPE_MESSAGE,
+        check=lambda m: (
+            m["source"] != "builtin:tiny"
+            or m["tiny"]["hiddenSize"] % (2 * m["tiny"]["numHeads"]) == 0
+        ),
+        field_path=".tiny.hiddenSize",
+    ),
     Rule(
         at=("algorithm",),
         cel="self.rolloutBatchSize * self.nSamplesPerPrompt == "
@@ -330,3 +381,48 @@ def _transition(entry: FieldEffect) -> TransitionRule:
 TRANSITION_RULES: tuple[TransitionRule, ...] = tuple(
     _transition(entry) for entry in FIELD_EFFECTS if entry.effect == Effect.immutable
 )
+
+
+# -- where each check is enforced -------------------------------------------------------------
+
+ADMISSION, VALIDATE, OPERATOR, RUNTIME = "admission", "validate", "operator", "runtime"
+
+
+@dataclass(frozen=True)
+class Enforced:
+    """One check made before a job does any work, where it is made, and why not at admission
+    when it is not (docs/reference.md renders these as its enforcement table)."""
+
+    check: str
+    where: tuple[str, ...]
+    why_not_admission: str = ""
+
+
+# Checks the API server cannot make: each needs something CEL on the RLJob cannot read.
+NOT_AT_ADMISSION: tuple[Enforced, ...] = (
+    Enforced("spec.checkpoint.pvc must allow ReadWriteMany (every pod writes or reads the "
+             "checkpoints)", (OPERATOR,),
+             "it is a property of the PersistentVolumeClaim, another object"),
+    Enforced("the names of the job's children must not be taken by objects the job does not "
+             "own", (OPERATOR,), "it depends on other objects in the namespace"),
+    Enforced("spec.trainer.backend megatron needs a GPU per trainer rank in the Ray cluster "
+             "and megatron-core in the image", (RUNTIME,),
+             "it depends on the machine or image the job runs on (`rljob run` on a laptop; on "
+             "Kubernetes spec.trainer.gpusPerReplica >= 1 is checked at admission)"),
+    Enforced("a CPU weight-sync staging must fit the free room of /dev/shm", (RUNTIME,),
+             "it depends on the pod's memory and what else holds /dev/shm when the sidecar "
+             "starts"),
+)
+
+
+def enforcement() -> tuple[Enforced, ...]:
+    """Every check made before any work: the schema, each rule of this module (the API
+    server, `rljob validate --old` for edits, the operator's parse_job and `rljob run`'s
+    load_job all evaluate the same ones), and those only the operator or the runtime can
+    make."""
+    everywhere = (ADMISSION, VALIDATE, OPERATOR, RUNTIME)
+    schema = Enforced("the schema: types, bounds, enums, patterns, unknown fields "
+                      "(docs/reference.md, spec)", everywhere)
+    rules = tuple(Enforced(r.message, everywhere) for r in (*ROOT_RULES, *RULES))
+    edits = tuple(Enforced(t.message, (ADMISSION, VALIDATE)) for t in TRANSITION_RULES)
+    return (schema, *rules, *edits, *NOT_AT_ADMISSION)

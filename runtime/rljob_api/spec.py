@@ -18,7 +18,12 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
 ShortText = Annotated[str, StringConstraints(max_length=253)]
 Path = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 Image = Annotated[str, StringConstraints(min_length=1, max_length=512)]
-Quantity = int | Annotated[str, StringConstraints(max_length=64, pattern=r"^[0-9.]+[a-zA-Z]*$")]
+# Kubernetes' own quantity syntax (apimachinery resource.Quantity, as kubebuilder writes it
+# into CRDs): a value the API server would refuse in the pods' resources is refused here,
+# at the RLJob's admission, instead of when the operator makes the pods.
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                    r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+Quantity = int | Annotated[str, StringConstraints(max_length=64, pattern=QUANTITY_PATTERN)]
 
 # The project's images (images/Dockerfile, one per ROLE) and the version the defaults name.
 IMAGE_VERSION = "0.1.0"

@@ -7,7 +7,7 @@ messages `kubectl apply` would give.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import yaml
 from pydantic import ValidationError
 
 from rljob_api import API_VERSION, KIND
-from rljob_api.rules import RULES, TRANSITION_RULES
+from rljob_api.rules import ROOT_RULES, RULES, TRANSITION_RULES
 from rljob_api.spec import RLJobSpec
 
 Obj = dict[str, Any]
@@ -31,7 +31,9 @@ class Problem:
 
     def __str__(self) -> str:
         # Rule messages already start with the field they are about.
-        return self.message if self.message.startswith("spec") else f"{self.field}: {self.message}"
+        if self.message.startswith(("spec", self.field)):
+            return self.message
+        return f"{self.field}: {self.message}"
 
 
 class InvalidJob(Exception):
@@ -70,42 +72,6 @@ def _dig(obj: Any, path: tuple[str, ...]) -> Any:
 _DEFAULT_SPEC: Obj = RLJobSpec().model_dump(by_alias=True, mode="json")
 
 
-class _Reads(Mapping[str, Any]):
-    """A read-only view of a spec object that records the field paths a rule consumes, so a
-    rule can be skipped when it consumed a field that failed its own validation.
-
-    A value is consumed when a leaf is read or an object is iterated; stepping through an
-    object to one of its fields consumes only that field, so an unknown sibling field does
-    not silence a rule."""
-
-    def __init__(self, obj: dict[str, Any], at: tuple[str, ...], seen: set[tuple[str, ...]]):
-        self._obj = obj
-        self._at = at
-        self._seen = seen
-
-    def __getitem__(self, key: str) -> Any:
-        path = (*self._at, key)
-        value = self._obj[key]
-        if isinstance(value, dict):
-            return _Reads(value, path, self._seen)
-        self._seen.add(path)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        self._seen.add(self._at)
-        return iter(self._obj)
-
-    def __len__(self) -> int:
-        self._seen.add(self._at)
-        return len(self._obj)
-
-
-def _overlaps(read: tuple[str, ...], bad: tuple[str, ...]) -> bool:
-    """True when one path lies within the other (a rule read the bad field or its parent)."""
-    shorter = min(len(read), len(bad))
-    return read[:shorter] == bad[:shorter]
-
-
 # Renamed fields: the old path (below `spec`) and the field that takes its place, so a
 # manifest that still sets the old one is told where it goes.
 MOVED_FIELDS: dict[tuple[str, ...], str] = {
@@ -114,14 +80,28 @@ MOVED_FIELDS: dict[tuple[str, ...], str] = {
 }
 
 
-def _schema_errors(spec: Obj) -> list[tuple[tuple[str, ...], Problem]]:
+# pydantic error types whose Kubernetes counterpart is an "Invalid value" (a bound or a
+# pattern): the API server still evaluates every CEL rule of an object with such an error.
+# Every other schema error (a wrong type, an enum value not supported, a string, list or map
+# too long, a missing field) is "blocking": the API server then evaluates no CEL rule at all
+# (apiextensions-apiserver, customresource strategy's hasBlockingErr). An unknown field is
+# refused before any validation (strict field validation); the rest is still reported here,
+# as the API server reports it once that field is gone.
+_NON_BLOCKING = frozenset({
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
+    "string_pattern_mismatch", "string_too_short", "too_short", "extra_forbidden",
+})
+
+
+def _schema_errors(spec: Obj) -> tuple[list[Problem], bool]:
     """Type and value problems, found as the API server finds them: strictly, on the JSON the
-    manifest becomes (the string "16" is no integer there, so it is none here either)."""
+    manifest becomes (the string "16" is no integer there, so it is none here either); and
+    whether one of them keeps the API server from evaluating the cross-field rules."""
     try:
         RLJobSpec.model_validate_json(json.dumps(spec, default=str), strict=True)
     except ValidationError as err:
-        found = []
-        for e in err.errors(include_url=False):
+        found, blocking = [], False
+        for e in _one_per_union(err.errors(include_url=False)):
             msg = e["msg"]
             if e["type"] == "extra_forbidden":
                 moved = MOVED_FIELDS.get(tuple(str(part) for part in e["loc"]))
@@ -129,37 +109,78 @@ def _schema_errors(spec: Obj) -> list[tuple[tuple[str, ...], Problem]]:
                        "unknown field; remove it or check its spelling (see docs/reference.md)")
             elif "input" in e and not isinstance(e["input"], dict | list):
                 msg = f"{msg} (got {e['input']!r})"
-            loc = tuple(str(part) for part in e["loc"])
-            found.append((loc, Problem(_loc(e["loc"]), msg)))
-        return found
-    return []
+            blocking = blocking or e["type"] not in _NON_BLOCKING
+            found.append(Problem(_loc(e["loc"]), msg))
+        return found, blocking
+    return [], False
+
+
+# How pydantic names the branches of a union in an error's location (`int | str` quantities).
+_UNION_BRANCHES = frozenset({"int", "str", "constrained-str"})
+
+
+def _one_per_union(errors: list[Any]) -> list[Any]:
+    """An `int | str` field's value matches neither branch: pydantic reports one error per
+    branch, the API server one (the string's pattern or length, or the wrong type). Keep the
+    string branch's error where the value is a string, the integer's where it is not, at
+    the field's own location."""
+    kept: dict[tuple[Any, ...], Any] = {}
+    out: list[Any] = []
+    for e in errors:
+        loc = tuple(e["loc"])
+        if not any(part in _UNION_BRANCHES for part in loc):
+            out.append(e)
+            continue
+        field = tuple(part for part in loc if part not in _UNION_BRANCHES)
+        wants_str = isinstance(e.get("input"), str)
+        on_str = any(part in ("str", "constrained-str") for part in loc)
+        if field not in kept or wants_str == on_str:
+            if field not in kept:
+                out.append(field)  # a placeholder, filled below
+            kept[field] = {**e, "loc": field}
+    return [kept[e] if isinstance(e, tuple) else e for e in out]
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with every null field left out, as the API server stores it (it drops a null
+    it is sent for a field that is not nullable, and no RLJob field is), so a null section
+    takes its default there and here alike."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def spec_problems(spec: Any) -> list[Problem]:
-    """Every schema and cross-field problem of one `spec` object, one message per mistake.
+    """Every schema and cross-field problem of one `spec` object, as the API server finds it.
 
-    A cross-field rule that read a field which failed its own type or range check is not
-    reported: it would judge a value the API server never accepts, and name a second
-    "problem" for the same mistake.
+    Like the API server, the cross-field rules are not evaluated at all once a field has the
+    wrong type, an unsupported enum value or is too long (they would judge a value that is not
+    one), and are all evaluated next to a value out of its bounds; a rule that cannot be
+    evaluated (a modulus by zero) is reported at its object, as the API server reports it.
     """
+    return _spec_problems(spec)[0]
+
+
+def _spec_problems(spec: Any) -> tuple[list[Problem], bool]:
+    """spec_problems, and whether a schema error kept the cross-field rules from running."""
     if not isinstance(spec, dict):
-        return [Problem("spec", "must be a mapping of RLJob fields (see docs/reference.md)")]
-    errors = _schema_errors(spec)
-    problems = [problem for _, problem in errors]
-    bad = [loc for loc, _ in errors]
+        return [Problem("spec", "must be a mapping of RLJob fields (see docs/reference.md)")], True
+    spec = _without_nulls(spec)
+    problems, blocked = _schema_errors(spec)
+    if blocked:
+        return problems, True
     view = _defaulted(spec, _DEFAULT_SPEC)
     for rule in RULES:
-        seen: set[tuple[str, ...]] = set()
         try:
-            target = _dig(view, rule.at)
-            holds = rule.check(_Reads(target, rule.at, seen) if isinstance(target, dict)
-                               else target)
+            holds = rule.check(_dig(view, rule.at))
         except (KeyError, TypeError, ZeroDivisionError, AttributeError):
-            continue  # a type problem in an input, reported above
-        if holds or any(_overlaps(read, loc) for read in seen for loc in bad):
+            problems.append(Problem(_loc(rule.at), rule.message))
             continue
-        problems.append(Problem(_loc(rule.at) + (rule.field_path or ""), rule.message))
-    return problems
+        if not holds:
+            problems.append(Problem(_loc(rule.at) + (rule.field_path or ""), rule.message))
+    return problems, False
 
 
 def update_problems(old_spec: Obj, new_spec: Obj) -> list[Problem]:
@@ -184,16 +205,36 @@ def manifest_problems(doc: Any) -> list[Problem]:
         )
     if doc.get("kind") != KIND:
         problems.append(Problem("kind", f"must be {KIND} (got {doc.get('kind')!r})"))
-    meta = doc.get("metadata")
-    if not isinstance(meta, dict) or not meta.get("name"):
-        problems.append(Problem("metadata.name", "is required: give the job a name"))
     unknown = sorted(set(doc) - {"apiVersion", "kind", "metadata", "spec", "status"})
     problems += [Problem(k, "unknown top-level field; remove it") for k in unknown]
+    blocked = False
     if "spec" not in doc:
         problems.append(Problem("spec", "is required"))
     else:
-        problems += spec_problems(doc["spec"])
-    return problems
+        found, blocked = _spec_problems(doc["spec"])
+        problems += found
+    # The API server evaluates the name's rules only where it evaluates the spec's.
+    return [*name_problems(doc.get("metadata"), rules=not blocked), *problems]
+
+
+_DNS_1123_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+
+
+def name_problems(meta: Any, rules: bool = True) -> list[Problem]:
+    """Problems of a job's `metadata.name`: the root rules the API server checks at admission
+    (rules.ROOT_RULES), which the operator checks again before it builds anything."""
+    name = meta.get("name") if isinstance(meta, dict) else None
+    if not name:
+        return [Problem("metadata.name", "is required: give the job a name")]
+    if not isinstance(name, str):
+        return [Problem("metadata.name", f"must be a string (got {name!r})")]
+    problems = []
+    if len(name) > 253 or not re.fullmatch(_DNS_1123_SUBDOMAIN, name):
+        # The API server's own check of every object's name, before any rule of ours.
+        problems.append(Problem("metadata.name", "must be a lowercase RFC 1123 subdomain "
+                                "(lower-case letters, digits, '-' and '.', at most 253)"))
+    return problems + [Problem("metadata.name", rule.message) for rule in ROOT_RULES
+                       if rules and not rule.check({"metadata": {"name": name}})]
 
 
 def load_job(path: str | Path) -> tuple[Obj, RLJobSpec]:

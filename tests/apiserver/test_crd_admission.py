@@ -10,8 +10,10 @@ import pytest
 import yaml
 
 from rljob.reporting.reporter import StatusReporter
+from rljob_api.rules import ROOT_RULES
 from rljob_api.status import RUNTIME_MANAGER as FIELD_MANAGER
 from rljob_api.status import CheckpointStatus, Progress
+from rljob_api.validate import manifest_problems
 from tests.controlplane import REPO, ControlPlane
 from tests.specs import BAD_SPECS, BAD_UPDATES, BadSpec, BadUpdate, base_job
 
@@ -41,6 +43,23 @@ def test_bad_specs_are_rejected(control_plane: ControlPlane, namespace: str, bad
     assert bad.field in proc.stderr, proc.stderr
     if bad.message:
         assert bad.message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("name", "rule"), [("a" * 54, 0), ("tiny-1.5", 1), ("1tiny", 1),
+                                             ("tiny-", 1)])
+def test_names_kuberay_refuses_are_refused_at_admission(
+    control_plane: ControlPlane, namespace: str, name: str, rule: int
+) -> None:
+    """A name the job's RayCluster cannot carry is refused by `kubectl apply` with the message
+    `rljob validate` and the operator give, not admitted to fail later."""
+    doc = base_job(name)
+    proc = control_plane.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False
+    )
+    assert proc.returncode != 0, f"API server accepted the name {name!r}"
+    message = ROOT_RULES[rule].message
+    assert message in proc.stderr, proc.stderr
+    assert message in [p.message for p in manifest_problems(doc)]
 
 
 def test_defaults_are_filled_by_the_api_server(control_plane: ControlPlane, namespace: str) -> None:

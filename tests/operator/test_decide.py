@@ -434,6 +434,8 @@ def test_invalid_spec_and_overlong_name_fail_naming_the_field() -> None:
     assert "spec.rollout.gpus" in conditions(d)["Failed"]["message"]
     long = run(job(name="x" * 60), [])
     assert "metadata.name must be at most 53" in conditions(long)["Failed"]["message"]
+    dotted = run(job(name="rl.v2"), [])  # a valid object name, but no RayCluster's
+    assert "metadata.name must be a DNS-1035 label" in conditions(dotted)["Failed"]["message"]
 
 
 def test_suspend_tears_down_and_resume_waits_for_the_old_driver() -> None:

@@ -23,6 +23,7 @@ from transformers.utils import logging as transformers_logging
 
 from rljob.model.text_codec import TINY_MARKER
 from rljob.model.tokenizer import CharTokenizer
+from rljob_api.rules import TINY_SHAPE_MESSAGE
 from rljob_api.spec import TinyModel
 
 BUILTIN_TINY = "builtin:tiny"
@@ -55,11 +56,9 @@ def tiny_config(shape: TinyModel, tokenizer: CharTokenizer) -> PretrainedConfig:
 
 
 def build_tiny(shape: TinyModel, alphabet: str, seed: int) -> tuple[PreTrainedModel, CharTokenizer]:
-    if shape.hidden_size % shape.num_heads:
-        raise ValueError(
-            f"spec.model.tiny.hiddenSize ({shape.hidden_size}) must be a multiple of numHeads "
-            f"({shape.num_heads}); change one of them"
-        )
+    if shape.hidden_size % (2 * shape.num_heads):  # refused at admission too (rules.py)
+        raise ValueError(f"{TINY_SHAPE_MESSAGE} (got hiddenSize {shape.hidden_size}, "
+                         f"numHeads {shape.num_heads})")
     tokenizer = CharTokenizer(alphabet)
     config = tiny_config(shape, tokenizer)
     generator_state = torch.random.get_rng_state()
