@@ -26,6 +26,7 @@ from rljob_api.rules import (
     VALIDATE,
     enforcement,
 )
+from rljob_api.sglang_releases import NEWEST_CHECKED, RELEASE, SUPPORTED_RANGE
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import OPERATOR_FIELDS, RUNTIME_FIELDS
 
@@ -275,6 +276,21 @@ def render_reference() -> str:
         "generated specs).",
         "",
         *render_enforcement(),
+        "",
+        "## SGLang releases",
+        "",
+        f"`rollout.backend: sglang` supports SGLang {SUPPORTED_RANGE}. The rollout image is "
+        f"built on {RELEASE}, whose own code reads every request rljob sends in the tests; "
+        f"the routes, request types and weight-update code of {NEWEST_CHECKED} are read from "
+        "its source too. At connect the runtime reads the engine's `version` "
+        "(`GET /get_server_info`) and refuses a release outside the range, naming it and "
+        "the range. What differs in "
+        f"{NEWEST_CHECKED} (docs/weight-sync.md, *SGLang releases*, says more): "
+        "`/get_weight_version` is gone (rljob reads `weight_version` from "
+        "`/get_model_info`); `/get_model_info` and `/get_server_info` are kept as deprecated "
+        "aliases of `/model_info` and `/server_info`, and rljob reads the old names, served "
+        "by every supported release; `/release_memory_occupation` without tags also frees "
+        "CUDA graphs and is refused while requests run.",
         "",
         "## Editing a running job",
         "",

@@ -5,10 +5,13 @@ body or `success: false` raises `EngineError` (or returns a failed `InstallResul
 weight install) naming the engine and the call, so a dead or refusing engine is never
 mistaken for an acknowledgement.
 
-Endpoints are those SGLang 0.5.3 serves (the pinned version): the weight version is read from
-`/get_model_info` (`/get_weight_version` is gone from later releases), the tensor-parallel
+Endpoints are those SGLang 0.5.3 serves (the pinned release) and every supported release
+after it (`rljob.engine.sglang_release`): the weight version is read from `/get_model_info`
+(`/get_weight_version` is gone from later releases), the release and the tensor-parallel
 size from `/get_server_info` (its server arguments), and `/update_weights_from_tensor` gets
-one `serialized_named_tensors` entry per TP rank, which SGLang indexes by rank.
+one `serialized_named_tensors` entry per TP rank, which SGLang indexes by rank. The request
+bodies are built by the module's `*_body` functions, which the tests hand to SGLang's own
+request types and deserializers (tests/unit/test_sglang_contract.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from rljob.engine.sglang_release import unsupported
 from rljob.weightsync.wire import (
     FLATTENED,
     encode_flattened,
@@ -58,6 +62,48 @@ class InstallResult:
     message: str
 
 
+def named_tensors_body(
+    named: Sequence[tuple[str, torch.Tensor]], version: str, ranks: int
+) -> dict[str, Any]:
+    """The `/update_weights_from_tensor` body that installs the same full HF-named tensors
+    in every rank of an engine of `ranks` tensor-parallel ranks (`rank_tensors_body`)."""
+    return rank_tensors_body([named] * ranks, version)
+
+
+def rank_tensors_body(
+    named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str
+) -> dict[str, Any]:
+    """The `/update_weights_from_tensor` body that installs full HF-named tensors in an
+    engine of `len(named_by_rank)` tensor-parallel ranks, SGLang's rank r loading entry r
+    (built from `named_by_rank[r]`, on rank r's GPU when a sidecar staged it there).
+
+    One rank is sent the version as one flattened bucket when the tensors are views of one
+    buffer in one dtype (the sidecar's staging): one handle to share and open instead of
+    one a tensor. Several ranks get the named list, each entry a pickle of its own: SGLang's
+    flattened path leaves the tensor on the GPU it arrived on, where its named path moves
+    each one to the rank's device; and torch counts one shared-memory (or CUDA IPC)
+    reference per pickle and gives one back per unpickling, so a single entry read by
+    several ranks releases the memory under the others.
+    """
+    flat = flat_span(named_by_rank[0]) if len(named_by_rank) == 1 else None
+    if flat is not None:
+        return tensor_entries_body([encode_flattened(named_by_rank[0], flat)], version,
+                                   FLATTENED)
+    return tensor_entries_body([encode_named_tensors(named) for named in named_by_rank],
+                               version)
+
+
+def tensor_entries_body(
+    entries: Sequence[str], version: str, load_format: str | None = None
+) -> dict[str, Any]:
+    """SGLang's `UpdateWeightsFromTensorReqInput` as JSON: entry r for rank r."""
+    body: dict[str, Any] = {"serialized_named_tensors": list(entries), "flush_cache": True,
+                            "weight_version": version}
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
+
+
 class EngineClient:
     """Talks to one engine at `url`: the built-in `hf` server and SGLang alike.
 
@@ -85,7 +131,7 @@ class EngineClient:
         self._host, self._port = parsed.hostname, parsed.port or 80
         self._prefix = parsed.path
         self.timeout_s = timeout_s
-        self._tp_size: int | None = None
+        self._server_info: dict[str, Any] | None = None
         self._local = threading.local()
         self._generate_timeout = aiohttp.ClientTimeout(total=generate_timeout_s, connect=10)
         self._session: aiohttp.ClientSession | None = None
@@ -202,7 +248,9 @@ class EngineClient:
         return str(self.model_info()["weight_version"])
 
     def pause_generation(self) -> None:
-        """Hold new and running generations (`/pause_generation`) until `continue_generation`."""
+        """`/pause_generation`: SGLang aborts every request it holds (each answers with the
+        tokens it got, finish_reason `abort`) and holds new ones until
+        `continue_generation`."""
         self._control("/pause_generation")
 
     def continue_generation(self) -> None:
@@ -259,16 +307,33 @@ class EngineClient:
         if resp.status != 200:
             raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}")
 
-    def tp_size(self) -> int:
-        """The engine's tensor-parallel ranks, asked once: an engine keeps its size for life."""
-        if self._tp_size is None:
+    def server_info(self) -> dict[str, Any]:
+        """`/get_server_info` (SGLang's server arguments and its `version`), asked once: an
+        engine keeps them for life. Refuses a release outside the supported range
+        (`rljob.engine.sglang_release`), naming it and the range."""
+        if self._server_info is None:
             status, body = self._request("GET", "/get_server_info", None, self.timeout_s)
-            size = body.get("tp_size") if isinstance(body, dict) else None
-            if status != 200 or not isinstance(size, int) or size < 1:
+            if status != 200 or not isinstance(body, dict):
                 raise EngineError(self.base_url, "GET /get_server_info",
-                                  f"answered {status} without a tp_size")
-            self._tp_size = size
-        return self._tp_size
+                                  f"answered {status}: {str(body)[:200]}")
+            why = unsupported(body.get("version"))
+            if why:
+                raise EngineError(self.base_url, "GET /get_server_info", why)
+            self._server_info = body
+        return self._server_info
+
+    def check_version(self) -> str:
+        """The engine's SGLang release, once it is known to be supported (EngineError
+        otherwise): what the runtime asks when it connects to an engine."""
+        return str(self.server_info()["version"])
+
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel ranks (from `server_info`)."""
+        size = self.server_info().get("tp_size")
+        if not isinstance(size, int) or size < 1:
+            raise EngineError(self.base_url, "GET /get_server_info",
+                              f"answered without a tp_size: {size!r}")
+        return size
 
     def _install(self, path: str, body: dict[str, Any], timeout_s: float) -> InstallResult:
         status, answer = self._request("POST", path, body, timeout_s)
@@ -291,11 +356,8 @@ class EngineClient:
             raise EngineError(self.base_url, "POST /update_weights_from_tensor",
                               f"{len(entries)} serialized_named_tensors entries for an engine "
                               f"of {ranks} tensor-parallel ranks; send one per rank")
-        body: dict[str, Any] = {"serialized_named_tensors": entries, "flush_cache": True,
-                                "weight_version": version}
-        if load_format is not None:
-            body["load_format"] = load_format
-        return self._install("/update_weights_from_tensor", body, timeout_s)
+        return self._install("/update_weights_from_tensor",
+                             tensor_entries_body(entries, version, load_format), timeout_s)
 
     def update_from_named_tensors(
         self, named: list[tuple[str, torch.Tensor]], version: str, timeout_s: float
@@ -305,49 +367,38 @@ class EngineClient:
         return self.update_from_rank_tensors([named] * self.tp_size(), version, timeout_s)
 
     def update_from_rank_tensors(
-        self, named_by_rank: Sequence[list[tuple[str, torch.Tensor]]], version: str,
+        self, named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str,
         timeout_s: float,
     ) -> InstallResult:
         """Install full HF-named tensors, rank r loading `named_by_rank[r]` (each keeps its
-        own shard, as SGLang's `load_weights` does), as one entry per rank, each a pickle of
-        its own. A sidecar gives each rank the version on that rank's GPU
-        (`rljob.engine.rank_devices`).
-
-        An engine of one rank is sent the version as one flattened bucket when the tensors
-        are views of one buffer in one dtype (the sidecar's staging): one handle to share
-        and open instead of one a tensor. Several ranks get the named list: SGLang 0.5.3's
-        flattened path leaves the tensor on the GPU it arrived on, where its named path
-        moves each one to the rank's device.
-
-        Torch counts one shared-memory (or CUDA IPC) reference per pickle and gives one back
-        per unpickling, so a single entry read by several ranks releases the memory under
-        the others: the sender's reused buffers are gone for the next version.
-        """
+        own shard, as SGLang's `load_weights` does): `rank_tensors_body` says how they
+        travel. A sidecar gives each rank the version on that rank's GPU
+        (`rljob.engine.rank_devices`)."""
         ranks = self.tp_size()
         if len(named_by_rank) != ranks:
             raise ValueError(f"{len(named_by_rank)} rank entries for an engine of {ranks} "
                              "tensor-parallel ranks")
-        flat = flat_span(named_by_rank[0]) if ranks == 1 else None
-        if flat is not None:
-            return self.update_from_tensor([encode_flattened(named_by_rank[0], flat)], version,
-                                           timeout_s, FLATTENED)
-        entries = [encode_named_tensors(named) for named in named_by_rank]
-        return self.update_from_tensor(entries, version, timeout_s)
+        body = rank_tensors_body(named_by_rank, version)
+        return self._install("/update_weights_from_tensor", body, timeout_s)
 
     def release_memory(self, timeout_s: float) -> None:
-        """Free the engine's GPU memory (weights, KV cache, CUDA graphs) while a colocated
-        trainer trains: SGLang's `/release_memory_occupation`, every tag."""
+        """Free the engine's GPU memory while a colocated trainer trains: SGLang's
+        `/release_memory_occupation` with no tags, which the release reads as its default
+        set: weights and KV cache in 0.5.3 (it has no tag for CUDA graphs, which stay), and
+        CUDA graphs too in releases that have the tag (0.5.23). Send it while the engine is
+        idle: 0.5.23 refuses it otherwise."""
         self._occupation("/release_memory_occupation", timeout_s)
 
     def resume_memory(self, timeout_s: float) -> None:
-        """Take the memory back (`/resume_memory_occupation`, every tag). SGLang keeps no
-        copy of released weights unless started with a CPU backup: a version must be
-        installed before it generates again."""
+        """Take the memory back (`/resume_memory_occupation`, the same default tags).
+        SGLang keeps no copy of released weights unless started with a CPU backup: a
+        version must be installed before it generates again."""
         self._occupation("/resume_memory_occupation", timeout_s)
 
     def _occupation(self, path: str, timeout_s: float) -> None:
         status, body = self._request("POST", path, {}, timeout_s)
-        # SGLang 0.5.3 answers 200 with an empty body; a refusal is an error status.
+        # SGLang answers 200 with `null` (its handler returns nothing); a refusal is an
+        # error status.
         if status != 200 or (isinstance(body, dict) and body.get("success") is False):
             raise EngineError(self.base_url, f"POST {path}", f"answered {status}: {body}")
 

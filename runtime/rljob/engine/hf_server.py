@@ -30,6 +30,7 @@ from aiohttp import web
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rljob.engine.sglang_release import RELEASE
 from rljob.engine.weight_swap import flat_version, stage_version
 from rljob.model.offload import Offload, module_tensors
 from rljob.model.text_codec import TextCodec, load_codec
@@ -98,9 +99,11 @@ class HFEngine:
                 "is_generation": True, "weight_version": self.weight_version}
 
     def server_info(self) -> dict[str, Any]:
-        """The part of SGLang's `/get_server_info` (its server arguments) that rljob reads."""
+        """The part of SGLang's `/get_server_info` (its server arguments and `version`) that
+        rljob reads. The version is the SGLang release whose HTTP contract this engine keeps,
+        which the client checks as it checks a real server's."""
         return {"model_path": self.model_path, "tp_size": self.tp_size,
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version, "version": RELEASE}
 
     def release_memory(self) -> int:
         """Weights to host memory and the last version's handles closed, between requests;
@@ -405,12 +408,17 @@ def build_app(engine: HFEngine) -> web.Application:
         return web.Response(status=200)
 
     async def pause(_: web.Request) -> web.Response:
+        # SGLang's pause: every request held is aborted (answering with what it got), and
+        # new ones wait for continue_generation.
         running.clear()
-        return web.json_response({"success": True})
+        engine.abort_all()
+        return web.json_response({"message": "Generation paused successfully.",
+                                  "status": "ok"})
 
     async def resume(_: web.Request) -> web.Response:
         running.set()
-        return web.json_response({"success": True})
+        return web.json_response({"message": "Generation continued successfully.",
+                                  "status": "ok"})
 
     async def flush(_: web.Request) -> web.Response:
         # No prefix cache survives a request here, so there is nothing to drop.

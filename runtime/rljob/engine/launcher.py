@@ -65,6 +65,8 @@ class EngineProcess(Locatable):
             self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version, tp),
                                        bind_host, port)
             port = self.server.port
+            # The release check every engine gets at connect (SGLang's is in `launch`).
+            EngineClient(self.server.url).check_version()
         else:
             if len(gpus) != tp:
                 raise EngineStartError(

@@ -6,7 +6,8 @@ bare flag, `"false"` leaves the flag off). The arguments that wire the server in
 are set here; a user value for one of them is refused, as the API server already does at
 admission (`rljob_api.rules.RESERVED_SGLANG_ARGS`).
 
-Targets the HTTP API of SGLang 0.5.3, the version the rollout image pins
+Targets the HTTP API of SGLang 0.5.3, the version the rollout image pins (and the releases
+up to `sglang_release.NEWEST_CHECKED`; a server outside them is refused at connect)
 (`sglang.launch_server`, `/health`, `/get_model_info`, `/get_server_info`,
 `/update_weights_from_tensor` with one entry per TP rank, `/update_weights_from_disk`,
 `/pause_generation`, `/continue_generation`); see docs/weight-sync.md.
@@ -33,6 +34,7 @@ cannot reach a server that has a session of its own, which the clean stop needs.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -42,9 +44,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rljob.engine.client import EngineClient
+from rljob.engine.sglang_release import RELEASE
 from rljob_api.rules import RESERVED_SGLANG_ARGS
 
-SGLANG_VERSION = "0.5.3"
+SGLANG_VERSION = RELEASE
 # Owned by rljob as well, though admission does not list it: the sidecar sets versions.
 OWNED_SGLANG_ARGS = (*RESERVED_SGLANG_ARGS, "weight-version")
 
@@ -202,5 +205,27 @@ def launch(
 ) -> subprocess.Popen[bytes]:
     """Start the SGLang server and return it once healthy; kills it when it does not get
     there."""
-    return start(build_command(server, sglang_args), f"http://{server.host}:{server.port}",
-                 env=env, startup_deadline_s=startup_deadline_s)
+    if server.memory_saver and server.python == sys.executable:
+        require_memory_saver()
+    process = start(build_command(server, sglang_args), f"http://{server.host}:{server.port}",
+                    env=env, startup_deadline_s=startup_deadline_s)
+    try:
+        EngineClient(f"http://{server.host}:{server.port}").check_version()
+    except BaseException:
+        stop(process, grace_s=0)
+        raise
+    return process
+
+
+def require_memory_saver() -> None:
+    """Refuse to start a colocated engine whose Python lacks torch_memory_saver. SGLang
+    started with --enable-memory-saver without it dies in its scheduler processes with an
+    ImportError in its log (and without the flag, `/release_memory_occupation` frees
+    nothing and the trainer runs out of memory on its first step); refused here first,
+    saying what is missing."""
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        raise EngineStartError(
+            "placement colocated: the engines release their GPU memory while the trainer "
+            "trains, which SGLang does with torch_memory_saver, and this image has none; "
+            "use an image built from images/Dockerfile (ROLE=colocated or rollout) or add "
+            "the torch_memory_saver that your SGLang release pins")
