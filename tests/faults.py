@@ -111,7 +111,7 @@ def nan_published_at(version: int) -> None:
             named[i] = (name, bad)
         return original(self, at, named)
 
-    publisher.WeightPublisher.publish = poisoned  # type: ignore[method-assign]
+    publisher.WeightPublisher.publish = poisoned  # type: ignore[method-assign,assignment]
 
 
 def install_from_env() -> None:

@@ -32,6 +32,7 @@ from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import POOL_LABEL, Operator, stop_kubelet
 from tests.polling import wait_for
 from tests.processes import reap
+from tests.runtime.hooks_for_tests import GATE_ENV
 from tests.runtime.jobs import job_file
 
 pytestmark = pytest.mark.controlplane
@@ -206,13 +207,16 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
         tmp_path: Path) -> None:
     """A real runtime trains, saves step 2, reports step 4 and dies mid-save; the operator
     restarts the job; the next real runtime loads step 2 and says so; only then does the
-    status show resumedFromStep 2 and lostSteps 2."""
+    status show resumedFromStep 2 and lostSteps 2, and the STEP column shows step 2 while
+    the resumed attempt's first step is still held in its rewards, not the lost step 4."""
     gpu_pool(1, 8)
     job = job_file(tmp_path, {
         "algorithm": {"totalSteps": 6}, "checkpoint": {"interval": 2},
         "recovery": {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 1},
         "scheduling": {"nodeSelector": {POOL_LABEL: namespace}},
+        "reward": {"function": "tests.runtime.hooks_for_tests:gated_reward"},
     })
+    gate = tmp_path / "gate"  # absent: rewards flow; present: every step waits in them
     doc = yaml.safe_load(job.read_text())
     doc["metadata"]["name"] = "real"
     job.write_text(yaml.safe_dump(doc))
@@ -221,7 +225,7 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
     workdir, log = tmp_path / "w", tmp_path / "runtime.log"
 
     first = _runtime(cluster, namespace, "real", job, workdir, log,
-                     **{PAUSE_SAVE_ENV: "4"})
+                     **{PAUSE_SAVE_ENV: "4", GATE_ENV: str(gate)})
     try:
         wait_for(lambda: (workdir / "checkpoints" / PAUSE_MARKER).exists(), timeout=300,
                  what="the runtime to report step 4 and stop inside the save of step 4",
@@ -240,7 +244,9 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
     assert st["recovery"]["lastFailure"]["step"] == 4  # what that runtime had reported
     assert "resumedFromStep" not in st["recovery"]  # attempt 1 has not said anything yet
 
-    second = _runtime(cluster, namespace, "real", job, workdir, log, "--max-steps", "1")
+    gate.touch()
+    second = _runtime(cluster, namespace, "real", job, workdir, log, "--max-steps", "1",
+                      **{GATE_ENV: str(gate)})
     try:
         def figures() -> dict[str, Any] | None:
             rec = status(cluster, namespace, "real")["recovery"]
@@ -248,7 +254,15 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
 
         rec = wait_for(figures, timeout=300, what="the resumed runtime's report",
                        describe=lambda: log.read_text(errors="replace")[-3000:])
+        wait_for(lambda: (tmp_path / "gate.BLOCKED").exists(), timeout=300,
+                 what="the resumed attempt's first step to wait in its rewards")
+        shown = wait_for(lambda: (status(cluster, namespace, "real").get("progress") or {}
+                                  ).get("rolloutStep") == 2 or None, timeout=60,
+                         what="the STEP column to show the resumed step",
+                         describe=lambda: str(status(cluster, namespace, "real")))
+        assert shown and not (workdir / "checkpoints" / "step_00000003").exists()
     finally:
+        gate.unlink(missing_ok=True)
         reap(second)
     assert (rec["resumedFromStep"], rec["lostSteps"]) == (2, 2)
     resumed = status(cluster, namespace, "real")["resumed"]

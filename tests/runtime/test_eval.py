@@ -128,8 +128,10 @@ def test_a_run_reports_eval_at_its_interval_and_last_step_across_a_resume(
     shown = [(p.rollout_step, p.eval_step, p.eval_reward)
              for p in [*first.progresses, *second.progresses]]
     assert shown == [
+        (0, None, None),  # each attempt shows where it starts before its first step
         (1, None, None),
         (2, 2, evaluated[2]["eval_reward"]),
+        (2, 2, evaluated[2]["eval_reward"]),  # resumed: step 2 and its eval, from the log
         (3, 2, evaluated[2]["eval_reward"]),  # the resumed attempt, before its first eval
         (4, 4, evaluated[4]["eval_reward"]),
         (5, 5, evaluated[5]["eval_reward"]),

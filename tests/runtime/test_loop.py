@@ -49,7 +49,11 @@ def test_resume_is_exact(ray_local: None, tmp_path: Path, reporter: RecordingRep
     assert all(r["logprob_gap"] < 1e-4 for r in a)
     # weight versions persist across the resume and are reported
     assert [r["weight_version"] for r in b] == [1, 2, 3, 4]
-    assert resumed.progresses[0].rollout_step == 3 and resumed.progresses[-1].weight_version == 4
+    # The resumed attempt shows the step it resumed from (and its figures) before it trains.
+    first = resumed.progresses[0]
+    assert (first.rollout_step, first.weight_version, first.mean_reward) == (
+        2, 2, a[1]["reward"])
+    assert resumed.progresses[1].rollout_step == 3 and resumed.progresses[-1].weight_version == 4
     # Each run reports what it loaded: nothing, then the verified checkpoint of step 2.
     (fresh,) = reporter.resumes
     assert (fresh.found, fresh.step, fresh.path, fresh.attempt) == (False, 0, None, 0)

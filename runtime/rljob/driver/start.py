@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from rljob.checkpoint.store import Verified
 from rljob.cluster.placement import plan
@@ -18,7 +19,7 @@ from rljob.reporting.tracking import Trackers
 from rljob_api import env, exits
 from rljob_api.exits import JobError
 from rljob_api.spec import RolloutMode
-from rljob_api.status import ResumeReport, timestamp
+from rljob_api.status import Progress, ResumeReport, timestamp
 
 ENGINE_JOIN_TIMEOUT_S = 300.0
 
@@ -48,6 +49,8 @@ def start(attempt: Attempt) -> Job:
         print(f"resumed from {loaded.path} (step {loaded.step}, weight version "
               f"{state.weight_version})", file=sys.stderr, flush=True)
     report_resume(attempt, loaded, state.step)
+    last_eval = metrics_log.last_eval(metrics_path)
+    report_resumed_progress(attempt, state, metrics_path, last_eval)
     attempt.tracking = Trackers.start(
         spec.tracking, attempt.name, options.workdir, first_step=state.step,
         attempt=attempt.number,
@@ -75,10 +78,29 @@ def start(attempt: Attempt) -> Job:
     job = Job(attempt, roles, state, resumed=loaded is not None,
               max_staleness=((spec.rollout.max_staleness or 1)
                              if spec.rollout.mode == RolloutMode.async_ else None),
-              engine_version=0, last_eval=metrics_log.last_eval(metrics_path))
+              engine_version=0, last_eval=last_eval)
     attempt.job = job
     job.publish()
     return job
+
+
+def report_resumed_progress(attempt: Attempt, state: LoopState, metrics_path: Path,
+                            last_eval: tuple[int, float] | None) -> None:
+    """Show the step this attempt resumed from at once: until its first step, the progress
+    in the RLJob (the STEP column) would otherwise keep the step a lost attempt reached,
+    steps the job no longer has. The reward is that step's, from the metrics log kept up to
+    it (none without a row for it), the latest evaluation the log holds."""
+    rows = metrics_log.read(metrics_path)
+    last = rows[-1] if rows and int(rows[-1]["step"]) == state.step else {}
+    reward = last.get("reward")
+    attempt.reporter.progress(Progress(
+        rollout_step=state.step, train_step=state.train_step,
+        total_steps=attempt.spec.algorithm.total_steps, samples=state.samples,
+        mean_reward=float(reward) if isinstance(reward, int | float) else None,
+        weight_version=state.weight_version, skipped_steps=state.skipped_steps,
+        policy_version=state.weight_version, updated_at=timestamp(),
+        eval_reward=last_eval[1] if last_eval else None,
+        eval_step=last_eval[0] if last_eval else None))
 
 
 def report_resume(attempt: Attempt, loaded: Verified | None, step: int) -> None:
