@@ -232,10 +232,16 @@ def _engine_ports(engines: int) -> list[Obj]:
 
 
 def _ray_resources(slot: str, count: int) -> str:
-    """rayStartParams `resources` in KubeRay's quoted-JSON form: a custom Ray resource, one
-    unit per placement slot of the pod (`rljob_api.layout.group_slots`), that the runtime
-    requests so trainer and rollout actors land on their own group's pods."""
-    return json.dumps(json.dumps({slot: count}))
+    """rayStartParams `resources`: a custom Ray resource, one unit per placement slot of the
+    pod (`rljob_api.layout.group_slots`), that the runtime requests so trainer and rollout
+    actors land on their own group's pods.
+
+    JSON in single quotes: KubeRay puts the value into the `ray start` shell line as it is,
+    and also reads it itself (stripping the single quotes) before it adds `--num-gpus` from
+    the container's `nvidia.com/gpu` limit. Escaped JSON in double quotes starts Ray as well,
+    but KubeRay cannot read it and then adds no `--num-gpus`: Ray finds GPUs only through
+    NVML, and none where NVML is not in the container."""
+    return "'" + json.dumps({slot: count}) + "'"
 
 
 def worker_groups(spec: RLJobSpec) -> dict[str, int]:

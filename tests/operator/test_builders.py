@@ -73,8 +73,9 @@ def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     assert rc["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
     # Placement: one unit of the group's custom Ray resource per slot of the pod.
-    assert groups["trainer"]["rayStartParams"] == {"resources": '"{\\"rljob_trainer\\": 4}"'}
-    assert groups["rollout"]["rayStartParams"] == {"resources": '"{\\"rljob_rollout\\": 2}"'}
+    # Single-quoted JSON: KubeRay reads it before it adds --num-gpus (e2e/kind's GPU plan).
+    assert groups["trainer"]["rayStartParams"] == {"resources": '\'{"rljob_trainer": 4}\''}
+    assert groups["rollout"]["rayStartParams"] == {"resources": '\'{"rljob_rollout": 2}\''}
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def test_operator_offers_the_units_and_gpus_the_runtime_asks_for(
     offered: dict[str, float] = {}
     pod_gpus: dict[str, float] = {}
     for group in cluster["spec"]["workerGroupSpecs"]:
-        units = json.loads(json.loads(group["rayStartParams"]["resources"]))
+        units = json.loads(group["rayStartParams"]["resources"].strip("'"))
         (name,) = units
         offered[name] = offered.get(name, 0) + units[name] * group["replicas"]
         main = group["template"]["spec"]["containers"][0]
