@@ -34,20 +34,20 @@ import pytest
 import yaml
 
 from e2e.kind.kindcluster import KindCluster
+from rljob.cluster.device_plan import LINE_PREFIX
+from rljob_operator.names import ANNOTATION_PLAN_ONLY
 from tests.controlplane import REPO
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 
 RESOURCE = "nvidia.com/gpu"
-PLAN_ONLY = "rljob.io/plan-only"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
 PRIORITY_CLASS = "training"
 COMPUTE = ("trainer", "rollout", "colocated")  # the worker groups' component labels
 START_S = 900     # images are local; KubeRay starts up to 6 Ray nodes on 2 busy cores
 END_S = 900       # Ray on every pod, a placement group and a probe per process, then the end
 GONE_S = 300
-PREFIX = "device-plan: "
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def kind_job(example: Example) -> dict[str, Any]:
         spec[field]["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                     "limits": {"cpu": str(_gpus_per_pod(spec, group))}}
     # Planning starts no engine: SGLang's own arguments stay, unused.
-    doc["metadata"].setdefault("annotations", {})[PLAN_ONLY] = "true"
+    doc["metadata"].setdefault("annotations", {})[ANNOTATION_PLAN_ONLY] = "true"
     return doc
 
 
@@ -154,8 +154,8 @@ class Report:
 def parse_plan(log: str) -> list[Report]:
     reports = []
     for line in log.splitlines():
-        if line.startswith(PREFIX):
-            fields = json.loads(line.removeprefix(PREFIX))
+        if line.startswith(LINE_PREFIX):
+            fields = json.loads(line.removeprefix(LINE_PREFIX))
             reports.append(Report(
                 role=fields["role"], index=int(fields["index"]), pod=fields["pod"],
                 allocation=fields["allocation"], visible=[str(v) for v in fields["visible"]],
