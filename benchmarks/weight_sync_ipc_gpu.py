@@ -3,7 +3,7 @@ against the device-to-device copy rate of the same bytes measured in the same ru
 
 This process plays the sidecar after a version arrived: its buckets are views of one
 staging allocation on the GPU (as `Sidecar._buffers` makes them), and it installs them
-through the engine's `/update_weights_from_tensor` as `EngineClient.update_from_named_tensors`
+through the engine's `/update_weights_from_tensor` as `EngineClient.update_from_rank_tensors`
 does for `rljob-weight-sync` (one flattened bucket: one CUDA IPC handle; a kept
 connection). The engine (benchmarks/weight_sync_engine.py, another process on the same
 GPU) decodes (the handle stays open from the last version), checks names/shapes/dtypes,
@@ -163,7 +163,7 @@ def main() -> None:
         for rep in range(args.reps + 1):
             sync()
             start = time.perf_counter()
-            # What `client.update_from_named_tensors(views, ...)` does for a one-rank
+            # What `client.update_from_rank_tensors([views], ...)` does for a one-rank
             # engine, in its two steps, to time the sidecar's encoding apart.
             flat = flat_span(views)
             assert flat is not None

@@ -3,8 +3,8 @@
 The kind workers advertise `nvidia.com/gpu` through the fake device plugin
 (hack/fake-gpu-plugin: 8 a worker, allocated per container as NVIDIA's plugin does), so the
 examples' GPU pods are scheduled and started by the real scheduler and kubelet and each
-`ray-worker` container holds the GPUs the kubelet gave it. The RLJob carries
-`rljob.io/plan-only: "true"`: the runtime places every worker as the real job would (the same
+`ray-worker` container holds the GPUs the kubelet gave it. The RLJob sets
+`spec.planOnly: true`: the runtime places every worker as the real job would (the same
 placement group and actor options) but starts probes in place of trainers, engines and
 weight-sync sidecars; each reports the device it would use, the driver prints one
 `device-plan:` line per process and the job ends Succeeded.
@@ -35,7 +35,6 @@ import yaml
 
 from e2e.kind.kindcluster import KindCluster
 from rljob.cluster.device_plan import LINE_PREFIX
-from rljob_operator.names import ANNOTATION_PLAN_ONLY
 from tests.controlplane import REPO
 from tests.polling import wait_for
 
@@ -115,7 +114,7 @@ def kind_job(example: Example) -> dict[str, Any]:
         spec[field]["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"},
                                     "limits": {"cpu": str(_gpus_per_pod(spec, group))}}
     # Planning starts no engine: SGLang's own arguments stay, unused.
-    doc["metadata"].setdefault("annotations", {})[ANNOTATION_PLAN_ONLY] = "true"
+    spec["planOnly"] = True
     return doc
 
 

@@ -53,20 +53,11 @@ class JobRef:
     name: str
     namespace: str
     uid: str
-    # `rljob.io/plan-only: "true"`: the driver places the job, reports each process's
-    # devices and stops (`rljob run --plan-only`), a check of a GPU cluster's layout.
-    plan_only: bool = False
 
     @classmethod
     def of(cls, body: Obj) -> JobRef:
         meta = body["metadata"]
-        return cls(meta["name"], meta["namespace"], meta["uid"], plans_only(meta))
-
-
-def plans_only(meta: Obj) -> bool:
-    """Whether an RLJob's metadata asks for a plan only (`names.ANNOTATION_PLAN_ONLY`)."""
-    return str((meta.get("annotations") or {}).get(names.ANNOTATION_PLAN_ONLY, "")
-               ).lower() == "true"
+        return cls(meta["name"], meta["namespace"], meta["uid"])
 
 
 def owner_reference(job: JobRef) -> Obj:
@@ -377,7 +368,7 @@ def driver_command(job: JobRef, spec: RLJobSpec) -> list[str]:
         "rljob", "run", f"{names.SPEC_DIR}/{names.SPEC_FILE}",
         "--workdir", f"{spec.checkpoint.path.rstrip('/')}/{job.name}",
         "--join", f"{names.head_service(job.name, job.namespace)}:{RAY_GCS_PORT}",
-        *(["--plan-only"] if job.plan_only else []),
+        *(["--plan-only"] if spec.plan_only else []),
     ]
 
 

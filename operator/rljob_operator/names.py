@@ -15,7 +15,6 @@ LABEL_COMPONENT = f"{GROUP}/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_RESTARTS = f"{GROUP}/restarts"
 ANNOTATION_COMPUTE_PODS = f"{GROUP}/compute-pods"
-ANNOTATION_PLAN_ONLY = f"{GROUP}/plan-only"  # on an RLJob: `rljob run --plan-only`
 # What a child was built from (builders.revisions): a RayCluster, pod template or driver
 # whose revision differs from what the current spec builds is patched or replaced.
 ANNOTATION_REVISION = f"{GROUP}/revision"

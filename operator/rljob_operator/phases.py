@@ -109,7 +109,8 @@ def _fail(s: Situation, reason: str, message: str,
 
 def _succeed(s: Situation) -> Decision:
     message = ("the driver placed every process, reported its devices (its log's "
-               "device-plan lines) and stopped: rljob.io/plan-only" if s.job.plan_only
+               "device-plan lines) and stopped: spec.planOnly"
+               if s.job.spec is not None and s.job.spec.plan_only
                else "the driver completed every step")
     status = build_status(s, Phase.succeeded.value, [
         condition(s, "Ready", "False", "Succeeded", message),

@@ -16,7 +16,7 @@ from rljob_api.layout import HEAD
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase, RecoveryStatus, parse_timestamp, timestamp
 from rljob_api.validate import name_problems, spec_problems
-from rljob_operator.builders import JobRef, Revisions, plans_only, revisions, worker_groups
+from rljob_operator.builders import JobRef, Revisions, revisions, worker_groups
 from rljob_operator.failures import refine_last_failure
 from rljob_operator.observe import Observed, PodView
 
@@ -34,7 +34,6 @@ class JobView:
     status: Obj
     namespace: str = ""
     uid: str = ""
-    plan_only: bool = False  # builders.plans_only
 
 
 def parse_job(body: Obj) -> JobView:
@@ -58,7 +57,6 @@ def parse_job(body: Obj) -> JobView:
         status=dict(body.get("status") or {}),
         namespace=str(meta.get("namespace") or ""),
         uid=str(meta.get("uid") or ""),
-        plan_only=plans_only(meta),
     )
 
 
@@ -86,8 +84,7 @@ class Situation:
         observed = job.status.get("observedGeneration")
         want = None
         if job.spec is not None:
-            want = revisions(JobRef(job.name, job.namespace, job.uid, job.plan_only),
-                             job.spec)
+            want = revisions(JobRef(job.name, job.namespace, job.uid), job.spec)
         return cls(job=job, obs=obs, now=now, phase=phase, recovery=recovery,
                    restarts=recovery.restarts,
                    edited=observed is not None and observed != job.generation, want=want)

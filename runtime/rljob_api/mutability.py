@@ -93,6 +93,8 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "read by the runtime when the driver starts; generations a checkpoint carries "
                 "are continued, or, with partialRollout disabled, their prompts generated "
                 "again"),
+    FieldEffect("planOnly", Effect.immutable,
+                "a job that only plans never trains, and a training job never turns into one"),
     FieldEffect("placement", Effect.immutable, "the shape of the RayCluster",
                 "spec.placement is immutable on an existing job; create a new RLJob"),
     FieldEffect("algorithm.estimator", Effect.immutable,

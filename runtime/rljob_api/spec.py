@@ -799,6 +799,12 @@ class RLJobSpec(ApiModel):
     scheduling: SchedulingSpec = Field(
         default_factory=SchedulingSpec, description="Node placement and suspension."
     )
+    plan_only: bool = Field(
+        False,
+        description="Place every worker as the job would, report the devices each process "
+        "would use (the driver's `device-plan:` lines) and stop without training: a check of "
+        "a GPU cluster's layout. Fixed at creation.",
+    )
 
     def old_logprobs(self) -> OldLogprobs:
         """The old policy the loss uses, `algorithm.oldLogprobs` or its default for the mode.

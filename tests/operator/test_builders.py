@@ -185,13 +185,10 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
 
 
 def test_a_plan_only_job_s_driver_plans_only() -> None:
-    body = {"metadata": {"name": "rl", "namespace": "team-a", "uid": "uid-1",
-                         "annotations": {"rljob.io/plan-only": "true"}}}
-    ref = JobRef.of(body)
-    assert ref.plan_only and not JobRef.of({"metadata": {**body["metadata"],
-                                                         "annotations": {}}}).plan_only
-    (container,) = builders.build_driver(ref, spec(), 0, [])["spec"]["containers"]
+    (container,) = builders.build_driver(JOB, spec(planOnly=True), 0, [])["spec"]["containers"]
     assert container["command"][-1] == "--plan-only"
+    (plain,) = builders.build_driver(JOB, spec(), 0, [])["spec"]["containers"]
+    assert "--plan-only" not in plain["command"]
 
 
 def _all_containers(job: RLJobSpec) -> dict[str, dict[str, Any]]:

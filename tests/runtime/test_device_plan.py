@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from rljob.cluster.cluster import Cluster, RunOptions, worker_env
-from rljob.cluster.device_plan import ProcessDevices, problems
+from rljob.cluster.device_plan import ProcessDevices, physical, problems
 from rljob.driver.stop import StopSignals
 from rljob_api.spec import RLJobSpec
 
@@ -36,16 +36,19 @@ def four_allocated_gpus() -> Iterator[None]:
         ray.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["sglang", "hf"])
 def test_a_tp2_job_plans_every_process_on_its_own_allocated_gpus(
-    four_allocated_gpus: None, tmp_path: Path
+    four_allocated_gpus: None, tmp_path: Path, backend: str
 ) -> None:
-    """Two trainer ranks and one SGLang engine of two ranks on four GPUs: every process uses
-    allocated GPUs only, no two trainer ranks or engines share one, and the engine's sidecar
-    puts rank r's entry on the GPU of the engine's rank r."""
+    """Two trainer ranks and one engine of two ranks on four GPUs: every process uses
+    allocated GPUs only, no two trainer ranks or engines share one, the sidecar holds its
+    share of the engine's first GPU and puts rank r's entry on the GPU of the engine's rank
+    r: SGLang's rank r on the engine's r-th GPU, every rank of the `hf` engine on its first
+    (one process computes them all)."""
     spec = RLJobSpec.model_validate({
         "placement": "disaggregated",
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": 2},
-        "rollout": {"backend": "sglang", "gpus": 2, "gpusPerEngine": 2},
+        "rollout": {"backend": backend, "gpus": 2, "gpusPerEngine": 2},
     })
     cluster = Cluster(RunOptions(tmp_path, plan_only=True), StopSignals().install)
     try:
@@ -63,8 +66,11 @@ def test_a_tp2_job_plans_every_process_on_its_own_allocated_gpus(
     trainer_gpus = [g for t in by_role["trainer"] for g in t.gpus]
     (engine,), (sidecar,) = by_role["engine"], by_role["sidecar"]
     assert len(set(trainer_gpus)) == 2 and [len(t.gpus) for t in by_role["trainer"]] == [1, 1]
-    assert len(set(engine.gpus)) == 2 and not set(engine.gpus) & set(trainer_gpus)
-    # The sidecar stages on the engine's first GPU and sees both, in the engine's order.
+    assert len(engine.gpus) == 2 and not set(engine.gpus) & set(trainer_gpus)
+    assert len(set(engine.gpus)) == (2 if backend == "sglang" else 1)
+    # Ray placed the sidecar's share on the engine's first GPU; it stages there and puts
+    # each rank's entry on that rank's GPU.
+    assert physical(sidecar.visible, ALLOCATED) == engine.gpus[:1]
     assert sidecar.device == "cuda:0"
     assert sidecar.gpus == engine.gpus
     assert problems(reports) == []

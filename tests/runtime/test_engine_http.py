@@ -252,7 +252,7 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         assert http.weight_version() == "1"
         assert torch.equal(_read_back(srv.url, name)[half:], state[name][half:] * 2.0)
 
-        result = http.update_from_named_tensors(low, "3", 60)
+        result = http.update_from_rank_tensors([low], "3", 60)
         assert result.success, result.message
         assert http.weight_version() == "3"
         assert torch.equal(_read_back(srv.url, name), state[name] * 0.5)
@@ -293,7 +293,7 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
     for version, scale in (("1", 0.5), ("2", 2.0)):
         for name, view in views:
             view.copy_(state[name] * scale)
-        result = http.update_from_named_tensors(views, version, 60)
+        result = http.update_from_rank_tensors([views], version, 60)
         assert result.success, result.message
         if version == "1":
             local = http._local.conn.sock.getsockname()
@@ -304,7 +304,7 @@ def test_a_staged_version_goes_as_one_flattened_bucket_over_a_kept_connection(
         storages = {p.untyped_storage().data_ptr() for p in server.engine.model.parameters()}
         assert len(storages) == 1 and staging.data_ptr() not in storages
     views[-1][1].view(-1)[0] = float("nan")
-    result = http.update_from_named_tensors(views, "3", 60)
+    result = http.update_from_rank_tensors([views], "3", 60)
     assert not result.success and f"{views[-1][0]}: non-finite values" in result.message
     assert http.weight_version() == "2"
     got = server.engine.model.state_dict()
@@ -318,7 +318,7 @@ def test_a_version_goes_into_the_parameters_the_model_has_now(server: ServerThre
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     _, views = _staging(state, 3.0)
-    result = EngineClient(server.url).update_from_named_tensors(views, "1", 60)
+    result = EngineClient(server.url).update_from_rank_tensors([views], "1", 60)
     assert result.success, result.message
     got = model.state_dict()
     assert all(torch.equal(got[name], state[name] * 3.0) for name in state)
@@ -335,6 +335,6 @@ def test_an_engine_takes_the_names_of_its_state_dict_and_no_other(
     extra = [n for n, _ in engine.model.named_buffers() if n not in engine.targets()]
     assert extra, "the tiny model has a non-persistent buffer to try"
     buf = torch.zeros(64)
-    result = EngineClient(server.url).update_from_named_tensors(
-        [(extra[0], buf[: dict(engine.model.named_buffers())[extra[0]].numel()])], "1", 60)
+    result = EngineClient(server.url).update_from_rank_tensors(
+        [[(extra[0], buf[: dict(engine.model.named_buffers())[extra[0]].numel()])]], "1", 60)
     assert not result.success and f"unknown parameter {extra[0]}" in result.message

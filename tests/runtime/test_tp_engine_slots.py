@@ -65,7 +65,8 @@ def test_a_two_slot_engine_holds_both_and_serves_two_ranks(
         for version, scale in (("1", 0.25), ("2", 0.5), ("3", 2.0)):
             for n, buf in staging:
                 buf.copy_(before[n] * scale)
-            result = http.update_from_named_tensors(staging, version, 60)
+            # Both ranks read the same staging, as on the CPU (`rank_devices.entry_devices`).
+            result = http.update_from_rank_tensors([staging, staging], version, 60)
             assert result.success, result.message
             assert http.weight_version() == version
             for n in names:

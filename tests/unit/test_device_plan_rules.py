@@ -45,9 +45,12 @@ def test_rank_copies_on_the_cpu_share_the_staging() -> None:
 
 
 def _r(role: str, index: int, gpus: list[str], pod: str = "p",
-       allocated: list[str] | None = None) -> ProcessDevices:
+       allocated: list[str] | None = None, share: str | None = None) -> ProcessDevices:
+    """A report; a sidecar's share (what Ray showed it) is its first GPU's unless given."""
     alloc = ["GPU-0", "GPU-1", "GPU-2", "GPU-3"] if allocated is None else allocated
-    return ProcessDevices(role, index, pod, alloc, [], "cuda:0", gpus)
+    first = share or (gpus[0] if gpus else None)
+    visible = [str(alloc.index(first))] if role == "sidecar" and first else []
+    return ProcessDevices(role, index, pod, alloc, visible, "cuda:0", gpus)
 
 
 def test_a_sound_plan_has_no_problems() -> None:
@@ -65,6 +68,8 @@ def test_a_sound_plan_has_no_problems() -> None:
     ([_r("engine", 0, ["GPU-2"], pod="a"), _r("sidecar", 0, ["GPU-2"], pod="b")],
      "sidecar-0 is in pod b, its engine in a"),
     ([_r("sidecar", 3, [])], "sidecar-3 has no engine"),
+    ([_r("engine", 0, ["GPU-2", "GPU-3"]), _r("sidecar", 0, ["GPU-2", "GPU-3"], share="GPU-1")],
+     "sidecar-0 holds its share of ['GPU-1'], its engine's first GPU is ['GPU-2']"),
 ])
 def test_a_broken_plan_is_named(reports: list[ProcessDevices], expected: str) -> None:
     found = problems(reports)

@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 
 from rljob.engine import sglang_release
-from rljob.engine.client import EngineClient, named_tensors_body
+from rljob.engine.client import EngineClient, rank_tensors_body
 from rljob.engine.hf_server import HFEngine, ServerThread, build_app
 from rljob.engine.sglang_launcher import SGLANG_VERSION, SGLangServer, build_command
 from rljob.model.tiny_model import write_tiny
@@ -118,9 +118,12 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     sent: dict[str, Any] = {}  # kept alive until SGLang has opened their shared memory
     for case, (ranks, dtypes, staged) in TENSOR_CASES.items():
         held = _trainer_tensors(dtypes)
-        named = _staged(held) if staged else [(n, t.clone()) for n, t in held]
-        body = named_tensors_body(named, VERSION, ranks)
-        sent[case] = (held, named, body)
+        # Each rank's entry from memory of its own, as a sidecar's copy on each rank's GPU.
+        per_rank = [_staged(held) if staged else [(n, t.clone()) for n, t in held]
+                    for _ in range(ranks)]
+        named = per_rank[0]
+        body = rank_tensors_body(per_rank, VERSION)
+        sent[case] = (held, named, body, per_rank)
         cases.append({"id": case, "route": "/update_weights_from_tensor", "body": body,
                       "tp_size": ranks, "layout": _layout(held)})
     for case, (route, body) in _control_bodies().items():
@@ -183,7 +186,7 @@ def test_the_pinned_release_is_the_rollout_images_and_the_supported_ranges_ends(
 def test_each_rank_loads_the_trainers_tensors_through_sglangs_own_code(
         judged: Judged, case: str) -> None:
     ranks, _, _ = TENSOR_CASES[case]
-    held, named, _body = judged.sent[case]
+    held, named, _body, _per_rank = judged.sent[case]
     answer = judged.answers[case]
     assert answer["type"] == "UpdateWeightsFromTensorReqInput"
     assert answer["unknown_fields"] == [] and answer["missing_fields"] == []

@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--plan-only", action="store_true",
                    help="place every worker as the job would, print the devices each process "
                         "would use (`device-plan:` lines) and stop, starting none of them: a "
-                        "check of a GPU cluster's layout before a long run")
+                        "check of a GPU cluster's layout before a long run (spec.planOnly "
+                        "does the same)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--join", default=None, metavar="HOST:PORT",
                        help="make this machine a Ray node of the cluster whose head (GCS) is "
@@ -69,7 +70,8 @@ def run_command(args: argparse.Namespace) -> int:
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
-    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join, args.plan_only)
+    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join,
+                         args.plan_only or spec.plan_only)
     try:
         return run_job(name, spec, options, reporter)
     finally:

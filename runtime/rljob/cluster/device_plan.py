@@ -48,7 +48,7 @@ class ProcessDevices:
     index: int  # trainer rank, or engine index
     pod: str  # the host name: in Kubernetes, the pod's name
     allocation: list[str] | None  # the container's GPUs; None: not stated (no device plugin)
-    visible: list[str]  # CUDA_VISIBLE_DEVICES as the process would have it
+    visible: list[str]  # CUDA_VISIBLE_DEVICES as Ray sets it (a sidecar's: its own share)
     device: str  # the torch device it works on
     gpus: list[str]  # GPUs it would use: a trainer's one; an engine's by rank; a sidecar's
     # entry for each rank
@@ -105,25 +105,30 @@ class DeviceProbe:
             return _report("trainer", rank, "cpu", [])
         return _report("trainer", rank, "cuda:0", _visible()[:1])
 
-    def engine(self, index: int, backend: str, device: str, further: list[SlotDevices]
-               ) -> tuple[ProcessDevices, Locality]:
-        """An engine's server runs rank r on the r-th GPU of its slots, as `EngineProcess`
-        starts it; the built-in `hf` engine computes on the first. Also what the engine
-        reports of itself for its sidecar's placement."""
+    def engine(self, index: int, backend: str, device: str, ranks: int,
+               further: list[SlotDevices]) -> tuple[ProcessDevices, Locality]:
+        """The GPU each of an engine's ranks computes on, as `EngineProcess` starts it:
+        SGLang's rank r on the r-th GPU of its slots, every rank of the built-in `hf` engine
+        on the first. Also what the engine reports of itself for its sidecar's placement."""
         gpus = engine_gpus(here(), further) if device == "cuda" else []
         node = str(ray.get_runtime_context().get_node_id())
-        used = gpus if backend == RolloutBackend.sglang else gpus[:1]
-        report = _report("engine", index, "cuda:0" if gpus else "cpu", used)
-        return report, Locality(node, ",".join(gpus))
+        computes = gpus if backend == RolloutBackend.sglang else gpus[:1]
+        by_rank = computes if backend == RolloutBackend.sglang else computes * ranks
+        report = _report("engine", index, "cuda:0" if gpus else "cpu", by_rank)
+        return report, Locality(node, ",".join(computes))
 
     def sidecar(self, index: int, device: str, engine_gpus: str, ranks: int) -> ProcessDevices:
-        """A sidecar is shown its engine's GPUs (`SidecarActor`), stages on `device` and puts
-        rank r's entry on `entry_devices`' r-th device."""
+        """A sidecar is shown its engine's GPUs (`SidecarActor`: refused unless Ray gave it
+        its share on the engine's first), stages on `device` and puts rank r's entry on
+        `entry_devices`' r-th device. `visible` reports the share Ray gave it."""
+        share = _visible()
         show_engine_gpus(engine_gpus)
-        visible = _visible() if device != "cpu" else []
-        entries = entry_devices(device, ranks, len(visible))
-        used = [visible[int(d.split(":")[1])] for d in entries if d.startswith("cuda")]
-        return _report("sidecar", index, device, used)
+        shown = _visible() if device != "cpu" else []
+        entries = entry_devices(device, ranks, len(shown))
+        used = [shown[int(d.split(":")[1])] for d in entries if d.startswith("cuda")]
+        allocated = allocation(dict(os.environ))
+        return ProcessDevices("sidecar", index, socket.gethostname(), allocated, share,
+                              device, physical(used, allocated))
 
     def whereabouts(self) -> str:
         return socket.gethostname()
@@ -148,7 +153,7 @@ def probe(pg: PlacementGroup, layout: Layout, devices: Devices, spec: RLJobSpec,
         groups = layout.engine_slot_groups()
         holders = [[start(holder_cls, at(slot)) for slot in group[1:]] for group in groups]
         engines = [start(probe_cls, at(group[0])).engine.remote(
-            i, str(spec.rollout.backend), devices.engine,
+            i, str(spec.rollout.backend), devices.engine, spec.rollout.gpus_per_engine,
             ray.get([h.where.remote() for h in hs], timeout=PROBE_TIMEOUT_S))
             for i, (group, hs) in enumerate(zip(groups, holders, strict=True))]
         reports: list[ProcessDevices] = ray.get(trainers, timeout=PROBE_TIMEOUT_S)
@@ -197,4 +202,8 @@ def problems(reports: Sequence[ProcessDevices]) -> list[str]:
         if s.gpus and s.gpus != engine.gpus:
             out.append(f"sidecar-{s.index} would stage on {s.gpus}, its engine's ranks use "
                        f"{engine.gpus}")
+        share = physical(s.visible[:1], s.allocation)
+        if s.gpus and share != engine.gpus[:1]:
+            out.append(f"sidecar-{s.index} holds its share of {share}, its engine's first "
+                       f"GPU is {engine.gpus[:1]}")
     return out

@@ -41,6 +41,7 @@ class Checkpoints:
         self.store = CheckpointStore(root, keep_last, writer=writer_identity(attempt))
         self.reporter = reporter
         self.step: int | None = None  # the latest verified one: resumed or saved
+        self._resume_point: tuple[Verified | None, LoopState] | None = None
 
     def take(self) -> None:
         """Become the checkpoint store's only writer before reading or writing it: a driver
@@ -57,16 +58,26 @@ class Checkpoints:
         behind by a restart, e.g. on a partitioned node)."""
         self.store.lease.check()
 
+    def resume_point(self) -> tuple[Verified | None, LoopState]:
+        """The latest verified checkpoint (None: there is none) and the loop state it holds,
+        known before anything is placed. Found once an attempt: verifying reads every byte
+        of a checkpoint, and this attempt, the store's only writer, adds none meanwhile."""
+        if self._resume_point is None:
+            latest = self.store.latest()
+            state = (LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
+                     if latest is not None else LoopState())
+            self._resume_point = latest, state
+        return self._resume_point
+
     def resume(self, trainers: TrainerGroup, rollout: RolloutPipeline
                ) -> tuple[Verified, LoopState] | None:
         """Trainers, rollout worker (and the batch it had generated ahead) and this process's
-        RNG back to the latest verified checkpoint; None (nothing restored) when there is
-        none."""
-        latest = self.store.latest()
+        RNG back to the latest verified checkpoint (`resume_point`); None (nothing restored)
+        when there is none."""
+        latest, state = self.resume_point()
         if latest is None:
             return None
         trainers.load(str(latest.path))
-        state = LoopState(**json.loads((latest.path / STATE_FILE).read_text()))
         rollout.load(json.loads((latest.path / ROLLOUT_FILE).read_text()), latest.path)
         rng.load(latest.path / DRIVER_RNG_FILE)
         self.step = latest.step

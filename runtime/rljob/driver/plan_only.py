@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rljob.cluster import device_plan
+from rljob.cluster.placement import plan
 from rljob.driver.attempt import Attempt
 from rljob_api import exits
 from rljob_api.exits import JobError
@@ -12,6 +13,10 @@ def plan_only(attempt: Attempt) -> int:
     """Print one `device-plan:` line per process (trainer ranks, engines, sidecars) and stop;
     a plan that breaks docs/gpu-pods.md's rule (a GPU outside its container's allocation, a
     shared GPU, a sidecar away from its engine's GPUs) stops as an invalid job, naming it."""
+    if attempt.options.join:
+        # As `start` does: a driver left behind by a restart holds slots until stopped.
+        attempt.cluster.start_ray(plan(attempt.spec))
+        attempt.cluster.stop_stale_drivers()
     reports = attempt.cluster.plan_devices(attempt.spec)
     for report in reports:
         print(report.line(), flush=True)

@@ -37,20 +37,23 @@ def start(attempt: Attempt) -> Job:
         cluster.start_ray(plan(spec))
         cluster.stop_stale_drivers()
     attempt.checkpoints.take()
+    # Where this attempt starts, in the status at once: placing the workers (pulling images,
+    # loading SGLang) can take minutes, while STEP would still show a lost attempt's step.
+    _, start_state = attempt.checkpoints.resume_point()
+    # Rows after the step this attempt starts from are redone (none, with no checkpoint:
+    # an attempt that failed before its first checkpoint leaves nothing to report).
+    metrics_path = options.workdir / metrics_log.METRICS_FILE
+    metrics_log.keep_until(metrics_path, start_state.step)
+    last_eval = metrics_log.last_eval(metrics_path)
+    report_resumed_progress(attempt, start_state, metrics_path, last_eval)
     model_dir = prepare_model(spec, options.workdir)
     roles = cluster.place(spec, model_dir, settings.engine_port)
     resumed = attempt.checkpoints.resume(roles.trainers, roles.rollout)
     loaded, state = resumed if resumed is not None else (None, LoopState())
-    # Rows after the step this attempt starts from are redone (none, with no checkpoint:
-    # an attempt that failed before its first checkpoint leaves nothing to report).
-    metrics_path = options.workdir / metrics_log.METRICS_FILE
-    metrics_log.keep_until(metrics_path, state.step)
     if loaded is not None:
         print(f"resumed from {loaded.path} (step {loaded.step}, weight version "
               f"{state.weight_version})", file=sys.stderr, flush=True)
     report_resume(attempt, loaded, state.step)
-    last_eval = metrics_log.last_eval(metrics_path)
-    report_resumed_progress(attempt, state, metrics_path, last_eval)
     attempt.tracking = Trackers.start(
         spec.tracking, attempt.name, options.workdir, first_step=state.step,
         attempt=attempt.number,
@@ -86,10 +89,11 @@ def start(attempt: Attempt) -> Job:
 
 def report_resumed_progress(attempt: Attempt, state: LoopState, metrics_path: Path,
                             last_eval: tuple[int, float] | None) -> None:
-    """Show the step this attempt resumed from at once: until its first step, the progress
-    in the RLJob (the STEP column) would otherwise keep the step a lost attempt reached,
-    steps the job no longer has. The reward is that step's, from the metrics log kept up to
-    it (none without a row for it), the latest evaluation the log holds."""
+    """Show the step this attempt starts from (the checkpoint it resumes, or 0) at once:
+    until its first step, the progress in the RLJob (the STEP column) would otherwise keep
+    the step a lost attempt reached, steps the job no longer has. The reward is that step's,
+    from the metrics log kept up to it (none without a row for it), the latest evaluation
+    the log holds."""
     rows = metrics_log.read(metrics_path)
     last = rows[-1] if rows and int(rows[-1]["step"]) == state.step else {}
     reward = last.get("reward")

@@ -62,14 +62,6 @@ class InstallResult:
     message: str
 
 
-def named_tensors_body(
-    named: Sequence[tuple[str, torch.Tensor]], version: str, ranks: int
-) -> dict[str, Any]:
-    """The `/update_weights_from_tensor` body that installs the same full HF-named tensors
-    in every rank of an engine of `ranks` tensor-parallel ranks (`rank_tensors_body`)."""
-    return rank_tensors_body([named] * ranks, version)
-
-
 def rank_tensors_body(
     named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str
 ) -> dict[str, Any]:
@@ -358,13 +350,6 @@ class EngineClient:
                               f"of {ranks} tensor-parallel ranks; send one per rank")
         return self._install("/update_weights_from_tensor",
                              tensor_entries_body(entries, version, load_format), timeout_s)
-
-    def update_from_named_tensors(
-        self, named: list[tuple[str, torch.Tensor]], version: str, timeout_s: float
-    ) -> InstallResult:
-        """Install full HF-named tensors, which every rank loads from the same memory
-        (`update_from_rank_tensors` with one list for every rank)."""
-        return self.update_from_rank_tensors([named] * self.tp_size(), version, timeout_s)
 
     def update_from_rank_tensors(
         self, named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str,

@@ -60,7 +60,9 @@ class EngineProcess(Locatable):
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
         advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
         gpus = engine_gpus(here(), further_slots or [])
-        self.gpus = gpus if device.startswith("cuda") else []
+        # The GPUs its ranks compute on, rank r on the r-th: SGLang's on every slot, the
+        # `hf` engine's all on its first (it keeps the contract of `tp` ranks in one process).
+        self.gpus = (gpus if backend != "hf" else gpus[:1]) if device.startswith("cuda") else []
         if backend == "hf":
             self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version, tp),
                                        bind_host, port)

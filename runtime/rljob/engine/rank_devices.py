@@ -20,15 +20,26 @@ import torch
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
+class SidecarGpuError(RuntimeError):
+    """Ray gave a sidecar its share of a GPU other than its engine's first."""
+
+
 def show_engine_gpus(engine_gpus: str) -> None:
     """Make this process see its engine's GPUs (Ray's ids, comma-separated, first slot
     first), so that `cuda:r` is rank r's GPU; nothing changes for a CPU engine ("").
 
-    Must run before CUDA is initialised in the process (Ray has set CUDA_VISIBLE_DEVICES to
-    the sidecar's own share, which is the engine's first GPU: `cuda:0` stays that GPU). All
-    of them are GPUs of the one container Kubernetes allocated to the engine's pod."""
-    if engine_gpus:
-        os.environ[CUDA_VISIBLE_DEVICES] = engine_gpus
+    Must run before CUDA is initialised in the process. Ray has set CUDA_VISIBLE_DEVICES to
+    the sidecar's own share, which must be the engine's first GPU (`cuda:0` stays the GPU
+    Ray accounts the sidecar on): SidecarGpuError otherwise. All of them are GPUs of the one
+    container Kubernetes allocated to the engine's pod."""
+    if not engine_gpus:
+        return
+    share = os.environ.get(CUDA_VISIBLE_DEVICES, "")
+    if share and share.split(",")[0] != engine_gpus.split(",")[0]:
+        raise SidecarGpuError(
+            f"Ray gave the sidecar a share of GPU {share}, its engine's first GPU is "
+            f"{engine_gpus.split(',')[0]}: the sidecar must stage on its engine's GPU")
+    os.environ[CUDA_VISIBLE_DEVICES] = engine_gpus
 
 
 def entry_devices(staging: str, ranks: int, visible: int) -> list[str]:
