@@ -252,7 +252,7 @@ def test_a_tp_engine_gives_rank_r_entry_r_as_sglang_does(tmp_path: Path) -> None
         assert http.weight_version() == "1"
         assert torch.equal(_read_back(srv.url, name)[half:], state[name][half:] * 2.0)
 
-        result = http.update_from_rank_tensors([low], "3", 60)
+        result = http.update_from_rank_tensors([low, low], "3", 60)
         assert result.success, result.message
         assert http.weight_version() == "3"
         assert torch.equal(_read_back(srv.url, name), state[name] * 0.5)

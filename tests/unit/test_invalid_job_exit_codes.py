@@ -64,13 +64,24 @@ def test_an_unreadable_file_is_invalid_for_both_commands(tmp_path: Path) -> None
     assert codes == [INVALID, INVALID]
 
 
-@pytest.mark.parametrize("value", ["abc", 7.5, "16", [16], None, 0],
-                         ids=["word", "fraction", "quoted-number", "list", "null", "zero"])
+@pytest.mark.parametrize("value", ["abc", 7.5, "16", [16], None],
+                         ids=["word", "fraction", "quoted-number", "list", "null"])
 def test_a_bad_global_batch_size_is_one_problem(value: Any) -> None:
-    """The field's own error only: no cross-field rule is judged on a value the API server
-    would never accept (a string "16" would otherwise be multiplied as a string)."""
+    """The field's own error only: no cross-field rule is judged on a value of the wrong
+    type, which the API server never evaluates rules on either (a string "16" would
+    otherwise be multiplied as a string)."""
     problems = manifest_problems(_with_algorithm(globalBatchSize=value))
     assert [p.field for p in problems] == ["spec.algorithm.globalBatchSize"], problems
+
+
+def test_a_batch_size_below_its_bound_also_breaks_the_rule_as_at_admission() -> None:
+    """A value of the right type out of its bounds is not a blocking error for the API
+    server, which still evaluates every rule (tests/apiserver/test_admission_parity.py):
+    `rljob validate` names both, at the field."""
+    problems = manifest_problems(_with_algorithm(globalBatchSize=0))
+    assert [p.field for p in problems] == ["spec.algorithm.globalBatchSize"] * 2, problems
+    assert "greater than or equal to 1" in problems[0].message
+    assert BATCH_RULE in problems[1].message
 
 
 def test_cli_prints_one_problem_for_one_mistake(tmp_path: Path) -> None:
@@ -81,13 +92,15 @@ def test_cli_prints_one_problem_for_one_mistake(tmp_path: Path) -> None:
     assert "1 problem(s)" in out.stderr and BATCH_RULE not in out.stderr, out.stderr
 
 
-def test_a_type_error_elsewhere_does_not_hide_a_broken_rule() -> None:
-    """Rules are skipped only when they read the bad field: a wrong `lr` still leaves the
-    batch-size rule judged on the valid batch sizes."""
+def test_a_type_error_anywhere_holds_the_rules_back_as_at_admission() -> None:
+    """A value of the wrong type is a blocking error for the API server, which then
+    evaluates no rule at all (tests/apiserver/test_admission_parity.py): `rljob validate`
+    names the type error alone, as `kubectl apply` would; the broken batch-size rule shows
+    once `lr` is fixed."""
     problems = manifest_problems(_with_algorithm(globalBatchSize=96, lr="fast"))
-    text = "\n".join(str(p) for p in problems)
-    assert len(problems) == 2, text
-    assert "spec.algorithm.lr" in text and BATCH_RULE in text
+    assert [p.field for p in problems] == ["spec.algorithm.lr"], problems
+    fixed = manifest_problems(_with_algorithm(globalBatchSize=96))
+    assert any(BATCH_RULE in p.message for p in fixed), fixed
 
 
 def test_a_rule_over_a_nested_bad_field_is_skipped() -> None:
