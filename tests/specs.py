@@ -251,6 +251,7 @@ BAD_UPDATES: list[BadUpdate] = [
               immutable_message("trainer.parallelism")),
     BadUpdate("rollout-backend", {"rollout.backend": "sglang"},
               immutable_message("rollout.backend")),
+    BadUpdate("plan-only", {"planOnly": True}, immutable_message("planOnly")),
     BadUpdate("placement", {"placement": "colocated", "rollout.gpus": 1,
                             "trainer.gpusPerReplica": 1}, immutable_message("placement")),
     BadUpdate("estimator", {"algorithm.estimator": "reinforce++"},

@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from rljob.cluster.device_plan import ProcessDevices, allocation, physical, problems
-from rljob.engine.rank_devices import RankCopies, entry_devices
+from rljob.engine.rank_devices import (
+    RankCopies,
+    SidecarGpuError,
+    entry_devices,
+    show_engine_gpus,
+)
 from rljob.engine.sidecar import shared_memory_fits
 
 pytestmark = pytest.mark.unit
@@ -83,3 +88,17 @@ def test_a_cpu_staging_larger_than_shared_memory_is_refused_naming_sizes(tmp_pat
     shared_memory_fits(1024, tmp_path)
     with pytest.raises(ValueError, match=r"does not fit .* MiB free\): a sidecar staging"):
         shared_memory_fits(free + (1 << 30), tmp_path)
+
+
+def test_a_sidecar_is_shown_its_engine_s_gpus_only_from_its_engine_s_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's share must be the engine's first GPU; then the sidecar sees them all, in order."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    show_engine_gpus("2,3")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(SidecarGpuError, match="share of GPU 1, its engine's first GPU is 2"):
+        show_engine_gpus("2,3")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"  # left as Ray set it
+    show_engine_gpus("")  # a CPU engine: nothing to show
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"

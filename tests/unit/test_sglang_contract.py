@@ -118,9 +118,13 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     sent: dict[str, Any] = {}  # kept alive until SGLang has opened their shared memory
     for case, (ranks, dtypes, staged) in TENSOR_CASES.items():
         held = _trainer_tensors(dtypes)
-        # Each rank's entry from memory of its own, as a sidecar's copy on each rank's GPU.
-        per_rank = [_staged(held) if staged else [(n, t.clone()) for n, t in held]
-                    for _ in range(ranks)]
+        # Each rank's entry from memory of its own, as a sidecar's copy on each rank's GPU,
+        # and of its own values (rank r's scaled by 2**r, exactly): a rank that read another
+        # rank's entry would show it.
+        per_rank = []
+        for rank in range(ranks):
+            mine = [(n, t * 2**rank) for n, t in held]
+            per_rank.append(_staged(mine) if staged else mine)
         named = per_rank[0]
         body = rank_tensors_body(per_rank, VERSION)
         sent[case] = (held, named, body, per_rank)
@@ -202,7 +206,7 @@ def test_each_rank_loads_the_trainers_tensors_through_sglangs_own_code(
         assert isinstance(loaded, dict), f"rank {rank}: {loaded}"
         for name, tensor in held:
             assert loaded[name].dtype == tensor.dtype, (rank, name)
-            assert torch.equal(loaded[name], tensor), (rank, name)
+            assert torch.equal(loaded[name], tensor * 2**rank), (rank, name)
 
 
 @BOTH

@@ -70,8 +70,7 @@ def run_command(args: argparse.Namespace) -> int:
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
-    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join,
-                         args.plan_only or spec.plan_only)
+    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join, args.plan_only)
     try:
         return run_job(name, spec, options, reporter)
     finally:

@@ -18,6 +18,7 @@ numbers in allocation order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -31,7 +32,12 @@ from ray.util.placement_group import PlacementGroup
 from rljob.cluster.placement import Devices, Layout
 from rljob.cluster.weight_sync import sidecar_placement
 from rljob.engine.launcher import Locality
-from rljob.engine.rank_devices import CUDA_VISIBLE_DEVICES, entry_devices, show_engine_gpus
+from rljob.engine.rank_devices import (
+    CUDA_VISIBLE_DEVICES,
+    SidecarGpuError,
+    entry_devices,
+    show_engine_gpus,
+)
 from rljob.engine.slots import SlotDevices, SlotHolder, engine_gpus, here
 from rljob_api.spec import RLJobSpec, RolloutBackend
 
@@ -122,8 +128,10 @@ class DeviceProbe:
         its share on the engine's first), stages on `device` and puts rank r's entry on
         `entry_devices`' r-th device. `visible` reports the share Ray gave it."""
         share = _visible()
-        show_engine_gpus(engine_gpus)
-        shown = _visible() if device != "cpu" else []
+        # A real sidecar refuses to start on a wrong share; the plan names it (`problems`).
+        with contextlib.suppress(SidecarGpuError):
+            show_engine_gpus(engine_gpus)
+        shown = engine_gpus.split(",") if device != "cpu" and engine_gpus else []
         entries = entry_devices(device, ranks, len(shown))
         used = [shown[int(d.split(":")[1])] for d in entries if d.startswith("cuda")]
         allocated = allocation(dict(os.environ))
@@ -177,7 +185,8 @@ def probe(pg: PlacementGroup, layout: Layout, devices: Devices, spec: RLJobSpec,
 def problems(reports: Sequence[ProcessDevices]) -> list[str]:
     """What breaks the rule of docs/gpu-pods.md in a plan: a process using a GPU its
     container was not allocated, two trainer ranks or two engines on one GPU, a sidecar not
-    on its engine's GPUs or not in its engine's pod."""
+    in its engine's pod, not given its Ray share on its engine's first GPU, or not staging
+    on its engine's ranks' GPUs in rank order."""
     out = []
     for r in reports:
         if r.allocation is not None:
@@ -203,7 +212,7 @@ def problems(reports: Sequence[ProcessDevices]) -> list[str]:
             out.append(f"sidecar-{s.index} would stage on {s.gpus}, its engine's ranks use "
                        f"{engine.gpus}")
         share = physical(s.visible[:1], s.allocation)
-        if s.gpus and share != engine.gpus[:1]:
+        if s.gpus and s.visible and share != engine.gpus[:1]:  # as `show_engine_gpus`
             out.append(f"sidecar-{s.index} holds its share of {share}, its engine's first "
                        f"GPU is {engine.gpus[:1]}")
     return out

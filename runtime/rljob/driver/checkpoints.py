@@ -74,6 +74,8 @@ class Checkpoints:
         """Trainers, rollout worker (and the batch it had generated ahead) and this process's
         RNG back to the latest verified checkpoint (`resume_point`); None (nothing restored)
         when there is none."""
+        # The point was found before placement, which can take minutes: still the writer?
+        self.check_writer()
         latest, state = self.resume_point()
         if latest is None:
             return None

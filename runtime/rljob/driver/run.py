@@ -50,7 +50,7 @@ def run_job(name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter)
 def run_attempt(attempt: Attempt) -> int:
     """Start, train, and close the run: the curves plotted, the trackers finished, the
     summary printed. A stop before the end is reported (not a failure)."""
-    if attempt.options.plan_only:
+    if attempt.options.plan_only or attempt.spec.plan_only:
         return plan_only(attempt)
     job = start(attempt)
     started = time.monotonic()
