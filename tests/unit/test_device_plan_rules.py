@@ -17,7 +17,7 @@ from rljob.engine.rank_devices import (
     entry_devices,
     show_engine_gpus,
 )
-from rljob.engine.sidecar import shared_memory_fits
+from rljob.weightsync.wire import shared_memory_fits
 
 pytestmark = pytest.mark.unit
 

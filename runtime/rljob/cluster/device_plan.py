@@ -94,9 +94,11 @@ def _visible() -> list[str]:
     return [d for d in os.environ.get(CUDA_VISIBLE_DEVICES, "").split(",") if d]
 
 
-def _report(role: str, index: int, device: str, used: Sequence[str]) -> ProcessDevices:
+def _report(role: str, index: int, device: str, used: Sequence[str],
+            visible: list[str] | None = None) -> ProcessDevices:
     allocated = allocation(dict(os.environ))
-    return ProcessDevices(role, index, socket.gethostname(), allocated, _visible(), device,
+    return ProcessDevices(role, index, socket.gethostname(), allocated,
+                          _visible() if visible is None else visible, device,
                           physical(used, allocated))
 
 
@@ -134,9 +136,7 @@ class DeviceProbe:
         shown = engine_gpus.split(",") if device != "cpu" and engine_gpus else []
         entries = entry_devices(device, ranks, len(shown))
         used = [shown[int(d.split(":")[1])] for d in entries if d.startswith("cuda")]
-        allocated = allocation(dict(os.environ))
-        return ProcessDevices("sidecar", index, socket.gethostname(), allocated, share,
-                              device, physical(used, allocated))
+        return _report("sidecar", index, device, used, visible=share)
 
     def whereabouts(self) -> str:
         return socket.gethostname()

@@ -56,6 +56,7 @@ from rljob.weightsync.protocol import (
 )
 from rljob.weightsync.wire import (
     decode_named_tensors,
+    shared_memory_fits,
     use_file_system_sharing,
 )
 from rljob_api import layout
@@ -113,28 +114,6 @@ class SidecarMetrics:
             registry=self.registry,
         )
         self.serving_version.set(-1)
-
-
-SHARED_MEMORY = Path("/dev/shm")
-MIB = 1 << 20
-
-
-def shared_memory_fits(nbytes: int, where: Path = SHARED_MEMORY) -> None:
-    """Refuse, naming the sizes, a CPU staging that `where` cannot hold. Shared CPU tensors
-    live there as files whose pages are only taken when written: past a pod's /dev/shm limit
-    the write is a SIGBUS that kills the sidecar, where this is a refusal of one version that
-    says why (the staging buffers it replaces were freed first)."""
-    try:
-        free = os.statvfs(where)
-    except OSError:
-        return  # no such file system here: torch's own error, if any, will say so
-    room = free.f_bavail * free.f_frsize
-    if nbytes > room:
-        raise ValueError(
-            f"a weight version of {nbytes / MIB:.0f} MiB does not fit {where} "
-            f"({room / MIB:.0f} MiB free): a sidecar staging on the CPU holds the whole "
-            "version there; give the engine's pod GPUs (versions then stage on the GPU) or "
-            "train a smaller model")
 
 
 class Sidecar:

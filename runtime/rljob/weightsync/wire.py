@@ -17,9 +17,11 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import os
 import pickle
 from collections.abc import Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,6 +41,28 @@ FLATTENED = "flattened_bucket"
 def use_file_system_sharing() -> None:
     """Shared CPU tensors must be addressable by name, since HTTP cannot pass descriptors."""
     torch_mp.set_sharing_strategy("file_system")
+
+
+SHARED_MEMORY = Path("/dev/shm")
+MIB = 1 << 20
+
+
+def shared_memory_fits(nbytes: int, where: Path = SHARED_MEMORY) -> None:
+    """Refuse, naming the sizes, a CPU staging that `where` cannot hold. Shared CPU tensors
+    live there as files whose pages are only taken when written: past a pod's /dev/shm limit
+    the write is a SIGBUS that kills the sidecar, where this is a refusal of one version that
+    says why (the staging buffers it replaces were freed first)."""
+    try:
+        free = os.statvfs(where)
+    except OSError:
+        return  # no such file system here: torch's own error, if any, will say so
+    room = free.f_bavail * free.f_frsize
+    if nbytes > room:
+        raise ValueError(
+            f"a weight version of {nbytes / MIB:.0f} MiB does not fit {where} "
+            f"({room / MIB:.0f} MiB free): a sidecar staging on the CPU holds the whole "
+            "version there; give the engine's pod GPUs (versions then stage on the GPU) or "
+            "train a smaller model")
 
 
 # Position of the device index among the arguments torch's `reduce_tensor` gives
