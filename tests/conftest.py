@@ -1,10 +1,10 @@
 """Fixtures shared by every test tier.
 
 The control plane is session-scoped and started lazily: unit tests never pay for it.
-`control_plane` is etcd + kube-apiserver with the RLJob CRD installed; `cluster` adds
-kube-scheduler, kube-controller-manager, a volume provisioner behind a default StorageClass,
-kwok with fake GPU nodes and the KubeRay operator to the same API server. Both are torn
-down at session end, also after failures.
+`control_plane` is etcd + kube-apiserver with the RLJob CRD (and its deprecation-warning
+admission policy) installed; `cluster` adds kube-scheduler, kube-controller-manager, a volume
+provisioner behind a default StorageClass, kwok with fake GPU nodes and the KubeRay operator
+to the same API server. Both are torn down at session end, also after failures.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from typing import Any
 
 import pytest
 
+from rljob_api.deprecations import POLICY_FILE
 from tests.controlplane import REPO, ControlPlane, k8s_bin_dir
 
 CRD_PATH = REPO / "crds" / "rljob.io_rljobs.yaml"
+# The admission policy that warns about deprecated fields, shipped beside the CRD.
+POLICY_PATH = REPO / POLICY_FILE
 CLUSTER_NODES = 2
 GPUS_PER_NODE = 8
 
@@ -37,6 +40,7 @@ def control_plane(k8s_bins: Path) -> Iterator[ControlPlane]:
     try:
         cp.start_core()
         cp.install_crds(CRD_PATH)
+        cp.kubectl("apply", "--server-side", "-f", str(POLICY_PATH))
         yield cp
     finally:
         cp.stop()

@@ -35,6 +35,7 @@ import yaml
 
 from e2e.kind.kindcluster import KindCluster
 from rljob.cluster.device_plan import LINE_PREFIX
+from rljob_api.spec import RLJobSpec
 from tests.controlplane import REPO
 from tests.polling import wait_for
 
@@ -83,7 +84,12 @@ def _pods_expected(spec: dict[str, Any]) -> int:
     replicas = int(spec["trainer"].get("replicas", 1))
     if spec.get("placement") == "colocated":
         return replicas
-    return replicas + int(spec["rollout"]["gpus"]) // int(spec["rollout"].get("gpusPerEngine", 1))
+    return replicas + _engines(spec)
+
+
+def _engines(spec: dict[str, Any]) -> int:
+    """The example's engine count (`rollout.engines`, as the operator reads it)."""
+    return RLJobSpec.model_validate(spec).rollout.engine_count
 
 
 def kind_job(example: Example) -> dict[str, Any]:
@@ -268,7 +274,7 @@ def check_plan(job: Job, pods: dict[str, Pod], reports: list[Report]) -> None:
     colocated = spec.get("placement") == "colocated"
     per_engine = int(spec["rollout"].get("gpusPerEngine", 1))
     ranks = int(spec["trainer"].get("replicas", 1)) * int(spec["trainer"]["gpusPerReplica"])
-    engines = int(spec["rollout"]["gpus"]) // per_engine
+    engines = _engines(spec)
     where = f"{job.name}: {reports}, pods {pods}"
 
     # Every pod got the GPUs its container asked for, of its own node.

@@ -51,7 +51,7 @@ def tiny_gpu_variant(namespace: str) -> dict[str, Any]:
     spec = doc["spec"]
     spec["trainer"].update(gpusPerReplica=2, resources={"requests": {"cpu": "4",
                                                                      "memory": "32Gi"}})
-    spec["rollout"].update(gpus=2, gpusPerEngine=1)
+    spec["rollout"].update(engines=2, gpusPerEngine=1)
     for section in ("model", "data", "checkpoint"):
         spec[section].pop("pvc", None)
     spec["algorithm"]["totalSteps"] = 20

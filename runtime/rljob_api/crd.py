@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rljob_api import GROUP, KIND, PLURAL, SHORT_NAME, SINGULAR, VERSION
+from rljob_api.deprecations import build_policy
 from rljob_api.rules import ROOT_RULES, RULES, TRANSITION_RULES
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import RLJobStatus
@@ -222,3 +223,10 @@ def build_crd() -> Schema:
 def render_crd() -> str:
     """The CRD as the YAML text committed at `crds/rljob.io_rljobs.yaml`."""
     return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, width=100, allow_unicode=True)
+
+
+def render_policy() -> str:
+    """The deprecation-warning admission policy and its binding (`rljob_api.deprecations`), as
+    the YAML text committed at `crds/rljob.io_rljobs_deprecations.yaml` beside the CRD."""
+    return HEADER + yaml.safe_dump_all(build_policy(), sort_keys=False, width=100,
+                                       allow_unicode=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from rljob_api import API_VERSION, KIND, SHORT_NAME
 from rljob_api.crd import PRINTER_COLUMNS, spec_schema, status_schema
+from rljob_api.deprecations import DEPRECATED_FIELDS, POLICY_FILE
 from rljob_api.mutability import EFFECT_WORDS, FIELD_EFFECTS, Effect
 from rljob_api.rules import (
     ADMISSION,
@@ -267,6 +268,18 @@ def render_reference() -> str:
             + " |"
         )
     lines += [
+        "",
+        "## Deprecated fields",
+        "",
+        "Still accepted, with the meaning they had. The API server answers `kubectl apply` "
+        "(create or update) of a job that sets one with a warning (a ValidatingAdmissionPolicy "
+        f"whose binding only warns, `{POLICY_FILE}`, installed with the CRD and by the Helm "
+        "chart on Kubernetes 1.30 and later), and `rljob validate` and `rljob run` print the "
+        "same one; the operator and the runtime read the replacement only.",
+        "",
+        "| Field | Warning |",
+        "| --- | --- |",
+        *(f"| {_cell(_code(d.field))} | {_cell(d.message)} |" for d in DEPRECATED_FIELDS),
         "",
         "## Where each check is enforced",
         "",

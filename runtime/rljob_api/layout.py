@@ -73,7 +73,7 @@ def weight_sync_health_port(index: int) -> int:
 
 
 def engine_count(spec: RLJobSpec) -> int:
-    return spec.rollout.gpus // spec.rollout.gpus_per_engine
+    return spec.rollout.engine_count
 
 
 def pod_slots(gpus: int) -> int:

@@ -77,7 +77,10 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
                 "pipeline or context parallel ones"),
     FieldEffect("rollout.backend", Effect.immutable, "the engines' server",
                 "spec.rollout.backend is immutable on an existing job; create a new RLJob"),
-    FieldEffect("rollout.gpus", Effect.compute, "rollout pods (engines) added or removed"),
+    FieldEffect("rollout.engines", Effect.compute, "rollout pods (engines) added or removed"),
+    FieldEffect("rollout.gpus", Effect.compute,
+                "deprecated spelling of rollout.engines × gpusPerEngine: rollout pods "
+                "(engines) added or removed; replacing it by the same engines changes nothing"),
     FieldEffect("rollout.gpusPerEngine", Effect.compute,
                 "rollout pods replaced with the new GPU request"),
     FieldEffect("rollout.image", Effect.compute, "rollout pods replaced"),

@@ -84,6 +84,24 @@ TINY_SHAPE_MESSAGE = (
     "hiddenSize or numHeads"
 )
 
+# The engines' slots (GPUs, or CPU slots) of `self.rollout`, whichever of engines and the
+# deprecated gpus the spec sets (`RolloutSpec.engine_slots`; the rollout rules below refuse
+# the two where they disagree): engines × gpusPerEngine, gpus, or one engine's gpusPerEngine.
+ENGINE_SLOTS_CEL = (
+    "(has(self.rollout.engines) ? self.rollout.engines * self.rollout.gpusPerEngine : "
+    "has(self.rollout.gpus) ? self.rollout.gpus : self.rollout.gpusPerEngine)"
+)
+
+
+def engine_slots(rollout: Mapping[str, Any]) -> int:
+    """ENGINE_SLOTS_CEL's Python twin, on the camelCase view of spec.rollout."""
+    if rollout.get("engines") is not None:
+        return int(rollout["engines"] * rollout["gpusPerEngine"])
+    if rollout.get("gpus") is not None:
+        return int(rollout["gpus"])
+    return int(rollout["gpusPerEngine"])
+
+
 # Rules on the whole object (`self` is the RLJob; `at` is always the root). The API server
 # lets CEL read `self.metadata.name` only here.
 ROOT_RULES: tuple[Rule, ...] = (
@@ -181,10 +199,24 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         at=("rollout",),
-        cel="self.gpus % self.gpusPerEngine == 0",
+        cel="!has(self.gpus) || self.gpus % self.gpusPerEngine == 0",
         message="spec.rollout.gpus must be a multiple of spec.rollout.gpusPerEngine; "
         "set gpus to engines × gpusPerEngine",
-        check=lambda r: r["gpus"] % r["gpusPerEngine"] == 0,
+        check=lambda r: r.get("gpus") is None or r["gpus"] % r["gpusPerEngine"] == 0,
+        field_path=".gpus",
+    ),
+    Rule(
+        at=("rollout",),
+        cel="!has(self.gpus) || !has(self.engines) || "
+        "self.gpus == self.engines * self.gpusPerEngine",
+        message="spec.rollout.gpus (deprecated) and spec.rollout.engines disagree: gpus must "
+        "equal engines × gpusPerEngine; remove spec.rollout.gpus and keep engines (on an "
+        "existing job: kubectl patch rljob NAME --type=json "
+        "-p '[{\"op\": \"remove\", \"path\": \"/spec/rollout/gpus\"}]')",
+        check=lambda r: (
+            r.get("gpus") is None or r.get("engines") is None
+            or r["gpus"] == r["engines"] * r["gpusPerEngine"]
+        ),
         field_path=".gpus",
     ),
     Rule(
@@ -233,16 +265,17 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         at=(),
-        cel="self.placement != 'colocated' || "
-        "self.rollout.gpus == self.trainer.replicas * self.trainer.gpusPerReplica",
-        message="spec.placement colocated: spec.rollout.gpus must equal spec.trainer.replicas × "
-        "spec.trainer.gpusPerReplica (trainer and rollout share the same GPUs); "
-        "match them or use placement disaggregated",
+        cel=f"self.placement != 'colocated' || "
+        f"{ENGINE_SLOTS_CEL} == self.trainer.replicas * self.trainer.gpusPerReplica",
+        message="spec.placement colocated: spec.rollout.engines × gpusPerEngine must equal "
+        "spec.trainer.replicas × spec.trainer.gpusPerReplica (trainer and rollout share the "
+        "same GPUs); match them or use placement disaggregated",
         check=lambda s: (
             s["placement"] != "colocated"
-            or s["rollout"]["gpus"] == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"]
+            or engine_slots(s["rollout"])
+            == s["trainer"]["replicas"] * s["trainer"]["gpusPerReplica"]
         ),
-        field_path=".rollout.gpus",
+        field_path=".rollout.engines",
     ),
     Rule(
         at=(),

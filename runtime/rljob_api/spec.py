@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
 
 # Bounded strings keep CEL's cost estimator happy and reject runaway input early.
@@ -274,12 +274,23 @@ class RolloutSpec(ApiModel):
         description="`sglang` (SGLang server) or `hf` (built-in transformers server; its pods "
         "request no GPUs).",
     )
-    gpus: int = Field(
-        1, ge=1, le=65536,
-        description="Total GPUs of all engines (CPU slots for hf pods and on a machine "
+    engines: int | None = Field(
+        None, ge=1, le=65536,
+        description="Rollout engines (SGLang or hf servers), each of gpusPerEngine GPUs: "
+        "engines × gpusPerEngine GPUs in all (as many CPU slots for hf pods and on a machine "
+        "without GPUs). Unset: 1, or the deprecated gpus / gpusPerEngine.",
+    )
+    gpus: int | None = Field(
+        None, ge=1, le=65536,
+        description="Deprecated: use engines (= gpus / gpusPerEngine); the API server warns "
+        "when it is set. Total GPUs of all engines, a multiple of gpusPerEngine; when set with "
+        "engines it must equal engines × gpusPerEngine.",
+    )
+    gpus_per_engine: int = Field(
+        1, ge=1, le=64,
+        description="GPUs per engine (its TP size; CPU slots for hf pods and on a machine "
         "without GPUs).",
     )
-    gpus_per_engine: int = Field(1, ge=1, le=64, description="GPUs per engine (its TP size).")
     image: Image = Field(f"{ROLLOUT_IMAGE}:{IMAGE_VERSION}", description="Rollout container image.")
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements, description="Rollout pod resources besides GPUs."
@@ -316,6 +327,30 @@ class RolloutSpec(ApiModel):
         description="Over-sample, abort at the step boundary, continue unfinished "
         "generations in the next step.",
     )
+
+    @model_validator(mode="after")
+    def _engines_from_gpus(self) -> RolloutSpec:
+        """One value from here on: the deprecated `gpus` becomes `engines` (gpus /
+        gpusPerEngine) and is dropped, so the operator, the runtime and every dump of a
+        validated spec see `engines` alone. Never refuses: a `gpus` that is no multiple of
+        gpusPerEngine, or one that disagrees with `engines`, is refused by the rules
+        (`rljob_api.rules`) at admission and by `rljob validate`, before a spec is built."""
+        if self.gpus is not None:
+            if self.engines is None:
+                self.engines = max(self.gpus // self.gpus_per_engine, 1)
+            self.gpus = None
+        return self
+
+    @property
+    def engine_count(self) -> int:
+        """The number of engines: `engines`, 1 when unset."""
+        return self.engines if self.engines is not None else 1
+
+    @property
+    def engine_slots(self) -> int:
+        """Placement slots of all engines: engine_count × gpusPerEngine, GPUs or (hf pods, a
+        machine without GPUs) CPU slots."""
+        return self.engine_count * self.gpus_per_engine
 
 
 class GSPOSpec(ApiModel):

@@ -66,6 +66,7 @@ EDGES: dict[str, list[Any]] = {
                           {"requests": {"memory": "x5", "cpu": 2}},
                           {"requests": {"cpu": "500m"}}],
     "rollout.backend": ["hf", "sglang", "vllm"],
+    "rollout.engines": [None, 2, 4],
     "rollout.gpus": [1, 2, 3, 4],
     "rollout.gpusPerEngine": [1, 2, 4],
     "rollout.mode": ["sync", "async"],

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rljob_api.deprecations import POLICY_NAME
 from tests.chart.helm import CHART, helm
 from tests.controlplane import REPO, ControlPlane, free_port
 from tests.polling import wait_for
@@ -23,6 +24,9 @@ from tests.polling import wait_for
 pytestmark = pytest.mark.controlplane
 
 CRD = "rljobs.rljob.io"
+# The CRD's deprecation-warning admission policy and its binding, installed beside it.
+POLICY = [f"{kind}/{POLICY_NAME}" for kind in ("validatingadmissionpolicy",
+                                                "validatingadmissionpolicybinding")]
 OPERATOR = REPO / ".venv" / "bin" / "rljob-operator"
 
 
@@ -45,10 +49,12 @@ def _install(cp: ControlPlane, name: str, namespace: str, *values: str) -> Relea
 
 
 def _adopt_crd(cp: ControlPlane, release: str, namespace: str) -> None:
-    """The documented path for a CRD applied before the chart (docs/install.md)."""
-    cp.kubectl("label", "--overwrite", "crd", CRD, "app.kubernetes.io/managed-by=Helm")
-    cp.kubectl("annotate", "--overwrite", "crd", CRD, f"meta.helm.sh/release-name={release}",
-               f"meta.helm.sh/release-namespace={namespace}")
+    """The documented path for a CRD (and its deprecation policy) applied before the chart
+    (docs/install.md)."""
+    for obj in (f"crd/{CRD}", *POLICY):
+        cp.kubectl("label", "--overwrite", obj, "app.kubernetes.io/managed-by=Helm")
+        cp.kubectl("annotate", "--overwrite", obj, f"meta.helm.sh/release-name={release}",
+                   f"meta.helm.sh/release-namespace={namespace}")
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +147,10 @@ def test_install_creates_everything_and_notes_say_what_next(
     crd = cluster.get_json("crd", CRD)
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     assert crd["metadata"]["labels"]["app.kubernetes.io/instance"] == name
+    for obj in POLICY:
+        meta = cluster.get_json(obj)["metadata"]
+        assert meta["labels"]["app.kubernetes.io/instance"] == name, obj
+        assert meta["annotations"]["helm.sh/resource-policy"] == "keep", obj
     deploy = cluster.get_json("deployment", cluster_release.service_account, "-n", ns)
     assert deploy["spec"]["strategy"]["type"] == "Recreate"
     notes = cluster_release.notes
@@ -288,6 +298,7 @@ def test_uninstall_keeps_the_crd_and_the_jobs(cluster: ControlPlane, namespace: 
         cluster.apply({**_job("kept"), "metadata": {"name": "kept", "namespace": namespace}})
         helm(cluster.bins, "uninstall", name, "--namespace", ns, kubeconfig=cluster.kubeconfig)
         assert _exists(cluster, "crd", CRD), "helm.sh/resource-policy: keep"
+        assert all(_exists(cluster, obj) for obj in POLICY), "kept with the CRD"
         assert _exists(cluster, "rljob", "kept", "-n", namespace)
         assert not _exists(cluster, "clusterrole", f"{name}-rljob-operator")
     finally:

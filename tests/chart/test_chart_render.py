@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from rljob_api.deprecations import build_policy
 from tests.chart.helm import (
     CHART,
     CHART_CRD,
@@ -178,6 +179,29 @@ def test_rendered_crd_is_the_generated_crd(k8s_bins: Path) -> None:
     assert not by_kind(render(k8s_bins, {"crds.install": "false"}), "CustomResourceDefinition")
     kept = one(render(k8s_bins, {"crds.keep": "false"}), "CustomResourceDefinition")
     assert "annotations" not in kept["metadata"]
+
+
+def test_rendered_deprecation_policy_is_the_generated_one(k8s_bins: Path) -> None:
+    """The admission policy that warns about deprecated RLJob fields ships with the CRD:
+    the generated objects, labelled and kept like the CRD; left out with crds.install=false,
+    and on a cluster older than 1.30 (no admissionregistration.k8s.io/v1
+    ValidatingAdmissionPolicy)."""
+    kinds = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+    manifests = render(k8s_bins)
+    rendered = [m for kind in kinds for m in by_kind(manifests, kind)]
+    for m in rendered:
+        assert m["metadata"].pop("labels")["app.kubernetes.io/part-of"] == "rljob"
+        assert m["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert rendered == build_policy()
+    unkept = render(k8s_bins, {"crds.keep": "false"})
+    assert all("annotations" not in m["metadata"] for kind in kinds
+               for m in by_kind(unkept, kind))
+    for values, kube in (({"crds.install": "false"}, KUBE_VERSION), ({}, "1.29.0")):
+        out = helm(k8s_bins, "template", "r", str(CHART), "--kube-version", kube,
+                   *[a for k, v in values.items() for a in ("--set", f"{k}={v}")]).stdout
+        kinds = {d["kind"] for d in yaml.safe_load_all(out) if d}
+        assert "CustomResourceDefinition" in kinds or values
+        assert not kinds & {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 @pytest.mark.parametrize(("values", "expected"), [

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 import yaml
 
-from rljob_api.crd import CRD_FILE, render_crd
+from rljob_api.crd import CRD_FILE, render_crd, render_policy
+from rljob_api.deprecations import CHART_POLICY_FILE, POLICY_FILE
 from tests.chart.helm import CHART, CHART_CRD, REPO
 
 pytestmark = pytest.mark.unit
@@ -24,6 +25,15 @@ def test_chart_crd_is_the_generated_crd() -> None:
     assert source == render_crd(), "crds/ is stale: run `rljob crd --write`"
     assert CHART_CRD.read_text() == source, (
         f"{CHART_CRD.relative_to(REPO)} differs from {CRD_FILE}: run `rljob crd --write`")
+
+
+def test_chart_policy_is_the_generated_policy() -> None:
+    """The deprecation-warning admission policy ships the same way: generated into crds/,
+    copied byte for byte into the chart."""
+    source = (REPO / POLICY_FILE).read_text()
+    assert source == render_policy(), f"{POLICY_FILE} is stale: run `rljob crd --write`"
+    assert (REPO / CHART_POLICY_FILE).read_text() == source, (
+        f"{CHART_POLICY_FILE} differs from {POLICY_FILE}: run `rljob crd --write`")
 
 
 def test_default_values_satisfy_the_schema() -> None:

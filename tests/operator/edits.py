@@ -81,8 +81,11 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
             "image": "ghcr.io/rljob/trainer:0.1.1",
             "resources": {"requests": {"cpu": "2", "memory": "8Gi"},
                           "limits": {"memory": "16Gi"}}}}),
-        Edit("rollout-engines", {"rollout": {"gpus": 4}}),
-        Edit("rollout-gpus-per-engine", {"rollout": {"gpusPerEngine": 2}}),
+        Edit("rollout-engines", {"rollout": {"engines": 4}}),
+        Edit("rollout-gpus-per-engine", {"rollout": {"gpusPerEngine": 2, "engines": 2}}),
+        # The deprecated spelling, still a compute edit: 2 GPUs of gpusPerEngine 2 are one
+        # engine (a JSON merge patch's null removes engines, which gpus may not contradict).
+        Edit("rollout-gpus-deprecated", {"rollout": {"engines": None, "gpus": 2}}),
         Edit("rollout-image-resources", {"rollout": {
             "image": "ghcr.io/rljob/rollout:0.1.1",
             "resources": {"requests": {"cpu": "1", "memory": "4Gi"},

@@ -11,7 +11,7 @@ def job_manifest(name: str, pool: str, **spec: Any) -> dict[str, Any]:
     """A small disaggregated job: 1 trainer pod × 2 GPUs and 2 rollout engines × 1 GPU."""
     body: dict[str, Any] = {
         "trainer": {"backend": "megatron", "replicas": 1, "gpusPerReplica": 2},
-        "rollout": {"backend": "sglang", "gpus": 2, "gpusPerEngine": 1},
+        "rollout": {"backend": "sglang", "engines": 2, "gpusPerEngine": 1},
         "recovery": {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 2},
         "scheduling": {"nodeSelector": {POOL_LABEL: pool}},
         "checkpoint": {"path": "/checkpoints", "interval": 1},

@@ -33,7 +33,7 @@ def containers(group: dict[str, Any]) -> list[dict[str, Any]]:
 def test_disaggregated_cluster_has_head_trainer_and_rollout_groups() -> None:
     s = spec(trainer={"replicas": 2, "gpusPerReplica": 4, "image": "t:1",
                       "resources": {"requests": {"cpu": "8"}, "limits": {"memory": "64Gi"}}},
-             rollout={"gpus": 6, "gpusPerEngine": 2, "image": "r:1"},
+             rollout={"engines": 3, "gpusPerEngine": 2, "image": "r:1"},
              scheduling={"nodeSelector": {"pool": "h200"}, "priorityClassName": "high",
                          "tolerations": [{"key": "gpu", "operator": "Exists",
                                           "effect": "NoSchedule"}]},
@@ -86,7 +86,7 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
 def test_weight_sync_rendezvous_goes_through_the_head_service(placement: str) -> None:
     s = spec(placement=placement, trainer={"replicas": 1, "gpusPerReplica": 2},
-             rollout={"gpus": 2, "gpusPerEngine": 2})
+             rollout={"engines": 1, "gpusPerEngine": 2})
     rc = builders.build_raycluster(JOB, s)
     head = containers(rc["spec"]["headGroupSpec"])[0]
     # KubeRay's head Service exposes exactly these ports: GCS and the weight-sync store.
@@ -104,7 +104,7 @@ def test_weight_sync_rendezvous_goes_through_the_head_service(placement: str) ->
 
 def test_colocated_uses_one_shared_group_with_a_port_per_engine() -> None:
     s = spec(placement="colocated", trainer={"replicas": 2, "gpusPerReplica": 8},
-             rollout={"gpus": 16, "gpusPerEngine": 2})
+             rollout={"engines": 8, "gpusPerEngine": 2})
     groups = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
     assert [(g["groupName"], g["replicas"]) for g in groups] == [("colocated", 2)]
     # Each pod holds 8 / 2 = 4 engines: a port for each and one for its sidecar, which runs
@@ -127,7 +127,7 @@ def test_sidecar_memory_is_added_to_the_engine_container(
         resources: dict[str, Any], want: dict[str, str | None]) -> None:
     s = spec(placement="colocated", trainer={"replicas": 1, "gpusPerReplica": 4,
                                              "resources": resources},
-             rollout={"gpus": 4, "gpusPerEngine": 1},
+             rollout={"engines": 4, "gpusPerEngine": 1},
              weightSync={"bucketSizeMb": 256})
     assert sidecar_memory_mib(s) == 768 + 256
     (group,) = builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]
@@ -139,7 +139,7 @@ def test_sidecar_memory_is_added_to_the_engine_container(
 def test_trainer_pods_get_no_sidecar_memory() -> None:
     s = spec(trainer={"replicas": 1, "gpusPerReplica": 2,
                       "resources": {"limits": {"memory": "64Gi"}}},
-             rollout={"gpus": 2, "gpusPerEngine": 1,
+             rollout={"engines": 2, "gpusPerEngine": 1,
                       "resources": {"limits": {"memory": "32Gi"}}})
     groups = {g["groupName"]: g for g in builders.build_raycluster(JOB, s)["spec"]
               ["workerGroupSpecs"]}
@@ -152,7 +152,7 @@ def test_trainer_pods_get_no_sidecar_memory() -> None:
 
 def test_hf_rollout_and_cpu_trainer_request_no_gpus() -> None:
     s = spec(trainer={"backend": "torch", "gpusPerReplica": 0},
-             rollout={"backend": "hf", "gpus": 2, "gpusPerEngine": 1})
+             rollout={"backend": "hf", "engines": 2, "gpusPerEngine": 1})
     for group in builders.build_raycluster(JOB, s)["spec"]["workerGroupSpecs"]:
         resources = containers(group)[0]["resources"]
         assert "nvidia.com/gpu" not in resources.get("limits", {})
@@ -221,7 +221,7 @@ def test_only_the_driver_gets_the_trackers_secret_and_starts_without_it() -> Non
 def test_every_ray_container_and_only_those_get_the_token_from_the_secret(
         placement: str) -> None:
     s = spec(placement=placement, trainer={"replicas": 1, "gpusPerReplica": 2},
-             rollout={"gpus": 2, "gpusPerEngine": 1})
+             rollout={"engines": 2, "gpusPerEngine": 1})
     ray = {"head/ray-head", "driver/driver"}
     for name, container in _all_containers(s).items():
         env = env_of(container)
@@ -299,7 +299,7 @@ def test_role_grants_only_this_jobs_status() -> None:
 def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None:
     """The driver writes the job's status; Ray pods never call the API server, so they mount
     no token and do not run as the job's ServiceAccount (whose Role can write the status)."""
-    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"gpus": 2, "gpusPerEngine": 1}}
+    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"engines": 2, "gpusPerEngine": 1}}
     s = spec(placement=placement, **gpus)
     rc = builders.build_raycluster(JOB, s)
     templates = [rc["spec"]["headGroupSpec"]["template"],

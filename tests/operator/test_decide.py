@@ -24,7 +24,7 @@ Obj = dict[str, Any]
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 SPEC: Obj = {
     "trainer": {"replicas": 1, "gpusPerReplica": 2},
-    "rollout": {"gpus": 2, "gpusPerEngine": 1},
+    "rollout": {"engines": 2, "gpusPerEngine": 1},
     "recovery": {"maxRestarts": 2, "backoffSeconds": 10, "maxBackoffSeconds": 15},
 }
 COMPUTE = [("rl-head-a", "head"), ("rl-trainer-worker-a", "trainer"),
@@ -706,7 +706,7 @@ def test_a_runtime_field_edit_restarts_only_the_driver_and_is_no_failure() -> No
 
 
 def test_a_compute_field_edit_patches_the_raycluster_and_replaces_changed_pods() -> None:
-    before, after = edited({"rollout": {"gpus": 2, "gpusPerEngine": 1, "image": "r:2"}})
+    before, after = edited({"rollout": {"engines": 2, "gpusPerEngine": 1, "image": "r:2"}})
     old_pods, rc = built(before, [*compute(), driver()], {"metadata": {"name": "rl"}})
     d = decide(parse_job(after), observe("rl", rc, old_pods, [READY_NODE]), T0)
     # The driver stops first (it saves on SIGTERM, with the pods it runs on)...

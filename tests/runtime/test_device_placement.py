@@ -41,11 +41,11 @@ def one_declared_gpu() -> Iterator[None]:
         ray.shutdown()
 
 
-def _spec(placement: str, trainer_gpus: int, rollout_gpus: int) -> RLJobSpec:
+def _spec(placement: str, trainer_gpus: int, engines: int) -> RLJobSpec:
     return RLJobSpec.model_validate({
         "placement": placement,
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
-        "rollout": {"backend": "hf", "gpus": rollout_gpus, "gpusPerEngine": 1},
+        "rollout": {"backend": "hf", "engines": engines, "gpusPerEngine": 1},
     })
 
 

@@ -48,7 +48,7 @@ def test_a_tp2_job_plans_every_process_on_its_own_allocated_gpus(
     spec = RLJobSpec.model_validate({
         "placement": "disaggregated",
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": 2},
-        "rollout": {"backend": backend, "gpus": 2, "gpusPerEngine": 2},
+        "rollout": {"backend": backend, "engines": 1, "gpusPerEngine": 2},
     })
     cluster = Cluster(RunOptions(tmp_path, plan_only=True), StopSignals().install)
     try:

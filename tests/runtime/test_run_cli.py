@@ -275,7 +275,7 @@ def test_colocated_ppo_with_disk_weight_sync(
     spec = job_spec(tmp_path, {
         "placement": "colocated",
         "trainer": {"gpusPerReplica": 1},
-        "rollout": {"gpus": 1},
+        "rollout": {"engines": 1},
         "algorithm": {"estimator": "ppo", "totalSteps": 2, "klMode": "reward", "klCoef": 0.1},
         "weightSync": {"mode": "disk"},
         "checkpoint": {"format": "hf"},

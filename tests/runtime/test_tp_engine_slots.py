@@ -80,7 +80,7 @@ def test_rljob_run_with_two_slot_engines_syncs_every_version(tmp_path: Path) -> 
     """The driver places each engine of `gpusPerEngine: 2` on two slots, and every weight
     version reaches both engines' two ranks through the sidecar (an entry short of a rank
     would be refused, and the run would fail on the missing acknowledgement)."""
-    path = job_file(tmp_path, {"rollout": {"gpus": 4, "gpusPerEngine": 2},
+    path = job_file(tmp_path, {"rollout": {"engines": 2, "gpusPerEngine": 2},
                                "algorithm": {"totalSteps": 2}})
     workdir = tmp_path / "w"
     proc = subprocess.Popen(

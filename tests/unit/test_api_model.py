@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from rljob_api.crd import CRD_FILE, build_crd, render_crd
+from rljob_api.crd import CRD_FILE, build_crd, render_crd, render_policy
+from rljob_api.deprecations import POLICY_FILE
 from rljob_api.spec import RLJobSpec
 from rljob_api.validate import load_job, manifest_problems, update_problems
 from tests.controlplane import REPO
@@ -49,6 +50,8 @@ def test_api_model_imports_without_torch_ray_or_kopf() -> None:
 def test_committed_crd_matches_the_model() -> None:
     committed = (REPO / CRD_FILE).read_text()
     assert committed == render_crd(), "crds/ is stale: run `rljob crd --write`"
+    policy = (REPO / POLICY_FILE).read_text()
+    assert policy == render_policy(), f"{POLICY_FILE} is stale: run `rljob crd --write`"
 
 
 def test_crd_shape() -> None:

@@ -40,6 +40,7 @@ def test_rljob_validate_accepts_each_example(path: Path) -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"{path}: valid RLJob" in out.stdout
+    assert "deprecated" not in out.stderr, "examples use no deprecated field (rollout.engines)"
 
 
 def test_a_megatron_model_parallel_layout_is_refused_with_the_field_and_the_fix(

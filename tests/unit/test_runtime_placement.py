@@ -31,7 +31,7 @@ def _spec(placement: str, trainer_gpus: int, rollout_gpus: int, per_engine: int)
     return RLJobSpec.model_validate({
         "placement": placement,
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
-        "rollout": {"gpus": rollout_gpus, "gpusPerEngine": per_engine},
+        "rollout": {"engines": rollout_gpus // per_engine, "gpusPerEngine": per_engine},
     })
 
 
@@ -120,7 +120,8 @@ def _devices(placement: str, trainer_gpus: int, rollout_gpus: int, backend: str,
     spec = RLJobSpec.model_validate({
         "placement": placement,
         "trainer": {"backend": trainer_backend, "replicas": 1, "gpusPerReplica": trainer_gpus},
-        "rollout": {"backend": backend, "gpus": rollout_gpus, "gpusPerEngine": per_engine},
+        "rollout": {"backend": backend, "engines": rollout_gpus // per_engine,
+                    "gpusPerEngine": per_engine},
     })
     return choose_devices(spec, ray_gpus, on_cluster)
 
@@ -217,14 +218,15 @@ def test_a_cluster_whose_ray_sees_no_gpu_fails_a_gpu_trainer() -> None:
     (1, 2, True, " besides the trainer's 1"),
     (0, 0, False, ""),
 ])
-def test_sglang_short_of_gpus_is_an_error_naming_rollout_gpus(
+def test_sglang_short_of_gpus_is_an_error_naming_rollout_engines(
     trainer_gpus: int, ray_gpus: float, on_cluster: bool, besides: str
 ) -> None:
     with pytest.raises(DeviceError) as err:
         _devices("disaggregated", trainer_gpus, 2, "sglang", ray_gpus, on_cluster)
     message = str(err.value)
-    assert message.startswith(f"spec.rollout.gpus: rollout.backend sglang runs its engines on "
-                              f"GPUs, 2 GPUs{besides}, and Ray reports {ray_gpus} GPU")
+    assert message.startswith(f"spec.rollout.engines: rollout.backend sglang runs its engines "
+                              f"on GPUs, 2 GPUs (engines 2 × gpusPerEngine 1){besides}, and Ray "
+                              f"reports {ray_gpus} GPU")
     assert message.endswith("or use spec.rollout.backend hf to generate on CPU")
 
 
@@ -254,7 +256,7 @@ def test_engines_listen_on_the_ports_their_pods_declare(
     raw = {"placement": placement,
            "trainer": {"replicas": replicas, "gpusPerReplica": trainer_gpus,
                        "image": COLOCATED_IMAGE},
-           "rollout": {"gpus": rollout_gpus, "gpusPerEngine": per_engine}}
+           "rollout": {"engines": rollout_gpus // per_engine, "gpusPerEngine": per_engine}}
     assert spec_problems(raw) == []
     spec = RLJobSpec.model_validate(raw)
     job = JobRef("j", "ns", "uid")
@@ -325,7 +327,8 @@ def test_sidecars_stage_where_the_runtimes_group_needs_them_in_every_pod_shape(
         "placement": placement,
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus,
                     "image": COLOCATED_IMAGE},
-        "rollout": {"backend": backend, "gpus": rollout_gpus, "gpusPerEngine": per_engine},
+        "rollout": {"backend": backend, "engines": rollout_gpus // per_engine,
+                    "gpusPerEngine": per_engine},
     }
     assert spec_problems(raw) == []
     spec = RLJobSpec.model_validate(raw)

@@ -52,11 +52,11 @@ def test_each_sidecar_holds_a_share_of_its_engines_gpu(
     two_declared_gpus: None, placement: str
 ) -> None:
     trainer_gpus = 1 if placement == "disaggregated" else 2
-    rollout_gpus = 1 if placement == "disaggregated" else 2
+    engines = 1 if placement == "disaggregated" else 2
     layout = plan(RLJobSpec.model_validate({
         "placement": placement,
         "trainer": {"backend": "torch", "replicas": 1, "gpusPerReplica": trainer_gpus},
-        "rollout": {"gpus": rollout_gpus, "gpusPerEngine": 1},
+        "rollout": {"engines": engines, "gpusPerEngine": 1},
     }))
     pg = placement_group(layout.bundles(Devices(True, True)), strategy="PACK")
     ray.get(pg.ready(), timeout=60)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from rljob.cli import run
 from rljob.reporting import tracking
-from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd
+from rljob_api.crd import CHART_CRD_FILE, CRD_FILE, render_crd, render_policy
+from rljob_api.deprecations import CHART_POLICY_FILE, POLICY_FILE, deprecation_warnings
 from rljob_api.docs import DOCS_FILE, render_reference
 from rljob_api.exits import INVALID as EXIT_INVALID
 from rljob_api.validate import InvalidJob, load_job, update_problems
@@ -41,6 +42,8 @@ def _validate(args: argparse.Namespace) -> int:
         edit = f", a valid edit of {args.old}" if old is not None else ""
         print(f"{path}: valid RLJob ({spec.trainer.backend} trainer, "
               f"{spec.rollout.backend} rollout, {spec.placement}){edit}")
+        for warning in deprecation_warnings(doc):
+            print(f"{path}: warning: {warning}", file=sys.stderr)
         for warning in tracking.missing_packages(spec.tracking):
             print(f"{path}: warning: {warning}", file=sys.stderr)
     return EXIT_INVALID if failed else 0
@@ -49,6 +52,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _crd(args: argparse.Namespace) -> int:
     if args.write == CRD_FILE:
         _emit(render_crd(), CHART_CRD_FILE)
+        _emit(render_policy(), POLICY_FILE)
+        _emit(render_policy(), CHART_POLICY_FILE)
     return _emit(render_crd(), args.write)
 
 
@@ -80,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("crd", help="print the RLJob CRD generated from the API model")
     p.add_argument("--write", nargs="?", const=CRD_FILE, metavar="PATH",
                    help=f"write it to PATH instead of stdout (default: {CRD_FILE} and the "
-                   f"chart's copy {CHART_CRD_FILE})")
+                   f"chart's copy {CHART_CRD_FILE}, with the deprecation-warning admission "
+                   f"policy {POLICY_FILE} and its chart copy {CHART_POLICY_FILE})")
     p.set_defaults(func=_crd)
     p = sub.add_parser("docs", help="print the RLJob field reference generated from the API model")
     p.add_argument("--write", nargs="?", const=DOCS_FILE, metavar="PATH",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rljob.reporting.reporter import FLUSH_TIMEOUT_S, PrintReporter, Reporter, StatusReporter
 from rljob_api import env
+from rljob_api.deprecations import deprecation_warnings
 from rljob_api.exits import INVALID as EXIT_INVALID
 from rljob_api.validate import InvalidJob, load_job
 
@@ -53,6 +54,8 @@ def run_command(args: argparse.Namespace) -> int:
     except InvalidJob as err:
         print(err, file=sys.stderr)
         return EXIT_INVALID
+    for warning in deprecation_warnings(doc):
+        print(f"{args.file}: warning: {warning}", file=sys.stderr, flush=True)
     if args.max_steps is not None and args.max_steps < 1:
         print("--max-steps must be at least 1", file=sys.stderr)
         return EXIT_INVALID

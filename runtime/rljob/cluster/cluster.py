@@ -228,7 +228,7 @@ class Cluster:
                 continue
             if not on_cluster and gpus < 1 and spec.trainer.gpus_per_replica > 0:
                 print("devices: no GPU on this machine: spec.trainer.gpusPerReplica and "
-                      "spec.rollout.gpus count CPU slots here", flush=True)
+                      "spec.rollout.gpusPerEngine count CPU slots here", flush=True)
             print(devices.describe(spec.weight_sync.mode), flush=True)
             return devices
 

@@ -145,9 +145,10 @@ def choose_devices(spec: RLJobSpec, gpus: float, on_cluster: bool) -> Devices:
     SGLang always, the `hf` engine on a cluster as its pods do (`engine_pods_have_gpus`: none)
     and on one machine when the trainer is on GPUs and enough are left after its own (a CPU
     trainer keeps a CPU job on the CPU). Colocated engines take the trainer's device. On one
-    machine without any GPU every slot is a CPU: there `gpusPerReplica` and `rollout.gpus`
-    count CPU slots (the documented local meaning). On a cluster the operator gave the
-    trainer's pods GPUs, so Ray seeing fewer is an error, not a reason to train on CPU.
+    machine without any GPU every slot is a CPU: there `gpusPerReplica` and
+    `rollout.gpusPerEngine` count CPU slots (the documented local meaning). On a cluster the
+    operator gave the trainer's pods GPUs, so Ray seeing fewer is an error, not a reason to
+    train on CPU.
     """
     layout = plan(spec)
     world = len(layout.trainer_slots)
@@ -168,12 +169,12 @@ def choose_devices(spec: RLJobSpec, gpus: float, on_cluster: bool) -> Devices:
         raise DeviceError(_trainer_short(spec, trainer_need, gpus, on_cluster))
     left = gpus - trainer_need
     if sglang:
-        if left < spec.rollout.gpus:
+        if left < spec.rollout.engine_slots:
             raise DeviceError(_engine_short(spec, trainer_need, gpus, on_cluster))
         return Devices(trainer_wants, True)
     if on_cluster:
         return Devices(trainer_wants, engine_pods_have_gpus(spec))
-    return Devices(trainer_wants, trainer_wants and left >= spec.rollout.gpus)
+    return Devices(trainer_wants, trainer_wants and left >= spec.rollout.engine_slots)
 
 
 def _where(gpus: float, on_cluster: bool) -> str:
@@ -202,10 +203,12 @@ def _trainer_short(spec: RLJobSpec, need: int, gpus: float, on_cluster: bool) ->
 
 def _engine_short(spec: RLJobSpec, trainer_need: int, gpus: float, on_cluster: bool) -> str:
     besides = f" besides the trainer's {trainer_need}" if trainer_need else ""
-    return (f"spec.rollout.gpus: rollout.backend sglang runs its engines on GPUs, "
-            f"{_count(spec.rollout.gpus)}{besides}, and {_where(gpus, on_cluster)}; give the "
-            "job more GPUs, lower spec.rollout.gpus, or use spec.rollout.backend hf to "
-            "generate on CPU")
+    r = spec.rollout
+    return (f"spec.rollout.engines: rollout.backend sglang runs its engines on GPUs, "
+            f"{_count(r.engine_slots)} (engines {r.engine_count} × gpusPerEngine "
+            f"{r.gpus_per_engine}){besides}, and {_where(gpus, on_cluster)}; give the "
+            "job more GPUs, lower spec.rollout.engines or gpusPerEngine, or use "
+            "spec.rollout.backend hf to generate on CPU")
 
 
 def trainer_world(spec: RLJobSpec) -> int:
@@ -218,11 +221,11 @@ def plan(spec: RLJobSpec) -> Layout:
     per_engine = spec.rollout.gpus_per_engine
     engines = engine_count(spec)
     if spec.placement == Placement.colocated:
-        return Layout(max(world, spec.rollout.gpus), tuple(range(world)),
+        return Layout(max(world, spec.rollout.engine_slots), tuple(range(world)),
                       tuple(i * per_engine for i in range(engines)), (1.0 - SIDECAR_SHARE) / 2,
                       colocated=True,
                       per_engine=per_engine)
-    return Layout(world + spec.rollout.gpus, tuple(range(world)),
+    return Layout(world + spec.rollout.engine_slots, tuple(range(world)),
                   tuple(world + i * per_engine for i in range(engines)), 1.0 - SIDECAR_SHARE,
                   per_engine=per_engine)
 
