@@ -192,7 +192,7 @@ def test_an_engine_refuses_requests_without_the_jobs_key_before_reading_them(
         EngineClient(server.url, api_key="0" * 64).server_info()
 
     code, answer = _post_raw(server.url + "/update_weights_from_tensor", update)
-    assert code == 200 and answer["success"] is False, answer  # not tensors: refused after...
+    assert code == 200 and not answer["success"], answer  # not tensors: refused after...
     assert marker.exists(), "...being unpickled: the key is all that stands in the way"
     code, answer = _post_raw(server.url + "/generate", generate)
     assert code == 200 and len(answer["output_ids"]) >= 1

@@ -31,9 +31,9 @@ from rljob.engine.hf_server import HFEngine, ServerThread, build_app
 from rljob.engine.sglang_launcher import SGLANG_VERSION, SGLangServer, build_command
 from rljob.model.tiny_model import write_tiny
 from rljob.weightsync import protocol, wire
+from rljob.weightsync.auth import bearer, peer_key
 from rljob.weightsync.protocol import pack_bucket, plan_buckets, unpack_bucket
 from rljob.weightsync.wire import FLATTENED, flat_span
-from rljob.weightsync.auth import bearer, peer_key
 from rljob_api.spec import TinyModel
 from tests.sglang_source import (
     NEWEST,

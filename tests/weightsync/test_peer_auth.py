@@ -6,6 +6,7 @@ signed with the job's key is unpickled (so the refusal is what kept the file awa
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import pickle
 import threading
@@ -56,13 +57,13 @@ def test_values_are_read_only_under_the_key_and_the_name_they_were_signed_for(
     assert SignedStore(client, KEY).get("ws/a") == b'{"x": 1}'
     with pytest.raises(UnauthenticatedValue, match="'ws/a' is not signed with this job's"):
         SignedStore(client, "b" * 64).get("ws/a")  # another job's key
-    client.set("ws/b", b'{"x": 2}')  # a stranger's write, untagged
+    client.set("ws/b", '{"x": 2}')  # a stranger's write, untagged
     with pytest.raises(UnauthenticatedValue, match="refused unread"):
         signed.get("ws/b")
-    client.set("ws/c", client.get("ws/a"))  # a signed value replayed under another name
+    client.set("ws/c", client.get("ws/a").decode())  # a signed value under another name
     with pytest.raises(UnauthenticatedValue):
         signed.get("ws/c")
-    client.set("ws/d", sign(KEY, "ws/d", b'{"x": 1}')[:-1] + b"2")  # a changed value
+    client.set("ws/d", (sign(KEY, "ws/d", b'{"x": 1}')[:-1] + b"2").decode())  # changed
     with pytest.raises(UnauthenticatedValue):
         signed.get("ws/d")
 
@@ -122,3 +123,46 @@ def test_a_sidecar_refuses_a_forged_announcement_before_unpickling_it(
     finally:
         sidecar.stop()
         thread.join(timeout=30)
+
+
+def test_the_kind_suites_foreign_pod_is_refused_by_an_engine_and_the_trainer(
+        tmp_path: Path) -> None:
+    """The probe the kind suite runs in a pod of another namespace (e2e/kind/foreign_peer.py),
+    run here as its own process against a real hf engine and the trainer's store, as it finds
+    them where no network plugin enforces the job's NetworkPolicy: both engine routes answer
+    401, the update's pickle is never unpickled, the trainer's values carry their tag, and
+    the made-up engine it registers is not taken into the trainer's group."""
+    import os
+    import subprocess
+    import sys
+
+    from e2e.kind.foreign_peer import PROBE, RESULT
+    from rljob.engine.hf_server import HFEngine, ServerThread
+    from rljob.model.tiny_model import write_tiny
+    from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+    from rljob_api.spec import TinyModel
+
+    model = write_tiny(tmp_path / "m", TinyModel(), "0123456789+=", 1, "float32")
+    server = ServerThread(HFEngine(str(model), "float32", "cpu", "0"))
+    publisher = WeightPublisher(PublisherConfig(port=0))
+    marker = tmp_path / "unpickled"
+    try:
+        environ = {k: v for k, v in os.environ.items() if k != env.PEER_KEY}
+        environ.update(ENGINE_URL=server.url, STORE_HOST="127.0.0.1",
+                       STORE_PORT=str(publisher.port), GCS_HOST="127.0.0.1", GCS_PORT="9",
+                       MARKER=str(marker), RESULT=RESULT)
+        run = subprocess.run([sys.executable, "-c", PROBE], env=environ, capture_output=True,
+                             text=True, timeout=120, check=False)
+        lines = [line for line in run.stdout.splitlines() if line.startswith(RESULT)]
+        assert run.returncode == 0 and lines, run.stderr[-3000:]
+        seen = json.loads(lines[-1][len(RESULT):])
+        assert seen["generate"]["status"] == 401 and seen["update"]["status"] == 401, seen
+        assert not marker.exists()
+        assert seen["store"]["reachable"] and seen["store"]["forged_member"] == 0, seen
+        value = seen["store"]["trainer_value"]
+        assert value[64:] == publisher.incarnation and len(value) == 64 + 32, value
+        assert "foreign-peer" not in publisher.engines()
+        assert seen["ray_gcs"] == {"error": seen["ray_gcs"]["error"]}  # nothing listens on 9
+    finally:
+        publisher.close()
+        server.stop()
