@@ -111,7 +111,7 @@ def assert_no_duplicates(cp: ControlPlane, ns: str, ledger: Ledger, lost: set[st
             assert counts == want, f"{job}: pods {counts} != {want}"
             assert all(p["status"].get("phase") == "Running" for p in mine), job
             assert not {p["spec"]["nodeName"] for p in mine} & lost, f"{job} on a lost node"
-    for kind in ("configmaps", "serviceaccounts", "roles", "rolebindings"):
+    for kind in ("configmaps", "serviceaccounts", "roles", "rolebindings", "networkpolicies"):
         owners = [o["metadata"]["labels"]["rljob.io/job"]
                   for o in cp.get_json(kind, "-n", ns, "-l", "rljob.io/job")["items"]]
         assert sorted(owners) == sorted(ledger.max_restarts), f"{kind}: {owners}"

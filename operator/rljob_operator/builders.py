@@ -519,6 +519,39 @@ def build_ray_token_secret(job: JobRef, token: str) -> Obj:
     }
 
 
+def job_pod_selector(job: JobRef) -> Obj:
+    """The label selector of every pod of the job (head, workers, driver): each carries
+    `names.labels(job.name, ...)`, KubeRay copying the templates' labels onto its pods."""
+    return {"matchLabels": {names.LABEL_JOB: job.name}}
+
+
+def build_network_policy(job: JobRef) -> Obj:
+    """Ingress to the job's pods from the job's own pods only, on every port.
+
+    Its pods serve what must never be reachable from outside the job: the engines (whose
+    weight updates are pickles), the weight-sync store (on the head, through the head
+    Service), the sidecars, and Ray's GCS, raylets, object managers, workers and agents,
+    which Ray places on ports of its choosing. So the policy names no ports: any traffic to
+    them from a pod of the job is allowed, and from anywhere else (another job's pods, the
+    namespace's other pods, any other namespace, outside the cluster) none, where the
+    cluster's network plugin enforces NetworkPolicies. Nothing else of the job takes ingress
+    (the operator's metrics are the operator pod's own); `kubectl port-forward` and exec
+    probes go through the kubelet to the pod's loopback, which no policy filters. Egress is
+    left alone: the driver reaches the API server and the trackers. Owned by the RLJob, so
+    it goes with the job; made before any pod, with the job's other support objects."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, names.network_policy(job.name), HEAD),
+        "spec": {
+            "podSelector": job_pod_selector(job),
+            "policyTypes": ["Ingress"],
+            # A podSelector without a namespaceSelector: pods of the policy's namespace only.
+            "ingress": [{"from": [{"podSelector": job_pod_selector(job)}]}],
+        },
+    }
+
+
 def spec_document(job: JobRef, spec: Obj) -> str:
     """The RLJob manifest the driver runs, as `rljob run` reads it."""
     doc = {

@@ -97,6 +97,7 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.instance = socket.gethostname()
         self.cache = cache
         # (namespace, kind, name, owner uid) seen owned by that RLJob: a later 409 on the same
@@ -164,6 +165,7 @@ class Kube:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "NetworkPolicy": self.networking.read_namespaced_network_policy,
         }
         try:
             if kind == "RayCluster":
@@ -201,6 +203,7 @@ class Kube:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy,
         }
         try:
             if kind == "RayCluster":

@@ -67,6 +67,11 @@ def ray_token_secret(job: str, uid: str) -> str:
     return f"{job}-ray-token-{uid[:8]}"
 
 
+def network_policy(job: str) -> str:
+    """The NetworkPolicy letting only the job's own pods reach its pods."""
+    return f"{job}-peers-only"
+
+
 def checkpoint_claim(job: str) -> str:
     """The PersistentVolumeClaim the operator creates when `spec.checkpoint.pvc` is unset."""
     return f"{job}-checkpoints"

@@ -1,5 +1,6 @@
 """The support objects: what a job's pods need before they start (RBAC, the Ray token, the
-checkpoint claim and the spec ConfigMap), made together, each once.
+NetworkPolicy that lets only the job's own pods reach them, the checkpoint claim and the spec
+ConfigMap), made together, each once.
 
 While pods wait, what they mount is made again (if missing) at most this often per job,
 and at once when the job starts waiting; creates of what exists are no-op writes otherwise.
@@ -57,6 +58,7 @@ class Support:
         spec = builders.build_configmap(ref, self.body.get("spec") or {})
         calls: list[Callable[[], object]] = [
             *(partial(self.kube.create, obj, ref.uid) for obj in builders.build_rbac(ref)),
+            partial(self.kube.create, builders.build_network_policy(ref), ref.uid),
             *([partial(self.kube.create, claim, ref.uid)] if claim is not None else []),
             partial(self.kube.sync_configmap, spec, ref.uid)]
         made = self.pool.submit(self.kube.create, token, ref.uid)

@@ -30,6 +30,8 @@ Obj = dict[str, Any]
 
 # SGLang server arguments that rljob sets itself; a user value would break the wiring.
 RESERVED_SGLANG_ARGS = (
+    # The job's peer key: engines serve only the job's own processes.
+    "api-key",
     "host",
     "port",
     "model-path",

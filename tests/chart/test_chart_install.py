@@ -189,7 +189,9 @@ def test_service_account_holds_no_more_than_the_operator_uses(
                            ("create", "roles.rbac.authorization.k8s.io"), ("create", "events"),
                            ("create", "secrets"), ("create", "persistentvolumeclaims"),
                            ("get", "configmaps"), ("get", "persistentvolumeclaims"),
-                           ("patch", "rayclusters.ray.io")]:
+                           ("patch", "rayclusters.ray.io"),
+                           ("create", "networkpolicies.networking.k8s.io"),
+                           ("get", "networkpolicies.networking.k8s.io")]:
         assert _can(cluster, token, verb, resource, namespace), f"cannot {verb} {resource}"
     assert _can(cluster, token, "list", "nodes", None)
     for verb, resource in [("get", "secrets"), ("update", "secrets"), ("list", "secrets"),
@@ -197,6 +199,8 @@ def test_service_account_holds_no_more_than_the_operator_uses(
                            ("patch", "rljobs.rljob.io"), ("create", "pods/exec"),
                            ("update", "rayclusters.ray.io"), ("patch", "nodes"),
                            ("create", "deployments.apps"),
+                           ("delete", "networkpolicies.networking.k8s.io"),
+                           ("patch", "networkpolicies.networking.k8s.io"),
                            ("escalate", "roles.rbac.authorization.k8s.io"),
                            ("bind", "clusterroles.rbac.authorization.k8s.io"),
                            ("create", "clusterroles.rbac.authorization.k8s.io"),
@@ -226,7 +230,8 @@ def test_operator_with_the_chart_token_reconciles_and_a_removed_verb_fails_loudl
              timeout=60, what="the operator (chart token) to create the RayCluster and a phase",
              describe=operator.tail)
     for kind, child in [("serviceaccount", "granted-runtime"), ("role", "granted-status-writer"),
-                        ("rolebinding", "granted-status-writer"), ("configmap", "granted-spec")]:
+                        ("rolebinding", "granted-status-writer"), ("configmap", "granted-spec"),
+                        ("networkpolicy", "granted-peers-only")]:
         assert _exists(cluster, kind, child, "-n", namespace), f"{kind}/{child} missing"
     wait_for(lambda: _phase(cluster, namespace, "granted") == "Running", timeout=90,
              what="job Running under the chart's RBAC", describe=lambda: json.dumps(

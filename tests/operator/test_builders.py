@@ -330,3 +330,76 @@ def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None
 def test_builders_are_deterministic() -> None:
     s = spec()
     assert builders.build_raycluster(JOB, s) == builders.build_raycluster(JOB, s)
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector applied to `labels` (matchLabels and matchExpressions)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        held = {"In": key in labels and labels[key] in values,
+                "NotIn": key not in labels or labels[key] not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not held:
+            return False
+    return True
+
+
+def _admits(policy: dict[str, Any], to: tuple[str, dict[str, str]],
+            source: tuple[str, dict[str, str]], port: int) -> bool:
+    """Whether `policy` (networking.k8s.io/v1, Ingress) lets `source` (namespace, labels)
+    reach `to` on `port`; a pod it does not select is not isolated by it."""
+    namespace = policy["metadata"]["namespace"]
+    if to[0] != namespace or not _selects(policy["spec"]["podSelector"], to[1]):
+        return True
+    for rule in policy["spec"].get("ingress") or []:
+        if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+            continue
+        for peer in rule.get("from") or [{}]:
+            assert "ipBlock" not in peer, "no address range is let in"
+            if "namespaceSelector" in peer:
+                raise AssertionError("the job's pods are let in from its own namespace only")
+            if source[0] == namespace and _selects(peer.get("podSelector", {}), source[1]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_network_policy_admits_exactly_the_jobs_own_pods(placement: str) -> None:
+    """The NetworkPolicy, evaluated on the labels of every pod the builders make for the
+    job (the head, each worker group, the driver): each is isolated by it, each reaches each
+    on any port (engines, the store, Ray's ports of its choosing), and a pod of another job,
+    an unlabelled pod of the same namespace, or a pod of another namespace that copies the
+    job's labels reaches none of them."""
+    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"gpus": 2, "gpusPerEngine": 1}}
+    s = spec(placement=placement, **gpus)
+    policy = builders.build_network_policy(JOB)
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["name"] == "rl-peers-only"
+    assert policy["metadata"]["namespace"] == "team-a"
+    assert policy["metadata"]["ownerReferences"] == [builders.owner_reference(JOB)]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+    def pods_of(job: JobRef) -> list[dict[str, str]]:
+        rc = builders.build_raycluster(job, s)
+        templates = [rc["spec"]["headGroupSpec"]["template"],
+                     *(g["template"] for g in rc["spec"]["workerGroupSpecs"])]
+        return [*(t["metadata"]["labels"] for t in templates),
+                builders.build_driver(job, s, 0, [])["metadata"]["labels"]]
+
+    mine = [("team-a", labels) for labels in pods_of(JOB)]
+    assert len(mine) == (3 if placement == "colocated" else 4)
+    other_job = [("team-a", labels) for labels in pods_of(JobRef("rl-2", "team-a", "uid-2"))]
+    strangers = [*other_job, ("team-a", {}), ("team-a", {"app": "notebook"}),
+                 *(("team-b", labels) for labels in pods_of(JobRef("rl", "team-b", "uid-3")))]
+    ports = [6379, 29600, 30000, 30001, 8090, 10002, 19999, 52365, 8265, 10001]
+    for to in mine:
+        assert _selects(policy["spec"]["podSelector"], to[1]), f"{to} is not isolated"
+        for port in ports:
+            for source in mine:
+                assert _admits(policy, to, source, port), (to, source, port)
+            for source in strangers:
+                assert not _admits(policy, to, source, port), (to, source, port)
+    for other in other_job:  # it isolates only this job's pods
+        assert not _selects(policy["spec"]["podSelector"], other[1])

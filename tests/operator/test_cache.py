@@ -473,8 +473,8 @@ def test_support_objects_are_made_together_once_and_an_object_in_the_way_stops_t
         assert support.ensure() is True  # the token was made now
         assert support.all_made
         assert support.ensure() is False
-        assert sorted(kube.made) == ["ConfigMap", "PersistentVolumeClaim", "Role",
-                                     "RoleBinding", "Secret", "ServiceAccount"]
+        assert sorted(kube.made) == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim",
+                                     "Role", "RoleBinding", "Secret", "ServiceAccount"]
         kept = _FakeCreates(existing={"Secret"})
         kept_support = _support(kept, pool)
         assert kept_support.ensure() is False  # the job keeps its token
@@ -763,14 +763,15 @@ def _mini_job_reconciled() -> tuple[_MiniApi, list[float], Any]:
 
 
 def test_a_support_object_deleted_while_the_job_waits_is_made_again_by_a_later_reconcile() -> None:
-    """Through `reconcile()`: the first reconcile makes the job's six support objects and its
+    """Through `reconcile()`: the first reconcile makes the job's seven support objects and its
     RayCluster; while its pods wait, the next ones send no creates until the longest recheck
     interval, when the ConfigMap deleted behind the job's back is made again."""
     from rljob_operator.support import SUPPORT_RECHECK_MAX_SECONDS
 
     api, now, rec = _mini_job_reconciled()
-    assert sorted(api.creates) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster", "Role",
-                                   "RoleBinding", "Secret", "ServiceAccount"]
+    assert sorted(api.creates) == ["ConfigMap", "NetworkPolicy", "PersistentVolumeClaim",
+                                   "RayCluster", "Role", "RoleBinding", "Secret",
+                                   "ServiceAccount"]
     assert api.job["status"]["phase"] == "Pending"
     spec = next(key for key in api.objects if key[0] == "ConfigMap")
     del api.objects[spec]  # deleted behind the job's back
@@ -855,9 +856,10 @@ def test_a_raycluster_made_again_soon_after_a_check_sends_no_support_creates() -
     api, now, rec = _mini_job_reconciled()
     cluster = next(key for key in api.objects if key[0] == "RayCluster")
     for t, creates in ((SUPPORT_RECHECK_SECONDS / 2, ["RayCluster"]),
-                       (3 * SUPPORT_RECHECK_SECONDS, ["ConfigMap", "PersistentVolumeClaim",
-                                                      "RayCluster", "Role", "RoleBinding",
-                                                      "Secret", "ServiceAccount"])):
+                       (3 * SUPPORT_RECHECK_SECONDS, ["ConfigMap", "NetworkPolicy",
+                                                      "PersistentVolumeClaim", "RayCluster",
+                                                      "Role", "RoleBinding", "Secret",
+                                                      "ServiceAccount"])):
         del api.objects[cluster]  # gone (say, deleted for a restart)
         api.cache.vanished(RAYCLUSTER, "ns", cluster[1])
         api.creates.clear()

@@ -95,7 +95,8 @@ def test_idle_reconciles_read_the_cache_and_a_watched_change_still_recovers(
         # first time it meets it (then remembered).
         assert {k for k in kinds if k.split()[0] == "get"} <= {
             f"get {kind}" for kind in ("configmaps", "serviceaccounts", "roles",
-                                       "rolebindings", "persistentvolumeclaims")}, kinds
+                                       "rolebindings", "persistentvolumeclaims",
+                                       "networkpolicies")}, kinds
         assert {k.split()[0] for k in kinds} <= WRITES | {"list", "get"}, kinds
 
         # Deleted: its children go by garbage collection, and nothing of it stays in the

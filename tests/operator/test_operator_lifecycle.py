@@ -121,6 +121,25 @@ def test_job_runs_and_is_quiet_when_idle(
     visible = json.dumps([status(cluster, namespace, "rl"), events(),
                           cluster.get_json("pods,rayclusters", "-n", namespace)])
     assert token not in visible and secret["metadata"]["name"] in visible
+    # The NetworkPolicy: owned by the job, made before its pods, and its selector, as the API
+    # server evaluates it, picks exactly the job's pods (KubeRay's, with the labels KubeRay
+    # gave them, and the driver); it lets in only pods of that same selector, same namespace.
+    policy = cluster.get_json("networkpolicy", "rl-peers-only", "-n", namespace)
+    owner = policy["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("RLJob", "rl", True)
+    assert owner["uid"] == cluster.get_json("rljob", "rl", "-n", namespace)["metadata"]["uid"]
+    created = policy["metadata"]["creationTimestamp"]
+    assert all(created <= p["metadata"]["creationTimestamp"]
+               for ps in by_component.values() for p in ps)
+    selector = policy["spec"]["podSelector"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": selector}]}]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert set(selector) == {"matchLabels"}
+    chosen = ",".join(f"{k}={v}" for k, v in selector["matchLabels"].items())
+    picked = {p["metadata"]["name"] for p in cluster.get_json(
+        "pods", "-n", namespace, "-l", chosen)["items"]}
+    every = {p["metadata"]["name"] for ps in by_component.values() for p in ps}
+    assert picked == every, (picked, every)
     # The shared checkpoint claim, bound, mounted by every pod.
     claim = cluster.get_json("pvc", "rl-checkpoints", "-n", namespace)
     assert claim["status"]["phase"] == "Bound"
@@ -145,12 +164,14 @@ def test_driver_success_tears_down_compute_and_delete_collects_children(
 
     def children() -> list[str]:
         out: str = cluster.kubectl(
-            "get", "pods,configmaps,serviceaccounts,roles,rolebindings,secrets,pvc",
+            "get", "pods,configmaps,serviceaccounts,roles,rolebindings,secrets,pvc,"
+            "networkpolicies",
             "-n", namespace, "-l", "rljob.io/job=ok", "-o", "name").stdout
         return out.split()
 
     assert {f"secret/{token_secret(cluster, namespace, 'ok')}",
-            "persistentvolumeclaim/ok-checkpoints"} <= set(children())
+            "persistentvolumeclaim/ok-checkpoints",
+            "networkpolicy.networking.k8s.io/ok-peers-only"} <= set(children())
     cluster.kubectl("delete", "rljob", "ok", "-n", namespace, "--wait=false")
 
     wait_for(lambda: children() == [], timeout=60, what="children garbage-collected",

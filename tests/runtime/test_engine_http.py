@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import pickle
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +19,7 @@ from safetensors.torch import save_file
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.model.tiny_model import MAX_POSITIONS, write_tiny
+from rljob.weightsync.auth import bearer, peer_key
 from rljob.weightsync.protocol import plan_buckets, unpack_bucket
 from rljob.weightsync.wire import encode_named_tensors, flat_span
 from rljob_api.spec import TinyModel
@@ -102,16 +105,20 @@ def test_abort_all_stops_a_running_generation_between_tokens(server: ServerThrea
     asyncio.run(go())
     request = urllib.request.Request(server.url + "/abort_request", method="POST",
                                      data=json.dumps({"rid": "r1"}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **bearer(peer_key())})
     with pytest.raises(urllib.error.HTTPError) as refused:  # no request ids in this engine
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 400 and b"abort_all" in refused.value.read()
 
 
-def _post_raw(url: str, body: bytes) -> tuple[int, dict[str, str]]:
-    """POST `body` as it is; the status and the JSON answer, also of an error status."""
+def _post_raw(url: str, body: bytes, key: str | None = None) -> tuple[int, dict[str, str]]:
+    """POST `body` as it is, with the job's key (or `key`, "" for none); the status and the
+    JSON answer, also of an error status."""
+    key = peer_key() if key is None else key
     request = urllib.request.Request(url, method="POST", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **(bearer(key) if key else {})})
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
             return answer.status, json.loads(answer.read() or b"{}")
@@ -139,6 +146,55 @@ def test_a_body_that_is_not_json_is_refused_with_the_expected_body(
     assert _post_raw(server.url + "/abort_request", b'{"abort_all": true}')[0] == 200
     code, answer = _post_raw(server.url + "/generate", json.dumps(
         {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 2}}).encode())
+    assert code == 200 and len(answer["output_ids"]) >= 1
+
+
+class _Touch:
+    """A pickle that creates `path` when it is unpickled: what a stranger's weight update
+    could do to an engine that unpickled it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return open, (str(self.path), "w")
+
+
+def test_an_engine_refuses_requests_without_the_jobs_key_before_reading_them(
+        server: ServerThread, tmp_path: Path) -> None:
+    """Without the job's key, or with another one, every route but /health answers 401 and
+    the body is never read: a weight update whose unpickling would create a file creates
+    none. With the key the same body is unpickled (the file appears, which is what a
+    stranger could otherwise do), and the engine serves as before."""
+    marker = tmp_path / "unpickled"
+    evil = base64.b64encode(pickle.dumps(_Touch(marker))).decode()
+    update = json.dumps({"serialized_named_tensors": [evil], "weight_version": "9"}).encode()
+    generate = json.dumps({"input_ids": [4, 5, 6],
+                           "sampling_params": {"max_new_tokens": 2}}).encode()
+    for key in ("", "f" * 64, peer_key()[:-1]):
+        for path, body in (("/update_weights_from_tensor", update), ("/generate", generate),
+                           ("/update_weights_from_disk", b'{"model_path": "/"}'),
+                           ("/abort_request", b'{"abort_all": true}')):
+            code, answer = _post_raw(server.url + path, body, key=key)
+            assert code == 401 and "Unauthorized" in answer["error"], (path, code, answer)
+        for path in ("/get_model_info", "/get_server_info"):
+            request = urllib.request.Request(server.url + path,
+                                             headers=bearer(key) if key else {})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 401, path
+    assert not marker.exists(), "an unauthenticated body was unpickled"
+    assert server.engine.weight_version == "0"
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as answer:  # liveness only
+        assert answer.status == 200
+    # An EngineClient with another key is refused too, and says so.
+    with pytest.raises(EngineError, match="401"):
+        EngineClient(server.url, api_key="0" * 64).server_info()
+
+    code, answer = _post_raw(server.url + "/update_weights_from_tensor", update)
+    assert code == 200 and not answer["success"], answer  # not tensors: refused after...
+    assert marker.exists(), "...being unpickled: the key is all that stands in the way"
+    code, answer = _post_raw(server.url + "/generate", generate)
     assert code == 200 and len(answer["output_ids"]) >= 1
 
 
@@ -202,7 +258,7 @@ def test_weights_by_name_reads_parameters_back_exactly(server: ServerThread) -> 
 def _post(url: str, path: str, body: object) -> tuple[int, object]:
     """A plain HTTP POST, past the client's own checks, to see what the engine says."""
     req = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **bearer(peer_key())})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read())

@@ -31,6 +31,7 @@ from rljob.engine.hf_server import HFEngine, ServerThread, build_app
 from rljob.engine.sglang_launcher import SGLANG_VERSION, SGLangServer, build_command
 from rljob.model.tiny_model import write_tiny
 from rljob.weightsync import protocol, wire
+from rljob.weightsync.auth import bearer, peer_key
 from rljob.weightsync.protocol import pack_bucket, plan_buckets, unpack_bucket
 from rljob.weightsync.wire import FLATTENED, flat_span
 from rljob_api.spec import TinyModel
@@ -104,6 +105,9 @@ TENSOR_CASES = {
 }
 
 
+LAUNCH_KEY = "c0ffee" * 10
+
+
 class Judged:
     def __init__(self, answers: dict[str, Any], sent: dict[str, Any]) -> None:
         self.answers = answers
@@ -133,7 +137,8 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     for case, (route, body) in _control_bodies().items():
         cases.append({"id": case, "route": route, "body": body})
     server = SGLangServer(model_path="/models/m", host="0.0.0.0", port=30000, tp_size=2,
-                          nccl_port=30100, weight_version="3", memory_saver=True)
+                          nccl_port=30100, weight_version="3", memory_saver=True,
+                          api_key=LAUNCH_KEY)
     argv = build_command(server, {"mem-fraction-static": "0.7", "enable-memory-saver": "false",
                                   "disable-radix-cache": "true"})
     cases.append({"id": "launch", "argv": argv[3:]})
@@ -313,6 +318,45 @@ def test_the_launch_command_parses_with_sglangs_own_arguments(judged: Judged) ->
     assert (args["tensor_parallel_size"], args["port"], args["nccl_port"]) == (2, 30000, 30100)
     assert (args["model_path"], args["weight_version"]) == ("/models/m", "3")
     assert args["mem_fraction_static"] == 0.7 and args["disable_radix_cache"] is True
+    assert args["api_key"] == LAUNCH_KEY  # every route but /health needs the job's key
+
+
+def test_sglangs_own_key_check_lets_in_what_the_client_sends_and_nothing_else(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's `--api-key` middleware (the pinned release's own function) on a server with
+    its guarded routes: the header EngineClient sends passes, none or another key gets 401
+    before the route runs, and /health (which start-up polls without a key) stays open."""
+    from fastapi import FastAPI
+    from sglang.srt.utils import common
+    from sglang.srt.utils.common import add_api_key_middleware
+    from starlette.responses import JSONResponse
+    from starlette.testclient import TestClient
+
+    # Its 401 is an ORJSONResponse, which needs orjson (in the rollout image, not here).
+    monkeypatch.setattr(common, "ORJSONResponse", JSONResponse)
+
+    reached: list[str] = []
+    app = FastAPI()
+
+    @app.post("/update_weights_from_tensor")
+    async def update() -> dict[str, bool]:
+        reached.append("update")
+        return {"success": True}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {}
+
+    add_api_key_middleware(app, LAUNCH_KEY)
+    client = EngineClient("http://127.0.0.1:1", api_key=LAUNCH_KEY)
+    with TestClient(app) as http:
+        for headers in ({}, bearer("0" * 64), {"Authorization": LAUNCH_KEY}):
+            assert http.post("/update_weights_from_tensor", json={},
+                             headers=headers).status_code == 401
+        assert reached == []
+        assert http.get("/health").status_code == 200
+        answer = http.post("/update_weights_from_tensor", json={}, headers=client._auth)
+        assert answer.status_code == 200 and reached == ["update"]
 
 
 # --- routes ----------------------------------------------------------------------------------
@@ -336,7 +380,7 @@ def test_the_answers_carry_the_fields_the_runtime_reads(release: str) -> None:
     assert "version" in returned_keys(server_info)
     # /get_server_info carries every server argument; the launch sets these.
     owned = {"model_path", "tokenizer_path", "host", "port", "tp_size", "nccl_port",
-             "base_gpu_id", "weight_version", "enable_memory_saver", "dtype"}
+             "base_gpu_id", "weight_version", "enable_memory_saver", "dtype", "api_key"}
     assert owned - server_arg_fields(release) == set()
     for path in ("/update_weights_from_tensor", "/update_weights_from_disk"):
         assert {"success", "message"} <= returned_keys(table[path].handler)
@@ -351,7 +395,7 @@ def test_the_newest_release_dropped_the_weight_version_route_rljob_does_not_use(
 @pytest.fixture(scope="module")
 def hf_app(tmp_path_factory: pytest.TempPathFactory) -> web.Application:
     model = write_tiny(tmp_path_factory.mktemp("m") / "m", TinyModel(), "0123", 1, "float32")
-    return build_app(HFEngine(str(model), "float32", "cpu", "0", tp_size=2))
+    return build_app(HFEngine(str(model), "float32", "cpu", "0", tp_size=2), peer_key())
 
 
 def test_the_hf_engine_serves_sglangs_routes_with_sglangs_methods(

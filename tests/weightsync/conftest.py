@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from rljob.model.tiny_model import build_tiny, write_tiny
+from rljob.weightsync.auth import bearer, peer_key
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 from rljob_api.spec import TinyModel
 from tests.controlplane import REPO
@@ -45,6 +46,7 @@ def _env() -> dict[str, str]:
     """The engine's and sidecar's environment: the checkout's packages come first on their
     path (the tests' `tests` package, and `runtime/` where rljob is not installed, as on a
     GPU machine that runs the tests from a copy of the tree), then whatever the parent had."""
+    peer_key()  # the engines and sidecars get this process's key in their environment
     env = dict(os.environ)
     path = [str(REPO), str(REPO / "runtime"), *filter(None, [os.environ.get("PYTHONPATH")])]
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path),
@@ -54,7 +56,8 @@ def _env() -> dict[str, str]:
 
 def http_json(url: str, body: Any = None, timeout: float = 10.0) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **bearer(peer_key())})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 

@@ -22,6 +22,7 @@ from rljob.engine.sglang_launcher import (
 )
 from rljob.engine.sidecar import Sidecar, SidecarConfig, parse_args
 from rljob.weightsync import disk
+from rljob.weightsync.auth import SignedStore
 from rljob.weightsync.group import BroadcastGroup
 from rljob.weightsync.nonfinite import SCREEN_ALONE, nonfinite_names, nonfinite_report
 from rljob.weightsync.protocol import (
@@ -163,9 +164,10 @@ def test_a_sidecar_rejects_a_version_whatever_its_receive_raises() -> None:
     """A receive that fails with any exception type (here NCCL's ValueError for a CPU
     buffer, and an UnpicklingError from unreadable CUDA IPC handles) is acknowledged as
     that version's rejection, with the type, and the sidecar handles the next one."""
-    store = HashStore()
+    store = SignedStore(HashStore(), "k" * 64)
     sidecar = Sidecar(SidecarConfig(engine_name="e", engine_url="http://127.0.0.1:9",
-                                    trainer_host="127.0.0.1", trainer_port=1, device="cpu"))
+                                    trainer_host="127.0.0.1", trainer_port=1, device="cpu"),
+                      key="k" * 64)
     layout = layout_to_json(plan_buckets(named(), 1 << 20))
     nccl = Announcement(seq=1, version=1, epoch=1, transport="broadcast", roster={"e": 1},
                         backend="nccl", layout=layout)

@@ -80,6 +80,11 @@ the job's UID, so one that exists is the job's own). */}}
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create"]
+{{- /* Each job's NetworkPolicy: only the job's own pods reach its pods (engines, the
+weight-sync store, Ray). `get`: to tell, after a conflict, whether one is the job's own. */}}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

@@ -42,6 +42,7 @@ from rljob.engine.slots import SlotHolder
 from rljob.reporting.locatable import Whereabouts
 from rljob.rollout.worker import RolloutWorker
 from rljob.trainer.select import trainer_class
+from rljob.weightsync.auth import peer_key
 from rljob_api import env, exits
 from rljob_api.exits import JobError
 from rljob_api.layout import COLOCATED, DRIVER, DRIVER_RESOURCE, HEAD, ROLLOUT, TRAINER
@@ -68,13 +69,17 @@ class RunOptions:
 
 
 def worker_env(local: bool = True) -> dict[str, str]:
-    """Environment of Ray workers. On one machine they import what this process imports
-    (its sys.path, e.g. a source checkout); in pods each image has its own installation,
-    which the driver's paths must not shadow."""
+    """Environment of Ray workers: the run's peer key, and, on one machine, what this
+    process imports (its sys.path, e.g. a source checkout); in pods each image has its own
+    installation, which the driver's paths must not shadow."""
     quiet = {
         "TRANSFORMERS_VERBOSITY": "error",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # The run's peer key (`rljob.weightsync.auth`): engines, sidecars, the publisher
+        # and the rollout worker all use this driver's, derived from the job's Ray token in
+        # pods, made for this run on one machine.
+        env.PEER_KEY: peer_key(),
     }
     if not local:
         return quiet

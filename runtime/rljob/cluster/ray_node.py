@@ -252,7 +252,10 @@ def closed_to_others() -> list[Path]:
 
 
 def redacted(text: str) -> str:
-    """`text` without the cluster's Ray token: `ray start`'s output goes into the job's
-    status and events on failure, where the token must never appear."""
-    token = os.environ.get(env.RAY_AUTH_TOKEN)
-    return text.replace(token, f"<{env.RAY_AUTH_TOKEN}>") if token else text
+    """`text` without the cluster's Ray token or the job's peer key: `ray start`'s output
+    goes into the job's status and events on failure, where neither must ever appear."""
+    for name in (env.RAY_AUTH_TOKEN, env.PEER_KEY):
+        secret = os.environ.get(name)
+        if secret:
+            text = text.replace(secret, f"<{name}>")
+    return text

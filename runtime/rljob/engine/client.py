@@ -30,6 +30,7 @@ import aiohttp
 import torch
 
 from rljob.engine.sglang_release import unsupported
+from rljob.weightsync.auth import bearer, peer_key
 from rljob.weightsync.wire import (
     FLATTENED,
     encode_flattened,
@@ -115,8 +116,12 @@ class EngineClient:
         *,
         timeout_s: float = CONTROL_TIMEOUT_S,
         generate_timeout_s: float = GENERATE_TIMEOUT_S,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the key the engine requires (default: the job's `peer_key()`), sent
+        as `Authorization: Bearer` with every request."""
         self.base_url = base_url.rstrip("/")
+        self._auth = bearer(peer_key() if api_key is None else api_key)
         parsed = urllib.parse.urlsplit(self.base_url)
         if parsed.scheme != "http" or not parsed.hostname:
             raise ValueError(f"engine URL must be http://HOST:PORT, got {base_url!r}")
@@ -171,7 +176,8 @@ class EngineClient:
     def _exchange(
         self, method: str, path: str, data: bytes | None, timeout_s: float
     ) -> tuple[int, bytes]:
-        headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers = {**self._auth, **({"Content-Type": "application/json"} if data is not None
+                                    else {})}
         for attempt in (0, 1):
             conn, reused = self._connection(timeout_s)
             try:
@@ -261,7 +267,7 @@ class EngineClient:
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self._auth)
         try:
             async with self._session.post(self.base_url + "/generate", json=body,
                                           timeout=self._generate_timeout) as resp:
@@ -288,7 +294,7 @@ class EngineClient:
         is sent from the event loop whose generations it stops."""
         call = "POST /abort_request"
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=self._auth)
         try:
             async with self._session.post(
                     self.base_url + "/abort_request", json={"rid": "", "abort_all": True},

@@ -35,6 +35,7 @@ from rljob.engine.weight_swap import flat_version, stage_version
 from rljob.model.offload import Offload, module_tensors
 from rljob.model.text_codec import TextCodec, load_codec
 from rljob.model.tiny_model import torch_dtype
+from rljob.weightsync.auth import bearer_middleware, peer_key
 from rljob.weightsync.wire import (
     FLATTENED,
     NamedTensors,
@@ -333,8 +334,12 @@ class HFEngine:
         self.install(named, version)
 
 
-def build_app(engine: HFEngine) -> web.Application:
-    """The aiohttp application; model work runs on one worker thread, off the event loop."""
+def build_app(engine: HFEngine, api_key: str) -> web.Application:
+    """The aiohttp application; model work runs on one worker thread, off the event loop.
+
+    Every route but /health requires `Authorization: Bearer <api_key>` (SGLang's
+    `--api-key`): a request without it is answered 401 before its body is read, so a
+    weight update from outside the job is never unpickled (`rljob.weightsync.auth`)."""
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
     running = asyncio.Event()
     running.set()
@@ -468,7 +473,7 @@ def build_app(engine: HFEngine) -> web.Application:
             return web.json_response({"success": False, "message": str(err)}, status=400)
         return web.json_response(value)
 
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[bearer_middleware(api_key)])
     app.add_routes([
         web.get("/health", health),
         web.get("/get_model_info", model_info),
@@ -492,10 +497,13 @@ def build_app(engine: HFEngine) -> web.Application:
 class ServerThread:
     """The engine's HTTP server on a background thread of the calling process."""
 
-    def __init__(self, engine: HFEngine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, engine: HFEngine, host: str = "127.0.0.1", port: int = 0,
+                 api_key: str | None = None) -> None:
+        """`api_key`: what requests must carry (default: the job's `peer_key()`)."""
         self.engine = engine
         self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(build_app(engine))
+        self.runner = web.AppRunner(build_app(engine, peer_key() if api_key is None
+                                              else api_key))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         # Set up on the server's own loop: the caller may already run one (Ray actors do).
@@ -514,8 +522,8 @@ class ServerThread:
         self.thread.join(timeout=30)
 
 
-async def _serve(engine: HFEngine, host: str, port: int) -> None:
-    runner = web.AppRunner(build_app(engine))
+async def _serve(engine: HFEngine, host: str, port: int, api_key: str) -> None:
+    runner = web.AppRunner(build_app(engine, api_key))
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     # The bound port, so `--port 0` callers learn where to connect.
@@ -539,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     engine = HFEngine(args.model_path, args.dtype, args.device, args.weight_version,
                       args.tp_size)
-    asyncio.run(_serve(engine, args.host, args.port))
+    # The key from the environment, never from the command line (which `ps` shows).
+    asyncio.run(_serve(engine, args.host, args.port, peer_key()))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ its process: the server dies with this actor's process, however that dies, and `
 every process the server started.
 The engine binds `bind_host:port` (port 0 picks a free one); in a pod the port is the one
 the pod's weight-sync sidecar is told about, so the sidecar finds its engine on localhost.
+Either engine serves only requests carrying the job's peer key (`rljob.weightsync.auth`).
 An engine of `tp` slots gets the devices of its further slots (`rljob.engine.slots`): SGLang
 runs on all of them, and the `hf` engine keeps the weight-update contract of `tp` ranks.
 """
@@ -26,6 +27,7 @@ from rljob.engine.sglang_launcher import stop as stop_server
 from rljob.engine.slots import SlotDevices, engine_gpus, here
 from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
+from rljob.weightsync.auth import peer_key
 
 STARTUP_TIMEOUT_S = 900.0
 # Releasing or resuming an engine's memory moves at most its weights and KV cache.
@@ -78,7 +80,7 @@ class EngineProcess(Locatable):
             server = SGLangServer(
                 model_path=model_dir, host=bind_host, port=port, tp_size=tp,
                 nccl_port=_free_port(bind_host), weight_version=weight_version,
-                python=sys.executable, memory_saver=offload)
+                python=sys.executable, memory_saver=offload, api_key=peer_key())
             # dtype follows spec.model.dtype unless the user passed one through. Ray showed
             # this actor its first GPU only; the server gets every slot's (rank r on the r-th).
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus)}

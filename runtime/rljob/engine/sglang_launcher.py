@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rljob.engine.client import EngineClient
 from rljob.engine.sglang_release import RELEASE
@@ -80,6 +80,9 @@ class SGLangServer:
     # Colocated with a trainer: `/release_memory_occupation` must free the GPU, which SGLang
     # does only when started with --enable-memory-saver (torch_memory_saver regions).
     memory_saver: bool = False
+    # The job's peer key (`rljob.weightsync.auth`): SGLang's --api-key, which makes every
+    # route but /health and /metrics require `Authorization: Bearer <key>`. Kept out of reprs.
+    api_key: str = field(default="", repr=False)
 
 
 def _flag(key: str) -> str:
@@ -104,6 +107,7 @@ def build_command(server: SGLangServer, sglang_args: Mapping[str, str]) -> list[
         "nccl-port": str(server.nccl_port),
         "base-gpu-id": str(server.base_gpu_id),
         "weight-version": server.weight_version,
+        **({"api-key": server.api_key} if server.api_key else {}),
     }
     for key, value in owned.items():
         argv += [_flag(key), value]
@@ -210,7 +214,8 @@ def launch(
     process = start(build_command(server, sglang_args), f"http://{server.host}:{server.port}",
                     env=env, startup_deadline_s=startup_deadline_s)
     try:
-        EngineClient(f"http://{server.host}:{server.port}").check_version()
+        EngineClient(f"http://{server.host}:{server.port}",
+                     api_key=server.api_key or None).check_version()
     except BaseException:
         stop(process, grace_s=0)
         raise

@@ -33,11 +33,11 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
-from torch._C._distributed_c10d import Store
 
 from rljob.engine.client import EngineClient, EngineError
 from rljob.engine.rank_devices import RankCopies, entry_devices
 from rljob.weightsync import disk
+from rljob.weightsync.auth import SignedStore, peer_key
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.nonfinite import nonfinite_names, nonfinite_report
 from rljob.weightsync.protocol import (
@@ -117,9 +117,12 @@ class SidecarMetrics:
 
 
 class Sidecar:
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, key: str | None = None) -> None:
+        """`key`: the job's peer key (default: `peer_key()`), which its engine requires and
+        every store value must be signed with."""
         self.config = config
-        self.engine = EngineClient(config.engine_url, timeout_s=10.0)
+        self._key = peer_key() if key is None else key
+        self.engine = EngineClient(config.engine_url, timeout_s=10.0, api_key=self._key)
         self.metrics = SidecarMetrics()
         self.incarnation = uuid.uuid4().hex
         self.state = "starting"
@@ -210,9 +213,12 @@ class Sidecar:
 
     def _session(self, http_port: int) -> None:
         cfg = self.config
-        store = open_store(
+        # Values are signed and checked with the job's key: one that does not check out
+        # (UnauthenticatedValue, a RuntimeError) is never parsed, and ends this session like
+        # a lost store; the next registers again and starts after the latest announcement.
+        store = SignedStore(open_store(
             cfg.trainer_host, cfg.trainer_port, server=False, timeout_s=cfg.connect_timeout_s
-        )
+        ), self._key)
         advertise = cfg.advertise_host or socket.gethostbyname(socket.gethostname())
         registration = Registration(
             engine=cfg.engine_name,
@@ -242,7 +248,7 @@ class Sidecar:
                 continue
             self.handle(store, announcement)
 
-    def handle(self, store: Store, ann: Announcement) -> None:
+    def handle(self, store: SignedStore, ann: Announcement) -> None:
         """Receive, verify, install and acknowledge one announcement."""
         start = time.monotonic()
         self.state = f"receiving v{ann.version}"
@@ -304,12 +310,12 @@ class Sidecar:
             self._ack(store, ann, True, "", start, serving)
 
     def _receive_broadcast(
-        self, store: Store, ann: Announcement, layout: Sequence[BucketMeta]
+        self, store: SignedStore, ann: Announcement, layout: Sequence[BucketMeta]
     ) -> list[torch.Tensor]:
         if self._group is None or self._epoch != ann.epoch:
             self._drop_group()
             self._group = BroadcastGroup(
-                store,
+                store.raw,
                 epoch_prefix=Keys.group(ann.epoch),
                 rank=ann.roster[self.config.engine_name],
                 size=len(ann.roster) + 1,
@@ -389,7 +395,7 @@ class Sidecar:
 
     def _verify(
         self,
-        store: Store,
+        store: SignedStore,
         ann: Announcement,
         layout: Sequence[BucketMeta],
         buffers: Sequence[torch.Tensor],
@@ -428,7 +434,7 @@ class Sidecar:
 
     def _ack(
         self,
-        store: Store,
+        store: SignedStore,
         ann: Announcement,
         ok: bool,
         reason: str,

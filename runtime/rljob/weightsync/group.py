@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -119,7 +119,13 @@ class BroadcastGroup:
         del self._pg
 
 
-def poll_key(store: Store, key: str, timeout_s: float, interval_s: float = 0.05) -> bool:
+class Checks(Protocol):
+    """What `poll_key` asks of a store: a TCP store, or a `SignedStore` over one."""
+
+    def check(self, __keys: list[str]) -> bool: ...
+
+
+def poll_key(store: Checks, key: str, timeout_s: float, interval_s: float = 0.05) -> bool:
     """True once `key` exists, False after `timeout_s`.
 
     Polls `check` instead of calling `wait`: a timed-out `wait` is logged by c10d as a

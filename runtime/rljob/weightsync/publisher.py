@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from rljob.weightsync import disk
+from rljob.weightsync.auth import SignedStore, UnauthenticatedValue, peer_key
 from rljob.weightsync.group import BroadcastGroup, open_store, poll_key, rank_device
 from rljob.weightsync.nonfinite import nonfinite_report
 from rljob.weightsync.protocol import (
@@ -132,7 +133,8 @@ def _described(err: BaseException) -> str:
 class WeightPublisher:
     """Rank 0 of the broadcast group; hosts the coordination store unless told where it is."""
 
-    def __init__(self, config: PublisherConfig, *, start_version: int = 0) -> None:
+    def __init__(self, config: PublisherConfig, *, start_version: int = 0,
+                 key: str | None = None) -> None:
         if config.transport == "disk" and config.disk_dir is None:
             raise ValueError("weightSync.mode disk needs a directory for the versions (disk_dir)")
         self.device = rank_device(config.device)
@@ -145,12 +147,14 @@ class WeightPublisher:
         self.config = config
         self.version = start_version
         hosted = not config.store_host
-        self._store = open_store(
+        # Every value is signed with the job's peer key, and every one read is checked
+        # before it is parsed (`rljob.weightsync.auth`).
+        self._store = SignedStore(open_store(
             "0.0.0.0" if hosted else config.store_host,
             config.port,
             server=hosted,
             timeout_s=config.join_timeout_s,
-        )
+        ), peer_key() if key is None else key)
         self.port = int(self._store.port)
         self.incarnation = uuid.uuid4().hex
         self._store.set(Keys.trainer, self.incarnation)
@@ -172,7 +176,11 @@ class WeightPublisher:
     def _refresh_members(self) -> None:
         count = int(self._store.add(Keys.members, 0))
         for i in range(self._members_seen, count):
-            reg = decode_registration(self._store.get(Keys.member(i)))
+            try:
+                reg = decode_registration(self._store.get(Keys.member(i)))
+            except UnauthenticatedValue as err:
+                log.warning("ignoring registration %d: %s", i, err)
+                continue
             old = self._engines.get(reg.engine)
             if old is None or old.registration.incarnation != reg.incarnation:
                 self._engines[reg.engine] = EngineRecord(reg)
@@ -398,7 +406,7 @@ class WeightPublisher:
             try:
                 if self._group is None:
                     self._group = BroadcastGroup(
-                        self._store,
+                        self._store.raw,
                         epoch_prefix=Keys.group(self._epoch),
                         rank=0,
                         size=len(targets) + 1,
@@ -492,7 +500,12 @@ class WeightPublisher:
         while pending:
             for name in sorted(pending):
                 if self._store.check([Keys.ack(seq, name)]):
-                    ack = decode_ack(self._store.get(Keys.ack(seq, name)))
+                    try:
+                        ack = decode_ack(self._store.get(Keys.ack(seq, name)))
+                    except UnauthenticatedValue as err:
+                        outcome[name] = (False, str(err))
+                        pending.discard(name)
+                        continue
                     reason = ack.reason
                     if not ack.ok and ack.serving_version:
                         reason = f"{reason} (still serving version {ack.serving_version})"
