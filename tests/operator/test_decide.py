@@ -614,6 +614,15 @@ OURS = [{"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "rl", "uid"
          "controller": True}]
 
 
+def of_cluster(pods: list[Obj], uid: str = "rc-1") -> list[Obj]:
+    """Compute pods as KubeRay makes them: controlled by the RayCluster with `uid`."""
+    out = copy.deepcopy(pods)
+    for p in out:
+        p["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "name": "rl", "uid": uid,
+                                             "controller": True}]
+    return out
+
+
 def decide_owned(body: Obj, rc: Obj | None, pods: list[Obj],
                  in_the_way: InTheWay | None = None, now: datetime = T0) -> Decision:
     """A decision on what observe makes of the children when it knows the job's UID."""
@@ -640,13 +649,13 @@ def test_a_raycluster_of_the_jobs_name_that_is_not_its_own_blocks_the_job() -> N
     assert conditions(late)["Failed"]["reason"] == "ObjectInTheWay"
     assert not late.actions.delete_cluster  # never someone else's
     mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
-    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+    assert decide_owned(job(), mine, of_cluster(compute())).actions.create_driver is not None
 
 
 def test_a_driver_pod_name_taken_by_someone_else_blocks_and_is_left_alone() -> None:
     mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
     squatter = pod("rl-driver", "driver")
-    d = decide_owned(job(RUNNING), mine, [*compute(), squatter])
+    d = decide_owned(job(RUNNING), mine, [*of_cluster(compute()), squatter])
     assert started(d)["reason"] == "ObjectInTheWay"
     assert "Pod ns/rl-driver exists" in started(d)["message"]
     assert "it has no owner" in started(d)["message"]
@@ -660,7 +669,7 @@ def test_an_object_found_by_a_create_blocks_until_it_is_gone() -> None:
     assert "ConfigMap ns/rl-spec" in conditions(d)["Ready"]["message"]
     assert not d.actions.create_cluster
     assert decide_owned(applied(job(), d), None, []).actions.create_cluster
-    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+    assert decide_owned(job(), mine, of_cluster(compute())).actions.create_driver is not None
 
 
 def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
@@ -668,9 +677,22 @@ def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
     old = pod("rl-trainer-worker-old", "trainer")
     old["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "uid": "rc-0",
                                            "controller": True}]
-    obs = observe("rl", mine, [*compute(), old], [READY_NODE], uid="u")
+    obs = observe("rl", mine, [*of_cluster(compute()), old], [READY_NODE], uid="u")
     assert "rl-trainer-worker-old" not in {p.name for p in obs.compute}
     assert len(obs.compute) == len(COMPUTE)
+
+
+def test_a_pod_that_only_wears_the_jobs_labels_is_not_its_compute_pod() -> None:
+    """Made by hand with the job's labels and owned by nobody: never counted, replaced or
+    deleted as one of the job's pods (it has no revision: taken for the job's, it would be
+    replaced as outdated, i.e. deleted)."""
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    fake = pod("rl-rollout-worker-fake", "rollout", annotations={"rljob.io/revision": "x"})
+    ours = driver()
+    ours["metadata"]["ownerReferences"] = OURS
+    d = decide_owned(job(RUNNING), mine, [*of_cluster(compute()), ours, fake])
+    assert "rl-rollout-worker-fake" not in {*d.actions.replace_pods, *d.actions.delete_pods}
+    assert d.status["phase"] == "Running"
 
 
 # -- spec edits on a running job --------------------------------------------------------------
