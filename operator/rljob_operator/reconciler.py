@@ -122,8 +122,7 @@ class Reconciler:
         if store is not None:
             body = store.rljob(namespace, name)
             cluster, pods = store.raycluster(namespace, name), store.pods(namespace, name)
-            held = {(POD, p["metadata"]["name"]) for p in pods
-                    if p["metadata"]["name"] == names.driver_name(name)}
+            held = {(POD, p["metadata"]["name"]) for p in pods}
             if cluster is not None:
                 held.add((RAYCLUSTER, cluster["metadata"]["name"]))
             if body is not None and not self._due_fresh(
@@ -152,19 +151,29 @@ class Reconciler:
 
     def _unlabelled(self, body: Obj, held: set[tuple[str, str]], clusters: list[Obj],
                     pods: list[Obj]) -> tuple[list[Obj], list[Obj]]:
-        """A fresh read lists children by the job label. The RayCluster and driver pod the
-        store held (`held`: kind and name) that the lists lack are read by name: one whose
-        label was removed by hand is still the job's if it is owned by it (then it stays,
-        and is labelled again); without this a running driver would be taken for a deleted
-        one and the job restarted. Only for what was held: a job's first read costs no
-        extra requests."""
+        """A fresh read lists children by the job label. The children the store held
+        (`held`: kind and name) that the lists lack are read by name: gone (most often), or
+        with their label removed by hand; one of those is still the job's if it is owned by
+        it (the RayCluster and the driver by an owner reference with the job's UID, a
+        compute pod by the job's RayCluster as its controller), and it stays (and is
+        labelled again). Without this, a running pod would be taken for a deleted one and
+        the job restarted. Only what was held is read: a job's first read, and a resync
+        that finds what it held, cost no extra requests."""
         meta = body["metadata"]
         found = {RAYCLUSTER: list(clusters), POD: list(pods)}
-        for kind, child in sorted(held):
+        for kind, child in sorted(held, key=lambda k: k[0] != RAYCLUSTER):
             if any(o["metadata"]["name"] == child for o in found[kind]):
                 continue
             fresh = self.kube.get_child(kind, meta["namespace"], child)
-            if fresh is not None and owned_by(fresh.get("metadata") or {}, meta["uid"]):
+            if fresh is None:
+                continue
+            owners = fresh.get("metadata") or {}
+            cluster = next((c for c in found[RAYCLUSTER] if c["metadata"]["name"]
+                            == names.raycluster_name(meta["name"])), None)
+            ours = owned_by(owners, meta["uid"]) or (
+                kind == POD and cluster is not None
+                and owned_by(owners, str(cluster["metadata"].get("uid"))))
+            if ours:
                 found[kind].append(fresh)
         return found[RAYCLUSTER], found[POD]
 
