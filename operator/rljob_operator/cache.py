@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rljob_api import GROUP
 from rljob_operator import names
 
 Obj = dict[str, Any]
@@ -142,8 +143,8 @@ class Store:
         if not job:
             ref = next((r for r in meta.get("ownerReferences") or []
                         if r.get("controller")), None) or {}
-            if ref.get("kind") == RLJOB or (ref.get("kind") == RAYCLUSTER and str(
-                    ref.get("apiVersion", "")).startswith(f"{names.RAY_GROUP}/")):
+            group = str(ref.get("apiVersion", "")).partition("/")[0]
+            if (ref.get("kind"), group) in ((RLJOB, GROUP), (RAYCLUSTER, names.RAY_GROUP)):
                 job = ref.get("name")
         return (meta.get("namespace") or "", str(job)) if job else None
 
