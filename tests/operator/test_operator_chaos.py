@@ -197,9 +197,20 @@ def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[
         op.stop()
 
 
+@pytest.fixture
+def other_ns(cluster: ControlPlane, namespace: str) -> Iterator[str]:
+    """A second namespace, for look-alikes of the test namespace's children."""
+    name = f"{namespace}-other"
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 def test_hand_edits_garbage_status_and_foreign_objects_are_repaired_or_reported(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool,
-        api_client: Any) -> None:
+        api_client: Any, other_ns: str) -> None:
     started = time.monotonic()
     ns = namespace
     api = Api(api_client, ns)
@@ -218,8 +229,6 @@ def test_hand_edits_garbage_status_and_foreign_objects_are_repaired_or_reported(
 
     # Look-alikes: labelled as vi's children, owned by nobody or by another job, or in
     # another namespace; a RayCluster labelled vi under another name.
-    other_ns = f"{ns}-other"
-    cluster.kubectl("create", "namespace", other_ns)
     by_owner = {"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "by",
                 "uid": uid["by"], "controller": True}
     cluster.apply(foreign_pod("vi-imposter", "vi", "rollout"), "-n", ns)
@@ -266,8 +275,7 @@ def test_hand_edits_garbage_status_and_foreign_objects_are_repaired_or_reported(
         during = latencies(api, "by", rounds)
     assert rounds[0] >= SAMPLES, f"only {rounds[0]} chaos rounds ran during the measurement"
 
-    # vi: repaired. A sane status over the garbage, nothing restarted, the labels back, the
-    # worker group as the spec builds it.
+    # vi: repaired. A sane status over the garbage, nothing restarted, the labels back.
     def repaired() -> Obj | None:
         body = api.rljob("vi")
         st = body.get("status") or {}
@@ -355,4 +363,3 @@ def test_hand_edits_garbage_status_and_foreign_objects_are_repaired_or_reported(
           f"(median {chaos_median:.3f}); {rounds[0]} chaos rounds; "
           f"test {time.monotonic() - started:.1f}s")
     assert chaos_median <= max(3 * base, base + 1.0), (baseline, during)
-    cluster.kubectl("delete", "namespace", other_ns, "--wait=false", check=False)
