@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rljob_api import GROUP
 from rljob_operator import names
 
 Obj = dict[str, Any]
@@ -131,10 +132,21 @@ class Store:
 
     @staticmethod
     def job_of(obj: Obj) -> Key | None:
-        """The (namespace, RLJob name) a child belongs to, by the job label."""
+        """The (namespace, RLJob name) a child belongs to: by the job label, or, where that
+        was removed by hand, by its controller (an RLJob, or a RayCluster, which is named
+        after its job). Without the second, a child whose label someone removed would keep
+        its last labelled copy here for good, and the operator would act on what is no
+        longer there. Whether the object is really the job's is for `observe` to tell (by
+        owner UID): a look-alike filed under a job is never taken for one of its children."""
         meta = obj.get("metadata") or {}
         job = (meta.get("labels") or {}).get(names.LABEL_JOB)
-        return (meta.get("namespace") or "", job) if job else None
+        if not job:
+            ref = next((r for r in meta.get("ownerReferences") or []
+                        if r.get("controller")), None) or {}
+            group = str(ref.get("apiVersion", "")).partition("/")[0]
+            if (ref.get("kind"), group) in ((RLJOB, GROUP), (RAYCLUSTER, names.RAY_GROUP)):
+                job = ref.get("name")
+        return (meta.get("namespace") or "", str(job)) if job else None
 
     def watched(self, kind: str, event_type: str | None, obj: Obj) -> None:
         """One watch event. kopf delivers listed objects with no event type: at start-up

@@ -131,12 +131,17 @@ async def rljob_event(type: str, name: str, namespace: str | None, memo: kopf.Me
         memo.controller.track(key)
 
 
-@kopf.on.event("", "v1", "pods", labels={names.LABEL_JOB: kopf.PRESENT})
-async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: kopf.Labels,
-                    memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> None:
+# No label filter on the children's watches: kopf filters labels on its side of one watch
+# of the kind either way, and a child whose label was removed by hand must still reach the
+# cache (filed under its job by its owner, `Store.job_of`) and be labelled again.
+@kopf.on.event("", "v1", "pods")
+async def pod_event(body: kopf.Body, name: str, namespace: str | None, memo: kopf.Memo,
+                    event: kopf.RawEvent, **_: Any) -> None:
+    key = Store.job_of(dict(event["object"]))
+    if key is None:
+        return  # not a job's (nor wearing a job's label)
     _cache(memo, POD, event)
-    namespace = namespace or ""
-    job = labels[names.LABEL_JOB]
+    namespace, job = key
     hint = pod_failure(dict(body)) if memo.store.rljob(namespace, job) is not None else None
     if hint is not None:
         # Only for a job held: pods of a deleted job fail as they are collected, and what
@@ -148,9 +153,10 @@ async def pod_event(body: kopf.Body, name: str, namespace: str | None, labels: k
     memo.controller.kick((namespace, job))
 
 
-@kopf.on.event(names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL,
-               labels={names.LABEL_JOB: kopf.PRESENT})
-async def raycluster_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
-                           event: kopf.RawEvent, **_: Any) -> None:
+@kopf.on.event(names.RAY_GROUP, names.RAY_VERSION, names.RAY_PLURAL)
+async def raycluster_event(memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> None:
+    key = Store.job_of(dict(event["object"]))
+    if key is None:
+        return
     _cache(memo, RAYCLUSTER, event)
-    memo.controller.kick((namespace or "", labels[names.LABEL_JOB]))
+    memo.controller.kick(key)

@@ -26,6 +26,7 @@ from rljob_api.status import OPERATOR_MANAGER, apply_status, timestamp
 from rljob_operator import names
 from rljob_operator.decision import Event
 from rljob_operator.observe import InTheWay, owned_by, owner_words
+from rljob_operator.status import merge_patch_to, needs_write, operator_fields
 
 Obj = dict[str, Any]
 TIMEOUT = (5.0, 30.0)  # connect, read
@@ -292,6 +293,42 @@ class Kube:
             *args, revision, _content_type="application/merge-patch+json",
             _preload_content=False, _request_timeout=TIMEOUT)))
 
+    def relabel(self, kind: str, namespace: str, name: str, labels: dict[str, str]) -> None:
+        """Put back labels of a child of the job (a merge patch of exactly these, so no
+        other label or field is touched); the watch cache learns the result. A child gone
+        meanwhile needs none."""
+        patch: Any = {"metadata": {"labels": labels}}
+        kw: dict[str, Any] = {"_preload_content": False, "_request_timeout": TIMEOUT}
+        try:
+            if kind == "RayCluster":
+                resp = self.custom.patch_namespaced_custom_object(
+                    names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name,
+                    patch, _content_type="application/merge-patch+json", **kw)
+            elif kind == "Pod":
+                resp = self.core.patch_namespaced_pod(name, namespace, patch, **kw)
+            else:
+                raise ValueError(f"the operator does not relabel {kind} objects")
+        except ApiException as err:
+            if err.status != 404:
+                raise
+            return
+        self.cache.put(kind, _json(resp))
+
+    def get_child(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """One Pod or RayCluster by name (a fresh read's look for a child of the job that
+        its label list missed); None when absent."""
+        kw: dict[str, Any] = {"_preload_content": False, "_request_timeout": TIMEOUT}
+        try:
+            if kind == "RayCluster":
+                return _json(self.custom.get_namespaced_custom_object(
+                    names.RAY_GROUP, names.RAY_VERSION, namespace, names.RAY_PLURAL, name,
+                    **kw))
+            return _json(self.core.read_namespaced_pod(name, namespace, **kw))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
             resp = self.custom.delete_namespaced_custom_object(
@@ -304,12 +341,29 @@ class Kube:
             return
         self._deleted("RayCluster", namespace, name, resp)
 
-    def apply_status(self, namespace: str, name: str, status: Obj) -> None:
+    def apply_status(self, namespace: str, name: str, status: Obj) -> Obj:
         """Server-side apply of the operator's status fields under its own field manager;
-        fields owned by the runtime's manager are untouched."""
-        self.cache.put(KIND, _json(apply_status(self.custom, namespace, name, status,
-                                              OPERATOR_MANAGER, TIMEOUT,
-                                              _preload_content=False)))
+        fields owned by the runtime's manager are untouched.
+
+        An apply only sets and removes fields its manager owns: operator fields someone else
+        wrote (a hand edit through the status subresource: a condition type of their own, a
+        recovery.action the operator has no value for) would stay, the status would never
+        match the decision, and every reconcile would write it again. So when the applied
+        result still differs in the operator's fields, a merge patch makes them exactly the
+        decision's (the runtime's fields are not in it). Returns what the operator's fields
+        were replaced with by that patch, if one was needed (for the log)."""
+        made = _json(apply_status(self.custom, namespace, name, status, OPERATOR_MANAGER,
+                                  TIMEOUT, _preload_content=False))
+        stored = operator_fields(made.get("status") or {})
+        fix: Obj = {}
+        if needs_write(stored, status):
+            fix = merge_patch_to(stored, status)
+            made = _json(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": fix},
+                field_manager=OPERATOR_MANAGER, _preload_content=False,
+                _content_type="application/merge-patch+json", _request_timeout=TIMEOUT))
+        self.cache.put(KIND, made)
+        return fix
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]

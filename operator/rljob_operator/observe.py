@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from rljob_api.layout import DRIVER, HEAD
 from rljob_api.spec import FailureKind
 from rljob_api.status import parse_timestamp, timestamp
 from rljob_operator import names
@@ -127,6 +128,9 @@ class Observed:
     checkpoint_modes: tuple[str, ...] | None = None
     # Every node of the job's pods that is not Ready, lost or not (yet).
     outages: Mapping[str, NodeOutage] = field(default_factory=dict)
+    # The RayCluster's worker groups as they are: group → (replicas, minReplicas,
+    # maxReplicas); a hand edit of them shows here, not in the revision annotation.
+    cluster_groups: Mapping[str, tuple[object, object, object]] = field(default_factory=dict)
 
     def pending_losses(self) -> dict[str, NodeOutage]:
         """Nodes that are not Ready but do not count as lost yet: they may come back."""
@@ -313,9 +317,11 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
             if not owned_by(meta, uid):
                 in_the_way = in_the_way or InTheWay("Pod", driver_name, owner_words(meta))
                 continue
-        elif owner is not None and uid is not None and owner != cluster_uid:
+        elif uid is not None and (owner is None or owner != cluster_uid):
             # A pod of another RayCluster, or of one that is gone (the job's was deleted and
-            # its pods not collected yet): never taken for this job's compute pods.
+            # its pods not collected yet), or one that only wears the job's labels (made by
+            # hand, owned by nobody): never taken for this job's compute pods, so never
+            # counted, replaced or deleted as one of them.
             continue
         kept.append(pod)
     return _observe(job_name, raycluster, kept, nodes, hints, in_the_way, now, node_lost_after)
@@ -334,11 +340,13 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
     used = {v.node for v in views if v.node}
     cluster: ClusterState = "absent"
     revision = None
+    groups: dict[str, tuple[object, object, object]] = {}
     if raycluster is not None:
         deleting = raycluster["metadata"].get("deletionTimestamp") is not None
         cluster = "deleting" if deleting else "present"
         revision = (raycluster["metadata"].get("annotations") or {}).get(
             names.ANNOTATION_REVISION)
+        groups = cluster_groups(raycluster)
     outages = node_outages(nodes, used, node_lost_after)
     return Observed(
         cluster=cluster,
@@ -349,4 +357,76 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
         in_the_way=in_the_way,
         cluster_revision=revision,
         outages=outages,
+        cluster_groups=groups,
     )
+
+
+def cluster_groups(raycluster: Obj) -> dict[str, tuple[object, object, object]]:
+    """The worker groups' sizes as the RayCluster has them (whatever their type: a hand
+    edit may leave anything there)."""
+    spec = raycluster.get("spec") if isinstance(raycluster.get("spec"), dict) else {}
+    out: dict[str, tuple[object, object, object]] = {}
+    for group in (spec or {}).get("workerGroupSpecs") or []:
+        if isinstance(group, dict):
+            out[str(group.get("groupName"))] = (group.get("replicas"), group.get("minReplicas"),
+                                                group.get("maxReplicas"))
+    return out
+
+
+@dataclass(frozen=True)
+class Relabel:
+    """A child of the job, provably its own, whose labels were edited: the labels the
+    operator finds it by are put back (a merge patch of exactly these)."""
+
+    kind: str  # "Pod" or "RayCluster"
+    name: str
+    labels: Mapping[str, str]
+
+
+def _component_of(meta: Obj) -> str | None:
+    """A compute pod's component, from its own label or, where that was removed, from
+    KubeRay's labels (which the operator's templates line up with its components)."""
+    labels = meta.get("labels") or {}
+    own = labels.get(names.LABEL_COMPONENT)
+    if own in names.COMPUTE_COMPONENTS:
+        return str(own)
+    if labels.get("ray.io/node-type") == "head":
+        return HEAD
+    group = labels.get("ray.io/group")
+    return str(group) if group in names.COMPUTE_COMPONENTS else None
+
+
+def label_repairs(job_name: str, uid: str, raycluster: Obj | None,
+                  pods: Iterable[Obj]) -> list[Relabel]:
+    """The job's own children whose labels were edited by hand, with the labels to put
+    back. Why: the operator and `kubectl get -l rljob.io/job=NAME` find children by these
+    labels; one without them is missed by a fresh list (a running driver taken for a
+    deleted one, a restart counted for it). Own means provably so: the RayCluster and the
+    driver pod by an owner reference with the job's UID, compute pods by their controller
+    being that RayCluster; a look-alike is never relabelled."""
+    out: list[Relabel] = []
+    cluster_uid = None
+    if raycluster is not None and owned_by(raycluster["metadata"], uid):
+        cluster_uid = raycluster["metadata"].get("uid")
+        want = names.labels(job_name, HEAD)
+        out += _relabel("RayCluster", raycluster["metadata"], want)
+    driver = names.driver_name(job_name)
+    for pod in pods:
+        meta = pod["metadata"]
+        if meta.get("deletionTimestamp"):
+            continue
+        if meta["name"] == driver and owned_by(meta, uid):
+            out += _relabel("Pod", meta, names.labels(job_name, DRIVER))
+        elif cluster_uid is not None and _controller_uid(meta) == cluster_uid:
+            component = _component_of(meta)
+            want = names.labels(job_name, component or "")
+            if component is None:
+                del want[names.LABEL_COMPONENT]
+            out += _relabel("Pod", meta, want)
+    return out
+
+
+def _relabel(kind: str, meta: Obj, want: Mapping[str, str]) -> list[Relabel]:
+    have = meta.get("labels") or {}
+    missing = {k: v for k, v in want.items() if have.get(k) != v}
+    return [Relabel(kind, str(meta["name"]), missing)] if missing else []

@@ -25,6 +25,7 @@ from rljob_api.status import (
 )
 from rljob_api.status import Failure as LastFailure
 from rljob_operator import names
+from rljob_operator.builders import worker_groups
 from rljob_operator.decision import Actions, Decision, Event
 from rljob_operator.failures import (
     Failure,
@@ -56,7 +57,29 @@ def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
     """The operator's status fields and next actions for one job."""
     s = Situation.of(job, obs, now)
     if s.phase in TERMINAL_PHASES:
-        return _terminal(s)
+        if finished(s.stored):
+            return _terminal(s)
+        decision = _decide(replace(s, phase=None), job, obs)
+        message = (f"status.phase {s.phase} was not decided by the operator (no {s.phase}=True "
+                   "condition with it): the phase is decided again from the job's children")
+        return replace(decision, event=Event("Warning", "StatusRepaired", message))
+    return _decide(s, job, obs)
+
+
+def finished(status: Obj) -> bool:
+    """Whether a terminal phase is the operator's: it writes Succeeded or Failed only with
+    the condition of that name True and finishedAt, in one write. A terminal phase without
+    them was written by hand (or by a runtime gone wrong, through the status subresource)
+    and is not believed: taken at face value, it would tear down the compute of a job that
+    runs, for good."""
+    phase = status.get("phase")
+    conds = [c for c in status.get("conditions") or []
+             if c.get("type") == phase and c.get("status") == "True"]
+    return bool(conds) and parse_timestamp(status.get("finishedAt")) is not None
+
+
+def _decide(s: Situation, job: JobView, obs: Observed) -> Decision:
+    """The decision of a job that has not finished."""
     if job.spec is None:
         return _fail(s, "InvalidSpec", job.spec_error or "the spec is invalid")
     runtime = job.status.get("runtimeFailure")
@@ -375,7 +398,18 @@ def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
     if change is not None and (actions.patch_cluster or (
             s.driver_outdated(driver) and driver is not None and not driver.deleting)):
         event = Event("Normal", "SpecChanged", change)
+    elif actions.patch_cluster and s.resized_groups():
+        event = Event("Warning", "ChildRepaired", resized_message(s))
     return Decision(status, actions, event, requeue)
+
+
+def resized_message(s: Situation) -> str:
+    """What a hand edit of the RayCluster's worker groups is met with, in words."""
+    want = worker_groups(s.spec)
+    parts = [f"{g} {s.obs.cluster_groups.get(g, 'absent')} (the spec builds "
+             f"{want.get(g, 'none')})" for g in s.resized_groups()]
+    return ("the RayCluster's worker groups were edited by hand: " + "; ".join(parts)
+            + "; patched back to what the spec builds")
 
 
 def _readiness_event(s: Situation, ready: Condition) -> Event | None:
@@ -394,7 +428,8 @@ def _readiness_event(s: Situation, ready: Condition) -> Event | None:
 def _spec_change(s: Situation, driver: PodView | None) -> str | None:
     """What applying an edited spec still takes, in words; None when nothing is left."""
     steps = []
-    if s.cluster_outdated():
+    assert s.want is not None
+    if s.obs.cluster == "present" and s.obs.cluster_revision != s.want.cluster:
         steps.append("patching the RayCluster")
     outdated = s.outdated_pods()
     if outdated:

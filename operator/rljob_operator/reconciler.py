@@ -25,7 +25,7 @@ from rljob_operator.decision import Actions, Event
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
 from rljob_operator.memory import ClaimModes, Ensured, Memory, SupportCheck
 from rljob_operator.metrics import Metrics
-from rljob_operator.observe import observe
+from rljob_operator.observe import Relabel, label_repairs, observe, owned_by
 from rljob_operator.phases import decide
 from rljob_operator.situation import JobView, parse_job
 from rljob_operator.status import STARTING_PHASES, needs_write
@@ -118,9 +118,13 @@ class Reconciler:
         """The job, its RayCluster and its pods: from the cache, or fresh (then the cache is
         brought up to what was read; a job the API server no longer has leaves it)."""
         store = self.store
+        held: set[tuple[str, str]] = set()
         if store is not None:
             body = store.rljob(namespace, name)
             cluster, pods = store.raycluster(namespace, name), store.pods(namespace, name)
+            held = {(POD, p["metadata"]["name"]) for p in pods}
+            if cluster is not None:
+                held.add((RAYCLUSTER, cluster["metadata"]["name"]))
             if body is not None and not self._due_fresh(
                     namespace, name, overdue=self._overdue([cluster, *pods])):
                 return body, cluster, pods
@@ -133,6 +137,8 @@ class Reconciler:
             return None, None, []
         clusters, clusters_rv = self.kube.list_rayclusters(namespace, name)
         pods, pods_rv = self.kube.list_pods(namespace, name)
+        if store is not None:
+            clusters, pods = self._unlabelled(body, held, clusters, pods)
         if store is None:
             mine = names.raycluster_name(name)
             return body, next((c for c in clusters if c["metadata"]["name"] == mine), None), pods
@@ -142,6 +148,34 @@ class Reconciler:
         self._read_fresh(namespace, name, started)
         return (store.rljob(namespace, name), store.raycluster(namespace, name),
                 store.pods(namespace, name))
+
+    def _unlabelled(self, body: Obj, held: set[tuple[str, str]], clusters: list[Obj],
+                    pods: list[Obj]) -> tuple[list[Obj], list[Obj]]:
+        """A fresh read lists children by the job label. The children the store held
+        (`held`: kind and name) that the lists lack are read by name: gone (most often), or
+        with their label removed by hand; one of those is still the job's if it is owned by
+        it (the RayCluster and the driver by an owner reference with the job's UID, a
+        compute pod by the job's RayCluster as its controller), and it stays (and is
+        labelled again). Without this, a running pod would be taken for a deleted one and
+        the job restarted. Only what was held is read: a job's first read, and a resync
+        that finds what it held, cost no extra requests."""
+        meta = body["metadata"]
+        found = {RAYCLUSTER: list(clusters), POD: list(pods)}
+        for kind, child in sorted(held, key=lambda k: k[0] != RAYCLUSTER):
+            if any(o["metadata"]["name"] == child for o in found[kind]):
+                continue
+            fresh = self.kube.get_child(kind, meta["namespace"], child)
+            if fresh is None:
+                continue
+            owners = fresh.get("metadata") or {}
+            cluster = next((c for c in found[RAYCLUSTER] if c["metadata"]["name"]
+                            == names.raycluster_name(meta["name"])), None)
+            ours = owned_by(owners, meta["uid"]) or (
+                kind == POD and cluster is not None
+                and owned_by(owners, str(cluster["metadata"].get("uid"))))
+            if ours:
+                found[kind].append(fresh)
+        return found[RAYCLUSTER], found[POD]
 
     def _claim_modes(self, namespace: str, job: str, claim: str) -> tuple[str, ...] | None:
         """The access modes of the job's checkpoint claim. A claim's modes cannot change, so
@@ -210,6 +244,9 @@ class Reconciler:
             if in_the_way is None:
                 with self.memory.job((namespace, name)) as held:
                     held.in_the_way = None
+        repairs = label_repairs(name, ref.uid, cluster, pods)
+        if repairs:
+            self._relabel(body, repairs)
         now = self.clock()
         observed = observe(name, cluster, pods, nodes,
                            self.memory.hints((namespace, name)), uid=ref.uid,
@@ -220,7 +257,10 @@ class Reconciler:
                 namespace, name, job.spec.checkpoint.pvc))
         decision = decide(job, observed, now)
         if needs_write(job.status, decision.status):
-            self.kube.apply_status(namespace, name, decision.status)
+            fix = self.kube.apply_status(namespace, name, decision.status)
+            if fix:
+                log.warning("%s/%s: status fields written by someone else were replaced by "
+                            "the operator's: %s", namespace, name, ", ".join(sorted(fix)))
             self.metrics.status_writes.inc()
             self._count(body, job.status, decision.status, now)
         if decision.event is not None:
@@ -256,6 +296,18 @@ class Reconciler:
             return 0.0
         self.metrics.set_phase((namespace, name), decision.phase)
         return decision.requeue_after
+
+    def _relabel(self, body: Obj, repairs: list[Relabel]) -> None:
+        """Labels of the job's own children, removed or changed by hand, put back; said in
+        the log and an Event (who edits children by hand should learn it was undone)."""
+        meta = body["metadata"]
+        for fix in repairs:
+            self.kube.relabel(fix.kind, meta["namespace"], fix.name, dict(fix.labels))
+        what = ", ".join(f"{f.kind} {f.name} ({', '.join(sorted(f.labels))})"
+                         for f in repairs)
+        message = f"labels of the job's children edited by hand were put back: {what}"
+        log.warning("%s/%s: %s", meta["namespace"], meta["name"], message)
+        self.kube.post_event(body, Event("Warning", "ChildRepaired", message))
 
     def _support_due(self, ref: JobRef, generation: object, waiting: bool) -> bool:
         """Whether the objects the pods mount are checked now: at once when the job starts

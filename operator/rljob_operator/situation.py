@@ -60,6 +60,25 @@ def parse_job(body: Obj) -> JobView:
     )
 
 
+def stored_recovery(status: Obj, obs: Observed) -> RecoveryStatus:
+    """status.recovery as far as it can be believed. The status subresource takes any
+    value of the right type from whoever may write it (`kubectl edit --subresource=status`,
+    a runtime gone wrong): a recovery the model refuses is read as empty, and a restart
+    count below zero, or below the attempt of the job's own running driver pod (whose
+    annotation the operator wrote when it made the pod, after writing that count), is
+    taken as the driver's attempt; a count taken at face value would have the driver
+    replaced as one of an earlier attempt."""
+    try:
+        recovery = RecoveryStatus.model_validate(status.get("recovery") or {})
+    except ValidationError:
+        recovery = RecoveryStatus()
+    driver = obs.driver
+    floor = max(0, driver.restarts or 0) if driver is not None and not driver.deleting else 0
+    if recovery.restarts < floor:
+        recovery = recovery.model_copy(update={"restarts": floor})
+    return recovery
+
+
 @dataclass(frozen=True)
 class Situation:
     """One decision's inputs and what follows from them directly."""
@@ -78,7 +97,7 @@ class Situation:
     @classmethod
     def of(cls, job: JobView, obs: Observed, now: datetime) -> Situation:
         phase = job.status.get("phase")
-        recovery = RecoveryStatus.model_validate(job.status.get("recovery") or {})
+        recovery = stored_recovery(job.status, obs)
         if phase == Phase.recovering.value:
             recovery = refine_last_failure(recovery, obs)
         observed = job.status.get("observedGeneration")
@@ -122,8 +141,23 @@ class Situation:
         return tuple(p.name for p in self.obs.compute if not p.deleting and not self.current(p))
 
     def cluster_outdated(self) -> bool:
+        """The RayCluster was built from another spec, or its worker groups were resized by
+        hand: either way it is patched to what the current spec builds."""
         assert self.want is not None
-        return self.obs.cluster == "present" and self.obs.cluster_revision != self.want.cluster
+        return self.obs.cluster == "present" and (
+            self.obs.cluster_revision != self.want.cluster or bool(self.resized_groups()))
+
+    def resized_groups(self) -> list[str]:
+        """Worker groups whose sizes (replicas, minReplicas, maxReplicas) differ from what
+        the spec builds, or that the spec does not build: a hand edit the revision
+        annotation does not show (KubeRay scales to it, taking or dropping GPUs the job was
+        not given or needs)."""
+        if self.obs.cluster != "present" or not self.obs.cluster_groups:
+            return []
+        want = worker_groups(self.spec)
+        have = self.obs.cluster_groups
+        return sorted(g for g in {*want, *have}
+                      if have.get(g) != (want.get(g),) * 3)
 
     def driver_outdated(self, driver: PodView | None) -> bool:
         """A driver built from another spec (its pod, its config or its RayCluster)."""

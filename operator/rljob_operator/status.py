@@ -17,6 +17,7 @@ from rljob_api.status import (
     Condition,
     Phase,
     RecoveryStatus,
+    parse_timestamp,
     timestamp,
 )
 from rljob_api.status import Failure as LastFailure
@@ -48,6 +49,21 @@ def _normal(status: Obj) -> Obj:
 def needs_write(current: Obj, desired: Obj) -> bool:
     """Whether the operator's fields differ from what is stored (no write when equal)."""
     return _normal(operator_fields(current)) != _normal(desired)
+
+
+def merge_patch_to(current: Obj, desired: Obj) -> Obj:
+    """The JSON merge patch (RFC 7386) that turns `current` into `desired`: keys `desired`
+    lacks are set to null, maps are patched key by key, anything else is replaced."""
+    out: Obj = {k: None for k in current if k not in desired}
+    for key, want in desired.items():
+        have = current.get(key)
+        if isinstance(want, dict) and isinstance(have, dict):
+            sub = merge_patch_to(have, want)
+            if sub:
+                out[key] = sub
+        elif have != want:
+            out[key] = want
+    return out
 
 
 def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None,
@@ -85,7 +101,9 @@ def condition(s: Situation, kind: str, status: Literal["True", "False", "Unknown
     """A condition of this decision; its lastTransitionTime only moves when `status`
     changes."""
     prev = next((c for c in s.stored.get("conditions") or [] if c.get("type") == kind), None)
-    moved = prev is None or prev.get("status") != status
+    # A stored time that is no time (a hand-written status) is not carried over.
+    moved = prev is None or prev.get("status") != status \
+        or parse_timestamp(prev.get("lastTransitionTime")) is None
     return Condition(
         type=kind, status=status, reason=reason, message=message[:MESSAGE_MAX],
         last_transition_time=timestamp(s.now) if moved or prev is None
@@ -108,11 +126,17 @@ def build_status(s: Situation, phase: str, conditions: list[Condition],
     if since is not None and phase in STARTING_PHASES:
         out["startingSince"] = since
     started = s.stored.get("startedAt")
+    if parse_timestamp(started) is None:
+        started = None  # not a time: a hand-written status
     if started is None and phase == Phase.running.value:
         started = timestamp(s.now)
     if started:
         out["startedAt"] = started
-    finished_at = s.stored.get("finishedAt") or (timestamp(s.now) if finished else None)
+    # Only a finished job has one (a hand-written one on a job that runs is dropped).
+    finished_at = None
+    if finished:
+        stored = s.stored.get("finishedAt")
+        finished_at = stored if parse_timestamp(stored) is not None else timestamp(s.now)
     if finished_at:
         out["finishedAt"] = finished_at
     return out

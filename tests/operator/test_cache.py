@@ -268,6 +268,7 @@ class _FakeApi:
     def __init__(self, job: Obj | None, pods: list[Obj], list_rv: str) -> None:
         self.job, self.pod_list, self.list_rv = job, pods, list_rv
         self.reads: list[str] = []
+        self.gets: list[str] = []  # children read by name (held, missing from a list)
 
     def get_rljob(self, namespace: str, name: str) -> Obj | None:
         self.reads.append("get rljob")
@@ -280,6 +281,11 @@ class _FakeApi:
     def list_pods(self, namespace: str, job: str) -> tuple[list[Obj], str]:
         self.reads.append("list pods")
         return self.pod_list, self.list_rv
+
+    def get_child(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """A child the store held that the list lacks: gone, in these tests."""
+        self.gets.append(f"{kind} {name}")
+        return None
 
     def list_nodes(self, consistent: bool = False) -> list[Obj]:
         return []
@@ -321,6 +327,8 @@ def test_after_a_relist_each_job_is_read_fresh_once_and_what_vanished_in_the_gap
     store.watched(RLJOB, None, job)  # the watch lists again after 410 Gone
     assert [p for p in rec._read("ns", "j")[2]] == []
     assert len(api.reads) == 6 and store.pods("ns", "j") == []
+    # The held pod the list lacks was looked for by name once (gone, not just unlabelled).
+    assert api.gets == ["Pod driver"]
     now[0] = 102.0
     rec._read("ns", "j")
     assert len(api.reads) == 6  # once per relist, then the cache again
@@ -703,6 +711,9 @@ class _MiniApi:
 
     def list_pods(self, namespace: str, job: str) -> tuple[list[Obj], str]:
         return [], "1"
+
+    def get_child(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return self.objects.get((kind, name))
 
     def list_nodes(self, consistent: bool = False) -> list[Obj]:
         return []

@@ -12,12 +12,14 @@ from rljob_api.spec import RLJobSpec
 from rljob_api.status import OPERATOR_FIELDS
 from rljob_api.status import timestamp as iso
 from rljob_api.validate import spec_problems
+from rljob_operator import names
 from rljob_operator.builders import JobRef, revisions
+from rljob_operator.cache import Store
 from rljob_operator.decision import Actions, Decision
-from rljob_operator.observe import FailureHint, InTheWay, observe
-from rljob_operator.phases import backoff_seconds, decide
+from rljob_operator.observe import FailureHint, InTheWay, Relabel, label_repairs, observe
+from rljob_operator.phases import backoff_seconds, decide, finished
 from rljob_operator.situation import parse_job
-from rljob_operator.status import needs_write, resume_figures
+from rljob_operator.status import merge_patch_to, needs_write, resume_figures
 
 pytestmark = pytest.mark.unit
 Obj = dict[str, Any]
@@ -614,6 +616,15 @@ OURS = [{"apiVersion": "rljob.io/v1alpha1", "kind": "RLJob", "name": "rl", "uid"
          "controller": True}]
 
 
+def of_cluster(pods: list[Obj], uid: str = "rc-1") -> list[Obj]:
+    """Compute pods as KubeRay makes them: controlled by the RayCluster with `uid`."""
+    out = copy.deepcopy(pods)
+    for p in out:
+        p["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "name": "rl", "uid": uid,
+                                             "controller": True}]
+    return out
+
+
 def decide_owned(body: Obj, rc: Obj | None, pods: list[Obj],
                  in_the_way: InTheWay | None = None, now: datetime = T0) -> Decision:
     """A decision on what observe makes of the children when it knows the job's UID."""
@@ -640,13 +651,13 @@ def test_a_raycluster_of_the_jobs_name_that_is_not_its_own_blocks_the_job() -> N
     assert conditions(late)["Failed"]["reason"] == "ObjectInTheWay"
     assert not late.actions.delete_cluster  # never someone else's
     mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
-    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+    assert decide_owned(job(), mine, of_cluster(compute())).actions.create_driver is not None
 
 
 def test_a_driver_pod_name_taken_by_someone_else_blocks_and_is_left_alone() -> None:
     mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
     squatter = pod("rl-driver", "driver")
-    d = decide_owned(job(RUNNING), mine, [*compute(), squatter])
+    d = decide_owned(job(RUNNING), mine, [*of_cluster(compute()), squatter])
     assert started(d)["reason"] == "ObjectInTheWay"
     assert "Pod ns/rl-driver exists" in started(d)["message"]
     assert "it has no owner" in started(d)["message"]
@@ -660,7 +671,7 @@ def test_an_object_found_by_a_create_blocks_until_it_is_gone() -> None:
     assert "ConfigMap ns/rl-spec" in conditions(d)["Ready"]["message"]
     assert not d.actions.create_cluster
     assert decide_owned(applied(job(), d), None, []).actions.create_cluster
-    assert decide_owned(job(), mine, compute()).actions.create_driver is not None
+    assert decide_owned(job(), mine, of_cluster(compute())).actions.create_driver is not None
 
 
 def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
@@ -668,9 +679,22 @@ def test_pods_of_another_raycluster_are_not_this_jobs() -> None:
     old = pod("rl-trainer-worker-old", "trainer")
     old["metadata"]["ownerReferences"] = [{"kind": "RayCluster", "uid": "rc-0",
                                            "controller": True}]
-    obs = observe("rl", mine, [*compute(), old], [READY_NODE], uid="u")
+    obs = observe("rl", mine, [*of_cluster(compute()), old], [READY_NODE], uid="u")
     assert "rl-trainer-worker-old" not in {p.name for p in obs.compute}
     assert len(obs.compute) == len(COMPUTE)
+
+
+def test_a_pod_that_only_wears_the_jobs_labels_is_not_its_compute_pod() -> None:
+    """Made by hand with the job's labels and owned by nobody: never counted, replaced or
+    deleted as one of the job's pods (it has no revision: taken for the job's, it would be
+    replaced as outdated, i.e. deleted)."""
+    mine = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS}}
+    fake = pod("rl-rollout-worker-fake", "rollout", annotations={"rljob.io/revision": "x"})
+    ours = driver()
+    ours["metadata"]["ownerReferences"] = OURS
+    d = decide_owned(job(RUNNING), mine, [*of_cluster(compute()), ours, fake])
+    assert "rl-rollout-worker-fake" not in {*d.actions.replace_pods, *d.actions.delete_pods}
+    assert d.status["phase"] == "Running"
 
 
 # -- spec edits on a running job --------------------------------------------------------------
@@ -930,3 +954,140 @@ def test_a_recoverys_slow_replacement_pod_restarts_again_never_fails_the_job() -
     d = run(spent, slow, now=late)
     assert d.status["phase"] == "Failed"
     assert conditions(d)["Failed"]["reason"] == "RestartLimitExceeded"
+
+
+# -- hand edits (the control-plane test is test_operator_chaos.py) ----------------------------
+
+MINE: Obj = {"metadata": {"name": "rl", "uid": "rc-1", "ownerReferences": OURS},
+             "spec": {"workerGroupSpecs": [
+                 {"groupName": "trainer", "replicas": 1, "minReplicas": 1, "maxReplicas": 1},
+                 {"groupName": "rollout", "replicas": 2, "minReplicas": 2, "maxReplicas": 2}]}}
+
+
+def owned_driver(restarts: int = 0) -> Obj:
+    d = driver(restarts=restarts)
+    d["metadata"]["ownerReferences"] = OURS
+    return d
+
+
+def decide_on(status: Obj, rc: Obj = MINE, pods: list[Obj] | None = None) -> Any:
+    body = job(status)
+    pods = pods if pods is not None else [*of_cluster(compute_pods()), owned_driver()]
+    pods, cluster = built(body, pods, rc)
+    return decide(parse_job(body), observe("rl", cluster, pods, [READY_NODE], uid="u"), T0)
+
+
+def compute_pods() -> list[Obj]:
+    return [pod(n, c) for n, c in COMPUTE]
+
+
+# -- the watch cache -------------------------------------------------------------------------
+
+def test_a_child_whose_label_was_removed_is_filed_under_its_job_by_owner() -> None:
+    store = Store()
+    store.put("RLJob", {"metadata": {"name": "rl", "namespace": "ns", "resourceVersion": "1"}})
+    drv = {"metadata": {"name": "rl-driver", "namespace": "ns", "resourceVersion": "2",
+                        "labels": {names.LABEL_JOB: "rl"}, "ownerReferences": OURS}}
+    store.put("Pod", drv)
+    bare = copy.deepcopy(drv)
+    bare["metadata"]["labels"] = {}
+    bare["metadata"]["resourceVersion"] = "3"
+    store.watched("Pod", "MODIFIED", bare)
+    assert [p["metadata"]["resourceVersion"] for p in store.pods("ns", "rl")] == ["3"]
+    worker = {"metadata": {"name": "rl-rollout-x", "namespace": "ns", "resourceVersion": "4",
+                           "ownerReferences": [{"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                                                "name": "rl", "uid": "rc-1",
+                                                "controller": True}]}}
+    assert Store.job_of(worker) == ("ns", "rl")
+    stranger = {"metadata": {"name": "x", "namespace": "ns", "ownerReferences": [
+        {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rl", "controller": True}]}}
+    assert Store.job_of(stranger) is None
+
+
+# -- labels put back -------------------------------------------------------------------------
+
+def test_labels_are_put_back_only_on_the_jobs_own_children() -> None:
+    rc = copy.deepcopy(MINE)
+    rc["metadata"]["labels"] = {}
+    drv = owned_driver()
+    drv["metadata"]["labels"] = {}
+    head = of_cluster([pod("rl-head-a", "head")])[0]
+    head["metadata"]["labels"] = {"ray.io/node-type": "head", "ray.io/group": "headgroup"}
+    worker = of_cluster([pod("rl-rollout-worker-a", "rollout")])[0]
+    del worker["metadata"]["labels"][names.LABEL_COMPONENT]
+    worker["metadata"]["labels"]["ray.io/group"] = "rollout"
+    lookalike = pod("rl-rollout-worker-z", "rollout")  # owned by nobody
+    lookalike["metadata"]["labels"] = {}
+    other = of_cluster([pod("rl-trainer-worker-o", "trainer")], uid="another-cluster")[0]
+    other["metadata"]["labels"] = {}
+    fixes = {f.name: f for f in label_repairs("rl", "u", rc,
+                                              [drv, head, worker, lookalike, other])}
+    assert set(fixes) == {"rl", "rl-driver", "rl-head-a", "rl-rollout-worker-a"}
+    assert fixes["rl"] == Relabel("RayCluster", "rl", names.labels("rl", "head"))
+    assert fixes["rl-driver"].labels == names.labels("rl", "driver")
+    assert fixes["rl-head-a"].labels == names.labels("rl", "head")
+    assert fixes["rl-rollout-worker-a"].labels == {names.LABEL_JOB: "rl",
+                                                   names.LABEL_COMPONENT: "rollout",
+                                                   names.LABEL_MANAGED_BY: "rljob-operator"}
+    # A RayCluster the job does not own: neither it nor its pods are touched.
+    foreign = copy.deepcopy(rc)
+    foreign["metadata"]["ownerReferences"] = []
+    assert [f.name for f in label_repairs("rl", "u", foreign, [head])] == []
+
+
+# -- worker groups resized by hand -------------------------------------------------------------
+
+def test_a_worker_group_resized_by_hand_is_patched_back_and_said_so() -> None:
+    rc = copy.deepcopy(MINE)
+    rc["spec"]["workerGroupSpecs"][1].update(replicas=3, minReplicas=3, maxReplicas=3)
+    d = decide_on(RUNNING, rc)
+    assert d.actions.patch_cluster and d.status["phase"] == "Running"
+    assert d.event is not None and d.event.reason == "ChildRepaired"
+    assert "rollout (3, 3, 3) (the spec builds 2)" in d.event.message
+    assert not decide_on(RUNNING).actions.patch_cluster
+
+
+# -- a status written by hand ----------------------------------------------------------------
+
+def test_a_terminal_phase_the_operator_did_not_write_is_decided_again() -> None:
+    """A bare phase: Succeeded on a job that runs would otherwise delete its RayCluster."""
+    d = decide_on({**RUNNING, "phase": "Succeeded"})
+    assert d.status["phase"] == "Running" and not d.actions.delete_cluster
+    assert d.event is not None and d.event.reason == "StatusRepaired"
+    assert "finishedAt" not in d.status
+    done = {**RUNNING, "phase": "Succeeded", "finishedAt": iso(T0), "conditions": [
+        {"type": "Succeeded", "status": "True", "reason": "DriverSucceeded",
+         "lastTransitionTime": iso(T0)}]}
+    assert finished(done)
+    assert decide_on(done).actions.delete_cluster  # the operator's own: final
+
+
+def test_a_restart_count_below_the_running_drivers_attempt_is_not_believed() -> None:
+    d = decide_on({**RUNNING, "recovery": {"restarts": -7, "maxRestarts": 2}})
+    assert d.status["recovery"]["restarts"] == 0
+    assert not d.actions.delete_driver and d.status["phase"] == "Running"
+    pods = [*of_cluster(compute_pods()), owned_driver(restarts=2)]
+    d = decide_on({**RUNNING, "recovery": {"restarts": 1, "maxRestarts": 2}}, pods=pods)
+    assert d.status["recovery"]["restarts"] == 2 and not d.actions.delete_driver
+
+
+def test_times_that_are_no_times_are_not_carried_over() -> None:
+    stored = {**RUNNING, "startedAt": "garbage", "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Running", "message": "",
+         "lastTransitionTime": "not a time"}]}
+    d = decide_on(stored)
+    assert conditions(d)["Ready"]["lastTransitionTime"] == iso(T0)
+    assert d.status["startedAt"] == iso(T0)
+
+
+def test_the_merge_patch_makes_the_operators_fields_exactly_the_decisions() -> None:
+    stored = {"phase": "Running", "conditions": [{"type": "Hacked"}],
+              "recovery": {"restarts": 0, "action": "Nonsense", "lastFailure": {"reason": "x",
+                                                                               "step": 3}},
+              "startingSince": "garbage"}
+    desired = {"phase": "Running", "conditions": [{"type": "Ready"}],
+               "recovery": {"restarts": 0, "lastFailure": {"reason": "x"}}}
+    patch = merge_patch_to(stored, desired)
+    assert patch == {"startingSince": None, "conditions": [{"type": "Ready"}],
+                     "recovery": {"action": None, "lastFailure": {"step": None}}}
+    assert needs_write(stored, desired) and not needs_write(desired, desired)
