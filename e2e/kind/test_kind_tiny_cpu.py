@@ -1,11 +1,12 @@
 """The tiny CPU job in real pods on kind, driven as a user would (kubectl, helm).
 
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
-meant for it, it checkpoints, loses a trainer pod and its driver pod, is suspended and
-resumed, and loses a whole worker node (each time resuming from its last verified checkpoint,
-as reported by the runtime that resumed), finishes with step, reward and checkpoint in
-`kubectl get rljobs`, and deleting it removes every child. Every fact asserted about
-progress, placement and recovery comes from the real runtime's processes (their status
+meant for it, user code cannot use the job's API token and a pod of another namespace cannot
+use its engines or weight-sync store, it checkpoints, loses a trainer pod and its driver pod,
+is suspended and resumed, and loses a whole worker node (each time resuming from its last
+verified checkpoint, as reported by the runtime that resumed), finishes with step, reward and
+checkpoint in `kubectl get rljobs`, and deleting it removes every child. Every fact asserted
+about progress, placement and recovery comes from the real runtime's processes (their status
 reports and logs), never from the test.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from e2e.kind.foreign_peer import assert_foreign_pod_refused
 from e2e.kind.kindcluster import EXAMPLE, KindCluster
 from rljob_api.layout import API_TOKEN_DIR, RAY_NODE_UID
 from tests.polling import wait_for
@@ -227,6 +229,9 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     # Nor can user code reach the job's Kubernetes API token (the status is the runtime's:
     # the phase and checkpoint above came from the driver).
     _assert_ray_node_cannot_use_the_token(cluster)
+    # Nor can a pod of another namespace use the job's engines or weight-sync store: refused
+    # without the job's peer key (and by the network where NetworkPolicies are enforced).
+    assert_foreign_pod_refused(cluster, NAMESPACE, JOB, timeout=STEP_S)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")
