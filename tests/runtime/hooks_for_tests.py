@@ -123,17 +123,3 @@ async def recording_reward(args: HookArgs, sample: Sample) -> float:
     reward = await default_reward(args, sample)
     REWARDED.append(dataclasses.replace(sample, reward=reward))
     return reward
-
-
-SECRET_ENV = "RLJOB_TEST_SECRET"  # a file path: a secret of the driver's, readable by root
-
-
-async def secret_probe_reward(args: HookArgs, sample: Sample) -> float:
-    """1.0 for every sample, if the hook cannot read the driver's secret (the file named by
-    RLJOB_TEST_SECRET, as the job's API token in the driver pod): the run fails if it can."""
-    path = Path(os.environ[SECRET_ENV])
-    try:
-        path.read_bytes()
-    except PermissionError:
-        return 1.0
-    raise RuntimeError(f"a reward hook read {path} (uid {os.geteuid()})")

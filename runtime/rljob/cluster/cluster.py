@@ -178,11 +178,9 @@ class Cluster:
             except (ray_node.JoinError, ValueError) as err:
                 raise JobError(exits.FAILED, f"RayJoinFailed: {err}") from None
             ray.init(**self.node.init_kwargs(), runtime_env=runtime_env, log_to_driver=False)
-            self.node.give_back_files()
             self.started_ray = True
             print(f"ray: joined {self.options.join} as node "
                   f"{ray.get_runtime_context().get_node_id()} (resource {DRIVER_RESOURCE}, "
-                  f"uid {self.node.uid if self.node.uid is not None else os.geteuid()}, "
                   f"temp dir {self.node.temp_dir})", flush=True)
         elif self.options.ray_address:
             ray.init(address=self.options.ray_address, runtime_env=runtime_env,

@@ -15,12 +15,6 @@ driver deliberately keeps next to itself ask for, and the driver connects to it 
 `ray.init(address="auto")`. The node runs in a private temp dir and a process group of its
 own: connecting finds exactly this node, and stopping it at exit ends exactly its processes,
 even on a machine that runs other Ray nodes.
-
-A driver that runs as root starts its node as RAY_NODE_UID. The driver pod holds the job's
-Kubernetes API token, readable by root alone, and the actors on the driver's node run code
-the driver does not vouch for: the rollout worker calls the users' reward and generate hooks,
-and Ray may place any actor that asks for no CPU there. As another user they can read neither
-the token nor the driver's memory, so only the driver process can write the job's status.
 """
 
 from __future__ import annotations
@@ -31,7 +25,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -41,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rljob_api import env
-from rljob_api.layout import API_TOKEN_DIR, DRIVER_RESOURCE, RAY_NODE_UID
+from rljob_api.layout import DRIVER_RESOURCE
 
 START_TIMEOUT_S = 300.0  # the head may still be starting when a new driver comes up
 RESOLVE_TIMEOUT_S = 60.0
@@ -98,7 +91,6 @@ class JoinedNode:
     temp_dir: Path
     pgid: int
     ip: str | None
-    uid: int | None = None  # the user the node's processes run as, when not the driver's
 
     def init_kwargs(self) -> dict[str, Any]:
         """What `ray.init` needs to connect to this node and no other one on the host."""
@@ -106,17 +98,6 @@ class JoinedNode:
         if self.ip:
             kwargs["_node_ip_address"] = self.ip
         return kwargs
-
-    def give_back_files(self) -> None:
-        """Hand what the driver made below the node's temp dir when it connected (its
-        session's folders, `logs/export_events` among them) to the node's user: workers
-        started there write their own files into those folders and abort if they cannot."""
-        if self.uid is None:
-            return
-        for folder, dirs, files in os.walk(self.temp_dir):
-            for name in (folder, *(os.path.join(folder, n) for n in (*dirs, *files))):
-                with contextlib.suppress(FileNotFoundError):
-                    os.lchown(name, self.uid, self.uid)
 
     def stop(self) -> None:
         """SIGTERM to the node's process group (the raylet ends its workers), then SIGKILL to
@@ -146,10 +127,10 @@ def group_alive(pgid: int) -> bool:
         with contextlib.suppress(ChildProcessError):
             while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
-    for stat_file in proc.glob("[0-9]*/stat"):
+    for stat in proc.glob("[0-9]*/stat"):
         try:
             # pid (comm) state ppid pgrp ...; comm may hold spaces, so split after ")".
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
@@ -190,28 +171,12 @@ def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
     # Short: Ray puts unix sockets below it, and their paths are limited to 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rljob-ray-", dir="/tmp"))
     ip = node_ip()
-    uid = node_user()
     log = temp_dir / "ray-start.log"
-    environ = dict(os.environ)
-    if uid is not None:
-        # The node writes its sessions, logs and caches below its temp dir, its own.
-        home = temp_dir / "home"
-        home.mkdir()
-        for path in (temp_dir, home):
-            os.chown(path, uid, uid)
-        environ["HOME"] = str(home)
-    else:
-        token = Path(API_TOKEN_DIR) / "token"
-        if token.exists():
-            print(f"ray: this driver runs as uid {os.geteuid()}, not root, so its Ray node "
-                  f"runs as the same user: actors placed on it (the rollout worker with the "
-                  f"reward and generate hooks) can read {token}", flush=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(ray_start_command(address, temp_dir, ip), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=environ, user=uid, group=uid,
-                                extra_groups=[] if uid is not None else None)
-    node = JoinedNode(address, temp_dir, proc.pid, ip, uid)
+                                start_new_session=True)
+    node = JoinedNode(address, temp_dir, proc.pid, ip)
     try:
         code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -223,32 +188,6 @@ def join(address: str, timeout_s: float = START_TIMEOUT_S) -> JoinedNode:
         node.stop()
         raise JoinError(f"`ray start --address={address}` exited with {code}:\n{output}")
     return node
-
-
-def node_user() -> int | None:
-    """The user the driver's Ray node runs as: RAY_NODE_UID when the driver is root (in its
-    pod) and that user can run this Python, else None (the driver's own user), saying why."""
-    if os.geteuid() != 0:
-        return None
-    closed = closed_to_others()
-    if closed:
-        print(f"ray: the driver's Ray node runs as root, as this driver: uid {RAY_NODE_UID} "
-              f"cannot run {sys.executable} ({', '.join(map(str, closed))} not open to other "
-              "users)", flush=True)
-        return None
-    return RAY_NODE_UID
-
-
-def closed_to_others() -> list[Path]:
-    """The folders on the way to this Python and its libraries that users other than their
-    owner and group cannot enter (a Python installed in root's home, say)."""
-    closed: list[Path] = []
-    for start in {Path(sys.executable).resolve(), Path(sys.base_prefix).resolve(),
-                  Path(sys.prefix).resolve()}:
-        for folder in (start, *start.parents):
-            if folder.is_dir() and not folder.stat().st_mode & stat.S_IXOTH:
-                closed.append(folder)
-    return sorted(set(closed))
 
 
 def redacted(text: str) -> str:
