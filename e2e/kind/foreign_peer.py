@@ -156,8 +156,6 @@ def assert_foreign_pod_refused(cluster: KindCluster, namespace: str, job: str,
     assert policy["metadata"]["ownerReferences"][0]["uid"] == uid, policy["metadata"]
     engine = _engine_pod(cluster, namespace, job)
     engine_name = engine["metadata"]["name"]
-    version_before = int(((rljob.get("status") or {}).get("progress") or {})
-                         .get("weightVersion") or 0)
     head = names.head_service(job, namespace)
     foreign = f"rljob-foreign-{uuid.uuid4().hex[:6]}"
     env = {"ENGINE_URL": f"http://{engine['status']['podIP']}:{layout.ENGINE_PORT}",
@@ -202,9 +200,14 @@ def assert_foreign_pod_refused(cluster: KindCluster, namespace: str, job: str,
         value = store["trainer_value"]
         tag = value[:64]
         assert len(tag) == 64 and all(c in "0123456789abcdef" for c in tag), value
-        wait_for(lambda: int(((cluster.get("rljob", job, "-n", namespace).get("status") or {})
-                              .get("progress") or {}).get("weightVersion") or 0)
-                 >= version_before + 2,
+
+        def version() -> int:
+            status = cluster.get("rljob", job, "-n", namespace).get("status") or {}
+            return int((status.get("progress") or {}).get("weightVersion") or 0)
+
+        # Read once the forged registration is in the store (the pod has finished).
+        version_after_probe = version()
+        wait_for(lambda: version() >= version_after_probe + 2,
                  timeout=timeout, interval=5,
                  what="two more weight versions served after the forged registration")
     else:

@@ -545,7 +545,10 @@ def build_rbac(job: JobRef) -> list[Obj]:
     Only the driver pod runs as this ServiceAccount with a token mounted: it is the one
     process that writes the job's status (progress, checkpoints, what it resumed from,
     runtime failures). The Ray pods mount no token at all (`_pod_template`), so a
-    compromised trainer or engine, or a user's reward hook on them, cannot write any status.
+    compromised trainer or engine cannot write any status. The users' reward and generate
+    hooks are not kept from it: they run in the rollout worker, an actor on the driver pod's
+    own Ray node, as the driver's user, so they can read the token and write this job's
+    status (and nothing else, as this Role says).
     """
     sa = names.service_account_name(job.name)
     role = names.role_name(job.name)

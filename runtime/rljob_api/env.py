@@ -45,7 +45,7 @@ RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 # The job's peer key: what its own processes prove to each other with. Engines (ours and
 # SGLang, through --api-key) refuse a request without `Authorization: Bearer <key>`, and
 # every value written to the weight-sync store carries an HMAC under it that readers check
-# before they parse anything (`rljob.peer_auth`). In pods it is derived from RAY_AUTH_TOKEN,
+# before they parse anything (`rljob.weightsync.auth`). In pods it is derived from RAY_AUTH_TOKEN,
 # which every pod of the job has from the job's Secret; `rljob run` on one machine makes a
 # random one and hands it to its Ray workers in this variable.
 PEER_KEY = "RLJOB_PEER_KEY"

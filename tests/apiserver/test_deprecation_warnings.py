@@ -7,6 +7,7 @@ and moving a job from gpus to engines is an ordinary `kubectl apply`."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,7 +40,7 @@ def _warnings(stderr: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def policy_in_effect(control_plane: ControlPlane) -> None:
+def policy_in_effect(control_plane: ControlPlane) -> Iterator[None]:
     """The API server loads admission policies asynchronously: wait until a server-side dry
     run of a job with gpus is answered with the warning."""
     ns = "deprecation-wait"
@@ -49,7 +50,12 @@ def policy_in_effect(control_plane: ControlPlane) -> None:
         proc = _kubectl(control_plane, ns, "create", _job("probe", gpus=1), "--dry-run=server")
         return bool(_warnings(proc.stderr))
 
-    wait_for(warned, timeout=60, interval=1.0, what=f"admission policy {POLICY_NAME} warning")
+    try:
+        wait_for(warned, timeout=60, interval=1.0,
+                 what=f"admission policy {POLICY_NAME} warning")
+        yield
+    finally:
+        control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def test_creating_a_job_with_gpus_is_warned_about_and_admitted(

@@ -189,7 +189,7 @@ def test_service_account_holds_no_more_than_the_operator_uses(
                            ("create", "roles.rbac.authorization.k8s.io"), ("create", "events"),
                            ("create", "secrets"), ("create", "persistentvolumeclaims"),
                            ("get", "configmaps"), ("get", "persistentvolumeclaims"),
-                           ("patch", "rayclusters.ray.io"),
+                           ("patch", "rayclusters.ray.io"), ("patch", "pods"),
                            ("create", "networkpolicies.networking.k8s.io"),
                            ("get", "networkpolicies.networking.k8s.io")]:
         assert _can(cluster, token, verb, resource, namespace), f"cannot {verb} {resource}"

@@ -359,7 +359,7 @@ def test_network_policy_admits_exactly_the_jobs_own_pods(placement: str) -> None
     on any port (engines, the store, Ray's ports of its choosing), and a pod of another job,
     an unlabelled pod of the same namespace, or a pod of another namespace that copies the
     job's labels reaches none of them."""
-    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"gpus": 2, "gpusPerEngine": 1}}
+    gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"engines": 2, "gpusPerEngine": 1}}
     s = spec(placement=placement, **gpus)
     policy = builders.build_network_policy(JOB)
     assert policy["apiVersion"] == "networking.k8s.io/v1"

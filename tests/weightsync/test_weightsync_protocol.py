@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
@@ -270,7 +271,8 @@ def test_sidecar_names_itself_after_its_pod_unless_told(monkeypatch: pytest.Monk
     assert (cfg.engine_name, cfg.listen_port) == ("e7", 8093)
 
 
-SERVER = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=4, nccl_port=31000)
+SERVER = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=4, nccl_port=31000,
+                      api_key="k")
 
 
 def test_sglang_args_pass_through_and_owned_args_are_ours() -> None:
@@ -356,7 +358,7 @@ def test_a_colocated_sglang_starts_with_its_memory_saver_once() -> None:
     """Releasing SGLang's memory for the trainer needs --enable-memory-saver at start;
     a user's own value for it does not add a second flag or switch it off."""
     colocated = SGLangServer(model_path="/model", host="0.0.0.0", port=30000, tp_size=1,
-                             nccl_port=31000, memory_saver=True)
+                             nccl_port=31000, memory_saver=True, api_key="k")
     for user in ({}, {"enable-memory-saver": "true"}, {"enable-memory-saver": "false"}):
         assert build_command(colocated, user).count("--enable-memory-saver") == 1
     assert "--enable-memory-saver" not in build_command(SERVER, {})
@@ -390,3 +392,9 @@ def test_opposite_infinities_in_one_span_are_named() -> None:
     views[0][1][0] = float("inf")
     views[2][1][3] = float("-inf")
     assert nonfinite_names(views) == ["a", "c"]
+
+
+def test_an_sglang_engine_never_starts_without_the_peer_key() -> None:
+    """Without --api-key SGLang would serve its weight-update routes to anyone."""
+    with pytest.raises(ValueError, match="peer key"):
+        build_command(dataclasses.replace(SERVER, api_key=""), {})

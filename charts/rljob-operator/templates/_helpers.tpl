@@ -51,7 +51,8 @@ watches). The per-job ServiceAccount/Role/RoleBinding it creates may grant only 
 holds itself (RBAC refuses anything else), so no `escalate` or `bind` is needed. The driver
 is a bare Pod; failed or stranded compute pods are deleted for recovery. `get` on what it
 creates: when a child's name is taken, it reads the owner references to adopt only the
-job's own object. RayClusters are patched when the spec of a running job changes.
+job's own object. RayClusters are patched when the spec of a running job changes; pods and
+RayClusters also to put back the job's labels where someone removed them.
 */}}
 {{- define "rljob-operator.namespacedRules" -}}
 - apiGroups: ["rljob.io"]
@@ -65,7 +66,7 @@ job's own object. RayClusters are patched when the spec of a running job changes
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create", "patch"]

@@ -97,6 +97,10 @@ def build_command(server: SGLangServer, sglang_args: Mapping[str, str]) -> list[
             f"spec.rollout.sglangArgs sets {', '.join(reserved)}, which rljob sets itself "
             "(tensor parallel size comes from spec.rollout.gpusPerEngine); remove them"
         )
+    if not server.api_key:
+        # Without --api-key SGLang serves every route, the weight updates that unpickle their
+        # bodies included, to whoever connects: an engine never starts that way.
+        raise ValueError("an SGLang engine needs the job's peer key (SGLangServer.api_key)")
     argv = [server.python, "-m", "sglang.launch_server"]
     owned = {
         "model-path": server.model_path,
@@ -107,7 +111,7 @@ def build_command(server: SGLangServer, sglang_args: Mapping[str, str]) -> list[
         "nccl-port": str(server.nccl_port),
         "base-gpu-id": str(server.base_gpu_id),
         "weight-version": server.weight_version,
-        **({"api-key": server.api_key} if server.api_key else {}),
+        "api-key": server.api_key,
     }
     for key, value in owned.items():
         argv += [_flag(key), value]
@@ -215,7 +219,7 @@ def launch(
                     env=env, startup_deadline_s=startup_deadline_s)
     try:
         EngineClient(f"http://{server.host}:{server.port}",
-                     api_key=server.api_key or None).check_version()
+                     api_key=server.api_key).check_version()
     except BaseException:
         stop(process, grace_s=0)
         raise
