@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from rljob_api.deprecations import POLICY_FILE
-from tests.controlplane import REPO, ControlPlane, k8s_bin_dir
+from tests.controlplane import REPO, ControlPlane, k8s_bin_dir, temporary_namespace
 
 CRD_PATH = REPO / "crds" / "rljob.io_rljobs.yaml"
 # The admission policy that warns about deprecated fields, shipped beside the CRD.
@@ -62,12 +62,8 @@ def cluster(control_plane: ControlPlane) -> ControlPlane:
 
 @pytest.fixture
 def namespace(control_plane: ControlPlane) -> Iterator[str]:
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    control_plane.kubectl("create", "namespace", name)
-    try:
+    with temporary_namespace(control_plane, f"t-{uuid.uuid4().hex[:8]}") as name:
         yield name
-    finally:
-        control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture

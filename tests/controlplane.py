@@ -11,6 +11,7 @@ Python clients accept. `stop()` kills every process even after a failed test.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -569,3 +571,13 @@ def fake_node(name: str, gpus: int, labels: dict[str, str] | None = None) -> dic
         "spec": {},
         "status": {"capacity": capacity, "allocatable": capacity},
     }
+
+
+@contextlib.contextmanager
+def temporary_namespace(control_plane: ControlPlane, name: str) -> Iterator[str]:
+    """Namespace `name`, deleted (without waiting) when the block ends."""
+    control_plane.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rljob_api.deprecations import DEPRECATED_FIELDS, POLICY_NAME, deprecation_warnings
-from tests.controlplane import ControlPlane
+from tests.controlplane import ControlPlane, temporary_namespace
 from tests.polling import wait_for
 from tests.specs import base_job
 
@@ -43,19 +43,15 @@ def _warnings(stderr: str) -> list[str]:
 def policy_in_effect(control_plane: ControlPlane) -> Iterator[None]:
     """The API server loads admission policies asynchronously: wait until a server-side dry
     run of a job with gpus is answered with the warning."""
-    ns = "deprecation-wait"
-    control_plane.kubectl("create", "namespace", ns)
+    with temporary_namespace(control_plane, "deprecation-wait") as ns:
+        def warned() -> bool:
+            proc = _kubectl(control_plane, ns, "create", _job("probe", gpus=1),
+                            "--dry-run=server")
+            return bool(_warnings(proc.stderr))
 
-    def warned() -> bool:
-        proc = _kubectl(control_plane, ns, "create", _job("probe", gpus=1), "--dry-run=server")
-        return bool(_warnings(proc.stderr))
-
-    try:
         wait_for(warned, timeout=60, interval=1.0,
                  what=f"admission policy {POLICY_NAME} warning")
         yield
-    finally:
-        control_plane.kubectl("delete", "namespace", ns, "--wait=false")
 
 
 def test_creating_a_job_with_gpus_is_warned_about_and_admitted(

@@ -29,7 +29,7 @@ import pytest
 from kubernetes import client
 
 from rljob_api.status import parse_timestamp
-from tests.controlplane import ControlPlane
+from tests.controlplane import ControlPlane, temporary_namespace
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import pods, status, wait_phase
 from tests.operator_process import Operator
@@ -200,12 +200,8 @@ def operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[
 @pytest.fixture
 def other_ns(cluster: ControlPlane, namespace: str) -> Iterator[str]:
     """A second namespace, for look-alikes of the test namespace's children."""
-    name = f"{namespace}-other"
-    cluster.kubectl("create", "namespace", name)
-    try:
+    with temporary_namespace(cluster, f"{namespace}-other") as name:
         yield name
-    finally:
-        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def test_hand_edits_garbage_status_and_foreign_objects_are_repaired_or_reported(

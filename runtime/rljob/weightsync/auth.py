@@ -71,7 +71,7 @@ def bearer(key: str) -> dict[str, str]:
 
 def authorized(header: str | None, key: str) -> bool:
     """Whether an Authorization header carries `key` (compared in constant time)."""
-    return hmac.compare_digest((header or "").encode(), f"Bearer {key}".encode())
+    return hmac.compare_digest((header or "").encode(), bearer(key)[AUTHORIZATION].encode())
 
 
 def bearer_middleware(key: str) -> Callable[..., Awaitable[Any]]:
