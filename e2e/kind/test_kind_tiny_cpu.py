@@ -1,7 +1,8 @@
 """The tiny CPU job in real pods on kind, driven as a user would (kubectl, helm).
 
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
-meant for it, a pod of another namespace cannot use its engines or weight-sync store, it
+meant for it, only its status writer holds its API token (not the driver container, where
+hooks run), a pod of another namespace cannot use its engines or weight-sync store, it
 checkpoints, loses a trainer pod and its driver pod, is suspended and resumed, and loses a
 whole worker node (each time resuming from its last verified checkpoint, as reported by the
 runtime that resumed), finishes with step, reward and checkpoint in `kubectl get rljobs`, and
@@ -103,6 +104,41 @@ def _shown(cluster: KindCluster, job: Job, secret: str) -> list[str]:
     return [where for where, text in seen.items() if secret in text]
 
 
+# Run in a container of the driver pod: what that container can do with the Kubernetes API,
+# as any code there (the driver, its Ray node, the rollout worker and the user's hooks)
+# could try: read the ServiceAccount token at the in-cluster path, and read the job's status
+# from the API server with it, or without any credential where there is none.
+API_PROBE = """
+import json, os, ssl, urllib.error, urllib.request
+path = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+found = {}
+try:
+    token = open(path).read().strip()
+    found["token_file"] = "read"
+except OSError as err:
+    token, found["token_file"] = None, type(err).__name__
+url = ("https://" + os.environ["KUBERNETES_SERVICE_HOST"] + ":"
+       + os.environ["KUBERNETES_SERVICE_PORT"] + "/apis/rljob.io/v1alpha1/namespaces/"
+       + os.environ["RLJOB_NAMESPACE"] + "/rljobs/" + os.environ["RLJOB_NAME"] + "/status")
+request = urllib.request.Request(url)
+if token:
+    request.add_header("Authorization", "Bearer " + token)
+try:
+    with urllib.request.urlopen(request, context=ssl._create_unverified_context(), timeout=10):
+        found["api"] = 200
+except urllib.error.HTTPError as err:
+    found["api"] = err.code
+print(json.dumps(found))
+"""
+
+
+def _api_access(cluster: KindCluster, container: str) -> dict[str, Any]:
+    out = cluster.kubectl("exec", "-n", NAMESPACE, f"{JOB}-driver", "-c", container, "--",
+                          "python", "-c", API_PROBE).stdout
+    found: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return found
+
+
 def _suspend(cluster: KindCluster, flag: bool) -> None:
     cluster.kubectl("patch", "rljob", JOB, "-n", NAMESPACE, "--type=merge", "-p",
                     json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
@@ -167,6 +203,14 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
                  if s["metadata"]["name"].startswith(f"{JOB}-ray-token")]
     token = base64.b64decode(secret["data"]["auth_token"]).decode()
     assert len(token) >= 32 and not _shown(cluster, job, token)
+    # Only the driver pod's status writer holds the job's API token. In the driver container
+    # (the rollout worker with the user's hooks, any Ray actor placed on the driver's node)
+    # there is no token to read, and the API server refuses to show the job to what runs
+    # there; the writer's token reads it (so the probe can tell), and the status above was
+    # written through it.
+    assert _api_access(cluster, "driver") in ({"token_file": "FileNotFoundError", "api": 401},
+                                              {"token_file": "FileNotFoundError", "api": 403})
+    assert _api_access(cluster, "status-writer") == {"token_file": "read", "api": 200}
     # Nor can a pod of another namespace use the job's engines or weight-sync store: refused
     # without the job's peer key (and by the network where NetworkPolicies are enforced).
     assert_foreign_pod_refused(cluster, NAMESPACE, JOB, timeout=STEP_S)

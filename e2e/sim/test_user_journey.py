@@ -23,6 +23,7 @@ import yaml
 
 from e2e.sim.kubectl_view import RLJobsView
 from rljob.reporting.reporter import StatusReporter
+from rljob.reporting.status_sink import ApiSink
 from rljob_api.status import CheckpointStatus, Progress
 from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
@@ -116,7 +117,7 @@ def test_apply_watch_kill_recover_succeed_delete(
 
     # The runtime's reports (no runtime runs on kwok nodes: its own reporter stands in, so
     # the view reads as a user's would; nothing below asserts a value written here).
-    reporter = StatusReporter(name, namespace, api_client=api_client)
+    reporter = StatusReporter(ApiSink(name, namespace, api_client))
     run_steps(reporter, range(1, 13), total=20, checkpoint_every=10)
     assert reporter.flush(30)
     row = until("PHASE Running", lambda r: r["PHASE"] == "Running")

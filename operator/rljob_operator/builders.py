@@ -36,6 +36,7 @@ from rljob_api.mutability import Effect, paths_with
 from rljob_api.spec import Placement, ResourceRequirements, RLJobSpec
 from rljob_operator import names
 from rljob_operator.sidecar_memory import add_memory, sidecar_memory_mib
+from rljob_operator.status_writer import status_writer_parts
 
 Obj = dict[str, Any]
 GPU = "nvidia.com/gpu"
@@ -383,7 +384,9 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
     (not counted as a restart) and resumes from the latest checkpoint.
 
     The driver runs a Ray node of its own (`rljob run --join`): it gets the Ray token, its
-    pod IP as the node address, and a /dev/shm for that node's object store.
+    pod IP as the node address, and a /dev/shm for that node's object store. It holds no
+    Kubernetes API token: it reports status through the pod's status writer
+    (`status_writer`), the one container that does.
     """
     pod = _driver_pod(job, spec, restarts, compute_pods)
     _stamp(pod["metadata"], revisions(job, spec).driver)
@@ -392,6 +395,7 @@ def build_driver(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list
 
 def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[str]) -> Obj:
     volumes, mounts = _data_volumes(job, spec)
+    writer = status_writer_parts(spec.trainer.image, _env(job, DRIVER))
     meta = _metadata(job, names.driver_name(job.name), DRIVER)
     meta["annotations"] = {
         names.ANNOTATION_RESTARTS: str(restarts),
@@ -412,10 +416,12 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             # takes the port the head Service exposes.
             {"name": env.ENGINE_PORT, "value": str(ENGINE_PORT)},
             {"name": env.WEIGHT_SYNC_PORT, "value": str(WEIGHT_SYNC_PORT)},
+            *writer.driver_env,
         ],
         "resources": DRIVER_RESOURCES,
         "volumeMounts": [
             {"name": "spec", "mountPath": names.SPEC_DIR, "readOnly": True},
+            writer.driver_mount,
             *mounts,
         ],
     }
@@ -430,10 +436,12 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
         "kind": "Pod",
         "metadata": meta,
         "spec": {
-            # The only pod of the job with a Kubernetes API token: its runtime reports
-            # progress, checkpoints and failures to the RLJob's status (build_rbac).
+            # The only pod of the job with a Kubernetes API token, and only in its status
+            # writer, which reports progress, checkpoints and failures to the RLJob's
+            # status (build_rbac); the driver container mounts none.
             "serviceAccountName": names.service_account_name(job.name),
-            "automountServiceAccountToken": True,
+            "automountServiceAccountToken": False,
+            "initContainers": [writer.container],
             "restartPolicy": "Never",
             # SIGTERM (a deletion by anyone, a preemption): the runtime finishes its step and
             # saves it within this grace.
@@ -442,6 +450,7 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
             "volumes": [
                 {"name": "spec", "configMap": {"name": names.configmap_name(job.name)}},
                 shm,
+                *writer.volumes,
                 *volumes,
             ],
             **_scheduling(spec),
@@ -539,16 +548,14 @@ def build_configmap(job: JobRef, spec: Obj) -> Obj:
 
 
 def build_rbac(job: JobRef) -> list[Obj]:
-    """ServiceAccount, Role and RoleBinding letting the driver read its own RLJob and patch
-    that RLJob's status (`resourceNames`), and nothing else.
+    """ServiceAccount, Role and RoleBinding letting the driver pod read and patch its own
+    RLJob's status (`resourceNames`), and nothing else.
 
-    Only the driver pod runs as this ServiceAccount with a token mounted: it is the one
-    process that writes the job's status (progress, checkpoints, what it resumed from,
-    runtime failures). The Ray pods mount no token at all (`_pod_template`), so a
-    compromised trainer or engine cannot write any status. The users' reward and generate
-    hooks are not kept from it: they run in the rollout worker, an actor on the driver pod's
-    own Ray node, as the driver's user, so they can read the token and write this job's
-    status (and nothing else, as this Role says).
+    Only the driver pod runs as this ServiceAccount, and only its status writer container
+    mounts the token (`status_writer`): the one process that writes the job's status
+    (progress, checkpoints, what it resumed from, runtime failures), as JSON fields the
+    driver hands it. The driver container, where the users' reward and generate hooks and
+    any actor Ray places on the driver's node run, and the Ray pods mount no token at all.
     """
     sa = names.service_account_name(job.name)
     role = names.role_name(job.name)
@@ -559,13 +566,11 @@ def build_rbac(job: JobRef) -> list[Obj]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": _metadata(job, role, DRIVER),
-            # Used by the driver pod alone (the Ray pods mount no token): what its status
-            # reporter needs, for this one RLJob.
+            # Used by the driver pod's status writer alone: what it needs, for this one
+            # RLJob.
             "rules": [
                 {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"],
                  "resourceNames": [job.name], "verbs": ["get", "patch"]},
-                {"apiGroups": [GROUP], "resources": [PLURAL],
-                 "resourceNames": [job.name], "verbs": ["get"]},
             ],
         },
         {

@@ -49,3 +49,8 @@ RAY_AUTH_TOKEN = "RAY_AUTH_TOKEN"
 # which every pod of the job has from the job's Secret; `rljob run` on one machine makes a
 # random one and hands it to its Ray workers in this variable.
 PEER_KEY = "RLJOB_PEER_KEY"
+
+# The driver pod's status writer: the Unix socket it listens on, in a volume the driver
+# container mounts too. Set in both containers; the driver's runtime reports through it
+# (the driver container holds no API token), the writer applies what it receives.
+STATUS_SOCKET = "RLJOB_STATUS_SOCKET"

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from rljob.reporting.reporter import StatusReporter
+from rljob.reporting.status_sink import ApiSink
 from rljob_api.rules import ROOT_RULES
 from rljob_api.status import RUNTIME_MANAGER as FIELD_MANAGER
 from rljob_api.status import CheckpointStatus, Progress
@@ -100,7 +101,7 @@ def test_status_subresource_and_printer_columns(
         "-p",
         '{"status": {"phase": "Running", "recovery": {"restarts": 2}}}',
     )
-    reporter = StatusReporter("cols", namespace, api_client)
+    reporter = StatusReporter(ApiSink("cols", namespace, api_client))
     reporter.progress(Progress(rollout_step=7, train_step=14, total_steps=60, mean_reward=0.625))
     reporter.checkpoint(
         CheckpointStatus(

@@ -1,9 +1,11 @@
 """The runtime's status reports through an API-server outage: reporting never raises nor
 blocks the loop, and once the API server is back the status shows the last state reported;
-a real `rljob run` trains through the outage."""
+a real `rljob run`, reporting through a status writer as in a driver pod, trains through
+the outage."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,12 +21,14 @@ from kubernetes import config
 
 from rljob.reporting import metrics_log
 from rljob.reporting.reporter import SETTLE_S, StatusReporter
+from rljob.reporting.status_sink import ApiSink
 from rljob_api import env
 from rljob_api.status import CheckpointStatus, Progress
 from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
 from tests.polling import wait_for
 from tests.processes import reap
+from tests.runtime import hooks_for_tests
 from tests.runtime.jobs import job_file
 from tests.specs import base_job
 
@@ -90,7 +94,7 @@ def test_reports_survive_a_minute_without_api_server(plane: ControlPlane) -> Non
     name = "outage"
     plane.apply(base_job(name), "-n", "default")
     client = config.new_client_from_config(config_file=str(plane.kubeconfig))
-    reporter = StatusReporter(name, "default", api_client=client)
+    reporter = StatusReporter(ApiSink(name, "default", client))
     loop = Loop(reporter)
     try:
         loop.run_for(3)
@@ -128,7 +132,7 @@ def test_a_report_after_the_writer_went_idle_is_written(plane: ControlPlane) -> 
     name = "idle-writer"
     plane.apply(base_job(name), "-n", "default")
     client = config.new_client_from_config(config_file=str(plane.kubeconfig))
-    reporter = StatusReporter(name, "default", api_client=client, idle_s=0.5)
+    reporter = StatusReporter(ApiSink(name, "default", client), idle_s=0.5)
     loop = Loop(reporter)
     try:
         loop.one_step()
@@ -145,20 +149,34 @@ def test_a_report_after_the_writer_went_idle_is_written(plane: ControlPlane) -> 
 
 
 @pytest.mark.runtime
-def test_a_real_run_trains_through_a_minute_without_api_server(
+def test_a_real_run_reports_through_its_status_writer_and_trains_through_an_outage(
         plane: ControlPlane, tmp_path: Path) -> None:
-    """`rljob run` as the driver pod runs it, reporting to an API server that goes away for a
-    minute: training goes on (metrics lines keep coming), and once the API server is back the
-    status catches up with the latest step trained."""
+    """`rljob run` as the driver pod runs it: the runtime holds no API credential and reports
+    through a status writer process (`python -m rljob.reporting.status_writer`), which alone
+    holds one; a reward hook that tries to reach the API server finds nothing to do it with.
+    The API server then goes away for a minute: training goes on (metrics lines keep coming),
+    and once it is back the status catches up with the latest step trained; the stop on
+    SIGTERM reaches the status through the writer before the writer exits."""
     job = job_file(tmp_path, {"algorithm": {"totalSteps": 100_000},
-                              "checkpoint": {"interval": 5}}, name="outage-run")
+                              "checkpoint": {"interval": 5},
+                              "reward": {"function": "tests.runtime.hooks_for_tests:"
+                                                     "credential_probe_reward"}},
+                   name="outage-run")
     doc = yaml.safe_load(job.read_text())
     doc["metadata"]["name"] = name = "outage-run"
     job.write_text(yaml.safe_dump(doc))
     plane.kubectl("apply", "-n", "default", "-f", str(job))
     workdir, log = tmp_path / "w", tmp_path / "driver.log"
-    environ = {**os.environ, env.JOB_NAME: name, env.JOB_NAMESPACE: "default",
-               env.RESTARTS: "0", "KUBECONFIG": str(plane.kubeconfig)}
+    socket_path, probe = tmp_path / "status.sock", tmp_path / "probe.json"
+    identity = {env.JOB_NAME: name, env.JOB_NAMESPACE: "default",
+                env.STATUS_SOCKET: str(socket_path)}
+    bare = {k: v for k, v in os.environ.items()
+            if not k.startswith("KUBERNETES_") and k != "KUBECONFIG"}
+    # The driver container's view: no kubeconfig (a path with nothing there, so no default
+    # one is read either), no in-cluster token; the writer gets the credential.
+    driver_env = {**bare, **identity, env.RESTARTS: "0", "KUBECONFIG": str(tmp_path / "none"),
+                  hooks_for_tests.PROBE_FILE: str(probe)}
+    writer_env = {**bare, **identity, "KUBECONFIG": str(plane.kubeconfig)}
 
     def trained() -> int:
         return len(metrics_log.read(workdir / metrics_log.METRICS_FILE))
@@ -167,12 +185,19 @@ def test_a_real_run_trains_through_a_minute_without_api_server(
         return log.read_text(errors="replace")[-3000:]
 
     with log.open("ab") as out:
+        writer = subprocess.Popen([sys.executable, "-m", "rljob.reporting.status_writer"],
+                                  env=writer_env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
         proc = subprocess.Popen(
             [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir)],
-            env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            env=driver_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: (_status(plane, name).get("progress") or {}).get("rolloutStep"),
                  timeout=300, what="the run's first progress in the status", describe=output)
+        # The hook's attempts failed: no token file, no in-cluster config, no kubeconfig.
+        found = json.loads(probe.read_text())
+        assert found == {"token_file": "FileNotFoundError", "incluster": "ConfigException",
+                         "kubeconfig": "ConfigException"}, found
         plane.stop_apiserver()
         before = trained()
         outage_end = time.monotonic() + OUTAGE_S
@@ -191,7 +216,12 @@ def test_a_real_run_trains_through_a_minute_without_api_server(
         assert checkpoint["verified"] and checkpoint["step"] >= (during // 5) * 5 - 5
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=300) == 143, output()
+        # The driver flushed its last report into the writer before it exited; the writer,
+        # stopped as the kubelet stops a native sidecar, flushes it and exits 0.
+        writer.send_signal(signal.SIGTERM)
+        assert writer.wait(timeout=60) == 0, output()
     finally:
         reap(proc)
+        reap(writer)
     stopped = _status(plane, name)["stopped"]
     assert stopped["signal"] == "SIGTERM" and stopped["step"] == trained()

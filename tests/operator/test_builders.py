@@ -260,9 +260,9 @@ def test_without_checkpoint_pvc_every_pod_mounts_the_operators_shared_claim() ->
         (volume,) = [v for v in pod["volumes"] if v["name"] == "checkpoints"]
         assert volume == {"name": "checkpoints",
                           "persistentVolumeClaim": {"claimName": "rl-checkpoints"}}
-        # Only /dev/shm and the engines' /tmp handoff are pod-local; never the checkpoints.
+        # Only /dev/shm and the status writer's socket are pod-local; never the checkpoints.
         assert not any("emptyDir" in v for v in pod["volumes"]
-                       if v["name"] != "dshm")
+                       if v["name"] not in {"dshm", "status-socket"})
     for name, container in _all_containers(s).items():
         assert {"name": "checkpoints", "mountPath": "/ckpt"} in container["volumeMounts"], name
 
@@ -289,15 +289,17 @@ def test_role_grants_only_this_jobs_status() -> None:
     assert sa["metadata"]["name"] == "rl-runtime"
     assert all(rule["resourceNames"] == ["rl"] for rule in role["rules"])
     verbs = {r["resources"][0]: r["verbs"] for r in role["rules"]}
-    assert verbs == {"rljobs/status": ["get", "patch"], "rljobs": ["get"]}
+    assert verbs == {"rljobs/status": ["get", "patch"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rl-runtime",
                                     "namespace": "team-a"}]
 
 
 @pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
-def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None:
-    """The driver writes the job's status; Ray pods never call the API server, so they mount
-    no token and do not run as the job's ServiceAccount (whose Role can write the status)."""
+def test_only_the_driver_pods_status_writer_gets_a_kubernetes_api_token(placement: str) -> None:
+    """The status writer writes the job's status; Ray pods never call the API server, so they
+    mount no token and do not run as the job's ServiceAccount (whose Role can write the
+    status); in the driver pod only the writer container mounts the token, and the driver
+    container (hooks, Ray actors) gets the writer's socket instead."""
     gpus = {"trainer": {"gpusPerReplica": 2}, "rollout": {"engines": 2, "gpusPerEngine": 1}}
     s = spec(placement=placement, **gpus)
     rc = builders.build_raycluster(JOB, s)
@@ -309,7 +311,22 @@ def test_only_the_driver_pod_gets_a_kubernetes_api_token(placement: str) -> None
         assert "serviceAccountName" not in template["spec"]
     driver = builders.build_driver(JOB, s, 0, [])["spec"]
     assert driver["serviceAccountName"] == "rl-runtime"
-    assert driver["automountServiceAccountToken"] is True
+    assert driver["automountServiceAccountToken"] is False
+    (writer,) = driver["initContainers"]
+    (main,) = driver["containers"]
+    token_volumes = {v["name"] for v in driver["volumes"] if "serviceAccountToken" in str(v)}
+    assert len(token_volumes) == 1
+    assert {m["name"] for m in writer["volumeMounts"]} & token_volumes
+    assert not {m["name"] for m in main["volumeMounts"]} & token_volumes
+    assert any(m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount"
+               for m in writer["volumeMounts"])
+    # A native sidecar: up before the driver, stopped after it, never deciding the phase.
+    assert writer["restartPolicy"] == "Always"
+    socket = {e["name"]: e["value"] for e in writer["env"]}["RLJOB_STATUS_SOCKET"]
+    assert {e["name"]: e.get("value") for e in main["env"]}["RLJOB_STATUS_SOCKET"] == socket
+    shared = {m["name"] for m in writer["volumeMounts"]} & {m["name"] for m in main["volumeMounts"]}
+    assert any(socket.startswith(m["mountPath"] + "/") for m in main["volumeMounts"]
+               if m["name"] in shared)
     (_, _role, binding) = builders.build_rbac(JOB)
     assert binding["subjects"][0]["name"] == driver["serviceAccountName"]
 

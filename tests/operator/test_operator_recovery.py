@@ -23,6 +23,7 @@ import yaml
 
 from rljob.checkpoint.store import MANIFEST
 from rljob.reporting.reporter import StatusReporter
+from rljob.reporting.status_sink import ApiSink
 from rljob_api.status import RuntimeFailure
 from rljob_api.status import timestamp as now
 from tests.controlplane import REPO, ControlPlane
@@ -140,7 +141,7 @@ def test_non_retryable_runtime_failure_fails_at_once(
     gpu_pool(1, 8)
     cluster.apply(job_manifest("nan", namespace), "-n", namespace)
     wait_phase(cluster, namespace, "nan", "Running")
-    StatusReporter("nan", namespace, api_client=api_client).failure(RuntimeFailure(
+    StatusReporter(ApiSink("nan", namespace, api_client)).failure(RuntimeFailure(
         reason="NonFiniteWeights", message="layer 3 has NaN; evidence in /checkpoints/nan/bad",
         retryable=False, step=9, time=now()))
     st = wait_phase(cluster, namespace, "nan", "Failed", timeout=30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import time
@@ -123,3 +124,41 @@ async def recording_reward(args: HookArgs, sample: Sample) -> float:
     reward = await default_reward(args, sample)
     REWARDED.append(dataclasses.replace(sample, reward=reward))
     return reward
+
+
+PROBE_FILE = "RLJOB_TEST_CREDENTIAL_PROBE"  # where `credential_probe_reward` writes its findings
+
+
+async def credential_probe_reward(args: HookArgs, sample: Sample) -> float:
+    """The task's reward, after trying once, as hostile hook code would, to get at the
+    Kubernetes API: the in-cluster token file, the in-cluster config, a kubeconfig, and with
+    whichever loads, a read of the job's RLJob. What each attempt gave is written as JSON to
+    the file RLJOB_TEST_CREDENTIAL_PROBE names (once)."""
+    out = Path(os.environ[PROBE_FILE])
+    if not out.exists():
+        from kubernetes import client, config
+
+        found: dict[str, str] = {}
+        try:
+            Path("/var/run/secrets/kubernetes.io/serviceaccount/token").read_text()
+            found["token_file"] = "read"
+        except OSError as err:
+            found["token_file"] = type(err).__name__
+        for how, load in (("incluster", config.load_incluster_config),
+                          ("kubeconfig", config.load_kube_config)):
+            try:
+                load()
+            except Exception as err:
+                found[how] = type(err).__name__
+                continue
+            try:
+                client.CustomObjectsApi().get_namespaced_custom_object_status(
+                    "rljob.io", "v1alpha1", os.environ.get("RLJOB_NAMESPACE", "default"),
+                    "rljobs", os.environ.get("RLJOB_NAME", ""))
+                found[how] = "read the RLJob"
+            except Exception as err:
+                found[how] = f"loaded, then {type(err).__name__}"
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(found))
+        tmp.replace(out)
+    return await default_reward(args, sample)

@@ -2,11 +2,12 @@
 
 Inside a cluster the runtime owns `status.progress`, `status.checkpoint`, `status.resumed`,
 `status.runtimeFailure` and `status.stopped` and writes them with server-side apply under its
-own field manager, so the operator (another manager) never overwrites them and vice versa. What an
-attempt resumed from (`resumed`) is reported by the runtime that loaded it, because only
-it knows: the operator derives its recovery figures from that report. Non-finite figures
-cannot travel in JSON: they are left out and named in `progress.nonFinite`, never replaced
-by a number.
+own field manager (in a driver pod through the pod's status writer, which alone holds the
+API token: `status_sink`), so the operator (another manager) never overwrites them and vice
+versa. What an attempt resumed from (`resumed`) is reported by the runtime that loaded it,
+because only it knows: the operator derives its recovery figures from that report.
+Non-finite figures cannot travel in JSON: they are left out and named in
+`progress.nonFinite`, never replaced by a number.
 
 Writing status must never cost training: a StatusReporter hands every report to a writer
 thread and returns. The thread applies the latest state of every field (a report made
@@ -24,18 +25,17 @@ import math
 import os
 import sys
 import threading
-from typing import Any, Protocol, cast
+import time
+from typing import Any, Protocol
 
-from rljob_api import GROUP, PLURAL, VERSION, env
+from rljob.reporting.status_sink import ApiSink, SocketSink, StatusSink
+from rljob_api import env
 from rljob_api.status import (
-    RUNTIME_CARRIED_FIELDS,
-    RUNTIME_MANAGER,
     CheckpointStatus,
     Progress,
     ResumeReport,
     RuntimeFailure,
     RuntimeStop,
-    apply_status,
 )
 
 ENV_NAME = env.JOB_NAME
@@ -90,35 +90,24 @@ class PrintReporter:
 
 
 class StatusReporter:
-    """Server-side applies the runtime's status fields of one RLJob, from a writer thread.
+    """Delivers the runtime's status fields to a sink (the API server, or the pod's status
+    writer), from a writer thread.
 
-    An apply removes the fields its manager applied before and left out now, so every
-    apply carries everything the runtime owns (the last progress, checkpoint and failure);
-    a restarted runtime first reads back what its predecessor reported.
+    Every delivery carries everything the runtime owns (the last progress, checkpoint and
+    failure): an apply removes the fields its manager applied before and left out now.
     """
 
-    def __init__(self, name: str, namespace: str, api_client: Any = None, *,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, settle_s: float = SETTLE_S,
-                 backoff_s: tuple[float, float] = BACKOFF_S, idle_s: float = IDLE_S) -> None:
-        from kubernetes import client, config
-
-        if api_client is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
-        self.name = name
-        self.namespace = namespace
-        self.api = client.CustomObjectsApi(api_client)
+    def __init__(self, sink: StatusSink, *, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 settle_s: float = SETTLE_S, backoff_s: tuple[float, float] = BACKOFF_S,
+                 idle_s: float = IDLE_S) -> None:
+        self.sink = sink
         self.request_timeout_s = request_timeout_s
         self.settle_s = settle_s
         self.backoff_s = backoff_s
         self.idle_s = idle_s
-        self._carried: dict[str, Any] | None = None  # read back from a predecessor
         self._reported: dict[str, Any] = {}  # the latest value of every field reported
         self._version = 0  # bumped by every report
-        self._written = 0  # the report the API server last accepted
+        self._written = 0  # the report the sink last accepted
         self._healthy = True  # the last write succeeded (or none was tried)
         self._closed = False
         self._failures = 0  # writes failed in a row
@@ -128,15 +117,20 @@ class StatusReporter:
 
     @classmethod
     def from_env(cls) -> StatusReporter | None:
-        """The reporter for the job named by RLJOB_NAME/RLJOB_NAMESPACE, if set (in pods)."""
+        """The reporter for the job named by RLJOB_NAME/RLJOB_NAMESPACE, if set (in pods):
+        through the status writer's socket where RLJOB_STATUS_SOCKET names one (a driver
+        pod), else straight to the API server."""
         name = os.environ.get(ENV_NAME)
         if not name:
             return None
-        return cls(name, os.environ.get(ENV_NAMESPACE, "default"))
+        socket_path = os.environ.get(env.STATUS_SOCKET)
+        if socket_path:
+            return cls(SocketSink(socket_path))
+        return cls(ApiSink(name, os.environ.get(ENV_NAMESPACE, "default")))
 
     # ---- the caller's side: never blocks for more than `settle_s` -----------------------
 
-    def _report(self, fields: dict[str, Any]) -> None:
+    def report_fields(self, fields: dict[str, Any]) -> None:
         with self._cond:
             if self._closed:
                 return
@@ -164,8 +158,16 @@ class StatusReporter:
             return self._cond.wait_for(lambda: self._written >= self._version, timeout=timeout_s)
 
     def close(self, timeout_s: float) -> bool:
-        """Flush with a deadline, then stop the writer; later reports are dropped."""
+        """Flush with a deadline (this reporter's queue, then the sink's own), then stop
+        the writer; later reports are dropped."""
+        deadline = time.monotonic() + timeout_s
         flushed = self.flush(timeout_s)
+        if flushed:
+            try:
+                flushed = self.sink.flush(max(0.0, deadline - time.monotonic()))
+            except Exception as err:  # the sink is gone: what it held is lost
+                self.last_error = str(err)[:300]
+                flushed = False
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -187,7 +189,7 @@ class StatusReporter:
                     return
                 version, fields = self._version, dict(self._reported)
             try:
-                self._apply(fields)
+                self.sink.write(fields, self.request_timeout_s)
             except Exception as err:  # any API or network error: retried, never raised
                 self._failed(err, delay)
                 with self._cond:
@@ -213,34 +215,23 @@ class StatusReporter:
             self._cond.notify_all()
         self._failures += 1
         if self._failures == 1:
-            print(f"status: cannot write the status of RLJob {self.namespace}/{self.name} "
+            print(f"status: cannot write the status to {self.sink} "
                   f"({self.last_error}); retrying with backoff, training goes on",
                   file=sys.stderr, flush=True)
-
-    def _apply(self, fields: dict[str, Any]) -> None:
-        timeout = (self.request_timeout_s, self.request_timeout_s)
-        if self._carried is None:
-            obj = self.api.get_namespaced_custom_object_status(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
-            )
-            current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
-            self._carried = {k: current[k] for k in RUNTIME_CARRIED_FIELDS if k in current}
-        apply_status(self.api, self.namespace, self.name, {**self._carried, **fields},
-                     RUNTIME_MANAGER, timeout)
 
     # ---- what the runtime reports -----------------------------------------------------
 
     def progress(self, progress: Progress) -> None:
-        self._report({"progress": finite_progress(progress)})
+        self.report_fields({"progress": finite_progress(progress)})
 
     def checkpoint(self, checkpoint: CheckpointStatus) -> None:
-        self._report({"checkpoint": checkpoint.model_dump(by_alias=True, exclude_none=True)})
+        self.report_fields({"checkpoint": checkpoint.model_dump(by_alias=True, exclude_none=True)})
 
     def resumed(self, resumed: ResumeReport) -> None:
-        self._report({"resumed": resumed.model_dump(by_alias=True, exclude_none=True)})
+        self.report_fields({"resumed": resumed.model_dump(by_alias=True, exclude_none=True)})
 
     def failure(self, failure: RuntimeFailure) -> None:
-        self._report({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})
+        self.report_fields({"runtimeFailure": failure.model_dump(by_alias=True, exclude_none=True)})
 
     def stopped(self, stop: RuntimeStop) -> None:
-        self._report({"stopped": stop.model_dump(by_alias=True, exclude_none=True)})
+        self.report_fields({"stopped": stop.model_dump(by_alias=True, exclude_none=True)})

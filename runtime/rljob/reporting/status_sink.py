@@ -1,0 +1,152 @@
+"""Where the runtime's status fields go: straight to the API server, or to the driver pod's
+status writer over a Unix socket.
+
+In a driver pod the Kubernetes API token is mounted only into the `status-writer` container
+(a native sidecar), never into the `driver` container, where the driver, its Ray node, the
+rollout worker and the user's reward and generate hooks run. The driver hands its fields to
+the writer over a socket in a volume both containers mount; the writer checks every field
+against the status model (the runtime's five fields, nothing else, each a typed value) and
+applies them with the token. It never unpickles nor runs anything it receives, so code in
+the driver container can at worst report wrong figures for its own job: it cannot read the
+token, call the API server as the job, or reach any other object.
+
+Without a socket (`rljob run` on a laptop or against a cluster from a workstation, the
+tests' runtimes) the runtime applies directly with the credentials it has.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any, Protocol, cast
+
+from pydantic import BaseModel, ValidationError
+
+from rljob_api import GROUP, PLURAL, VERSION
+from rljob_api.status import (
+    RUNTIME_CARRIED_FIELDS,
+    RUNTIME_MANAGER,
+    CheckpointStatus,
+    Progress,
+    ResumeReport,
+    RuntimeFailure,
+    RuntimeStop,
+    apply_status,
+)
+
+# The runtime's status fields and the model each value must validate as; the writer takes
+# these and nothing else.
+FIELD_MODELS: dict[str, type[BaseModel]] = {
+    "progress": Progress,
+    "checkpoint": CheckpointStatus,
+    "resumed": ResumeReport,
+    "runtimeFailure": RuntimeFailure,
+    "stopped": RuntimeStop,
+}
+MAX_REQUEST_BYTES = 256 * 1024  # a status with a full checkpoint history is under 8 KiB
+
+
+class StatusSink(Protocol):
+    """Takes the whole set of the runtime's status fields (the latest value of each)."""
+
+    def write(self, fields: dict[str, Any], timeout_s: float) -> None:
+        """Deliver `fields`; raise on any failure (the caller retries with backoff)."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until whatever this sink accepted is applied."""
+
+
+def checked_fields(raw: object) -> dict[str, Any]:
+    """`raw` as the runtime's status fields: a mapping of known field names to values that
+    validate as their model, dumped back from the model (so only typed fields travel on).
+    Raises ValueError naming the field otherwise."""
+    if not isinstance(raw, dict):
+        raise ValueError("fields: expected an object of the runtime's status fields")
+    unknown = sorted(set(raw) - set(FIELD_MODELS))
+    if unknown:
+        raise ValueError(f"fields: {', '.join(map(str, unknown))} not a runtime status field "
+                         f"(one of {', '.join(FIELD_MODELS)})")
+    fields: dict[str, Any] = {}
+    for name, value in raw.items():
+        try:
+            model = FIELD_MODELS[name].model_validate(value)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in (name, *first["loc"]))
+            raise ValueError(f"{where}: {first['msg']}") from None
+        fields[name] = model.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return fields
+
+
+class ApiSink:
+    """Server-side applies the fields to one RLJob's status subresource. An apply removes
+    the fields its manager applied before and left out now, so a restarted runtime first
+    reads back what its predecessor reported and carries it."""
+
+    def __init__(self, name: str, namespace: str, api_client: Any = None) -> None:
+        from kubernetes import client, config
+
+        if api_client is None:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api_client = client.ApiClient()
+        self.name = name
+        self.namespace = namespace
+        self.api = client.CustomObjectsApi(api_client)
+        self._carried: dict[str, Any] | None = None
+
+    def __str__(self) -> str:
+        return f"RLJob {self.namespace}/{self.name}"
+
+    def write(self, fields: dict[str, Any], timeout_s: float) -> None:
+        timeout = (timeout_s, timeout_s)
+        if self._carried is None:
+            obj = self.api.get_namespaced_custom_object_status(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, _request_timeout=timeout
+            )
+            current: dict[str, Any] = cast(dict[str, Any], obj).get("status") or {}
+            self._carried = {k: current[k] for k in RUNTIME_CARRIED_FIELDS if k in current}
+        apply_status(self.api, self.namespace, self.name, {**self._carried, **fields},
+                     RUNTIME_MANAGER, timeout)
+
+    def flush(self, timeout_s: float) -> bool:
+        return True  # a write returns once the API server took it
+
+
+class SocketSink:
+    """Hands the fields to the pod's status writer: one JSON request per connection, one
+    JSON answer. The writer answers a write once its own apply went through or, while the
+    API server does not answer, at once (it keeps retrying on its own)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"the status writer at {self.path}"
+
+    def write(self, fields: dict[str, Any], timeout_s: float) -> None:
+        self._call({"op": "write", "fields": fields}, timeout_s)
+
+    def flush(self, timeout_s: float) -> bool:
+        # The writer gets the whole deadline; the socket a little more to answer.
+        answer = self._call({"op": "flush", "timeoutS": timeout_s}, timeout_s + 1.0)
+        return bool(answer.get("flushed"))
+
+    def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect(self.path)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            conn.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+                if len(data) > MAX_REQUEST_BYTES:
+                    raise ConnectionError("the status writer's answer is too long")
+        answer = json.loads(data or b"{}")
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            error = answer.get("error") if isinstance(answer, dict) else None
+            raise ConnectionError(f"the status writer refused: {error or 'no answer'}")
+        return answer
