@@ -61,7 +61,10 @@ def _read(conn: socket.socket) -> object:
         data += chunk
         if len(data) > MAX_REQUEST_BYTES:
             raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"request is not JSON ({err})") from None
 
 
 def serve(path: Path, reporter: StatusReporter, stop: threading.Event) -> None:
@@ -94,7 +97,15 @@ def main() -> int:
         print(f"status writer: {env.STATUS_SOCKET} and {env.JOB_NAME} must be set",
               file=sys.stderr)
         return 2
-    reporter = StatusReporter(ApiSink(name, os.environ.get(env.JOB_NAMESPACE, "default")))
+    from kubernetes.config import ConfigException
+
+    try:
+        sink = ApiSink(name, os.environ.get(env.JOB_NAMESPACE, "default"))
+    except ConfigException as err:
+        print(f"status writer: no Kubernetes credentials (neither the in-cluster token nor a "
+              f"kubeconfig): {err}", file=sys.stderr)
+        return 2
+    reporter = StatusReporter(sink)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
