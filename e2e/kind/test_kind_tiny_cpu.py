@@ -104,37 +104,59 @@ def _shown(cluster: KindCluster, job: Job, secret: str) -> list[str]:
     return [where for where, text in seen.items() if secret in text]
 
 
-# Run in a container of the driver pod: what that container can do with the Kubernetes API,
-# as any code there (the driver, its Ray node, the rollout worker and the user's hooks)
-# could try: read the ServiceAccount token at the in-cluster path, and read the job's status
-# from the API server with it, or without any credential where there is none.
+# What code in the driver pod can do with the Kubernetes API: read the ServiceAccount token at
+# the in-cluster path, and read the job's status from the API server with it (or with no
+# credential where there is none). `probe()` runs either in the container `kubectl exec`
+# enters or, with `--ray`, as a Ray task that the driver pod's own Ray node runs (where the
+# rollout worker runs the user's hooks, and any actor Ray places on that node would run).
 API_PROBE = """
-import json, os, ssl, urllib.error, urllib.request
-path = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-found = {}
-try:
-    token = open(path).read().strip()
-    found["token_file"] = "read"
-except OSError as err:
-    token, found["token_file"] = None, type(err).__name__
-url = ("https://" + os.environ["KUBERNETES_SERVICE_HOST"] + ":"
-       + os.environ["KUBERNETES_SERVICE_PORT"] + "/apis/rljob.io/v1alpha1/namespaces/"
-       + os.environ["RLJOB_NAMESPACE"] + "/rljobs/" + os.environ["RLJOB_NAME"] + "/status")
-request = urllib.request.Request(url)
-if token:
-    request.add_header("Authorization", "Bearer " + token)
-try:
-    with urllib.request.urlopen(request, context=ssl._create_unverified_context(), timeout=10):
-        found["api"] = 200
-except urllib.error.HTTPError as err:
-    found["api"] = err.code
-print(json.dumps(found))
+import glob, json, os, ssl, sys, urllib.error, urllib.request
+
+def probe():
+    path = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    found = {}
+    try:
+        token = open(path).read().strip()
+        found["token_file"] = "read"
+    except OSError as err:
+        token, found["token_file"] = None, type(err).__name__
+    url = ("https://" + os.environ["KUBERNETES_SERVICE_HOST"] + ":"
+           + os.environ["KUBERNETES_SERVICE_PORT"] + "/apis/rljob.io/v1alpha1/namespaces/"
+           + os.environ["RLJOB_NAMESPACE"] + "/rljobs/" + os.environ["RLJOB_NAME"] + "/status")
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", "Bearer " + token)
+    try:
+        with urllib.request.urlopen(request, context=ssl._create_unverified_context(),
+                                    timeout=10):
+            found["api"] = 200
+    except urllib.error.HTTPError as err:
+        found["api"] = err.code
+    return found
+
+if sys.argv[1:] == ["--ray"]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    (temp_dir,) = glob.glob("/tmp/rljob-ray-*")  # the driver pod's Ray node
+    ray.init(address="auto", _temp_dir=temp_dir, _node_ip_address=os.environ["POD_IP"],
+             log_to_driver=False)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+    def on_ray():
+        return {**probe(), "ran_on": ray.get_runtime_context().get_node_id()}
+
+    found = ray.get(ray.remote(num_cpus=0, scheduling_strategy=here)(on_ray).remote(),
+                    timeout=120)
+    found["ran_on"] = "driver node" if found["ran_on"] == here.node_id else found["ran_on"]
+    print(json.dumps(found))
+else:
+    print(json.dumps(probe()))
 """
 
 
-def _api_access(cluster: KindCluster, container: str) -> dict[str, Any]:
+def _api_access(cluster: KindCluster, container: str, *how: str) -> dict[str, Any]:
     out = cluster.kubectl("exec", "-n", NAMESPACE, f"{JOB}-driver", "-c", container, "--",
-                          "python", "-c", API_PROBE).stdout
+                          "python", "-c", API_PROBE, *how).stdout
     found: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return found
 
@@ -203,13 +225,14 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
                  if s["metadata"]["name"].startswith(f"{JOB}-ray-token")]
     token = base64.b64decode(secret["data"]["auth_token"]).decode()
     assert len(token) >= 32 and not _shown(cluster, job, token)
-    # Only the driver pod's status writer holds the job's API token. In the driver container
-    # (the rollout worker with the user's hooks, any Ray actor placed on the driver's node)
-    # there is no token to read, and the API server refuses to show the job to what runs
-    # there; the writer's token reads it (so the probe can tell), and the status above was
-    # written through it.
-    assert _api_access(cluster, "driver") in ({"token_file": "FileNotFoundError", "api": 401},
-                                              {"token_file": "FileNotFoundError", "api": 403})
+    # Only the driver pod's status writer holds the job's API token. A Ray task on the driver
+    # pod's Ray node (where the rollout worker runs the user's hooks) finds no token to read,
+    # and the API server refuses to show it the job; the writer's token reads it (so the
+    # probe can tell), and the status above was written through it.
+    from_ray = _api_access(cluster, "driver", "--ray")
+    assert from_ray.pop("ran_on") == "driver node", from_ray
+    assert from_ray in ({"token_file": "FileNotFoundError", "api": 401},
+                        {"token_file": "FileNotFoundError", "api": 403}), from_ray
     assert _api_access(cluster, "status-writer") == {"token_file": "read", "api": 200}
     # Nor can a pod of another namespace use the job's engines or weight-sync store: refused
     # without the job's peer key (and by the network where NetworkPolicies are enforced).

@@ -45,7 +45,10 @@ SHM_GIB_PER_GPU = 8  # NCCL and SGLang stage buffers in /dev/shm; 1 GiB floor fo
 # in /dev/shm, and Ray sizes it at 30 % of the pod's memory limit (4 GiB).
 DRIVER_SHM_GIB = 2
 HEAD_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
-DRIVER_RESOURCES: Obj = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+# The driver container's share of the driver pod's 500m CPU and 1 GiB; its status writer
+# (`status_writer.RESOURCES`, 10m and 128 MiB) has the rest.
+DRIVER_RESOURCES: Obj = {"requests": {"cpu": "490m", "memory": "896Mi"},
+                         "limits": {"memory": "4Gi"}}
 
 @dataclass(frozen=True)
 class JobRef:
@@ -400,6 +403,8 @@ def _driver_pod(job: JobRef, spec: RLJobSpec, restarts: int, compute_pods: list[
     meta["annotations"] = {
         names.ANNOTATION_RESTARTS: str(restarts),
         names.ANNOTATION_COMPUTE_PODS: ",".join(sorted(compute_pods)),
+        # `kubectl logs/exec <job>-driver` mean the driver, not its status writer.
+        "kubectl.kubernetes.io/default-container": "driver",
     }
     container = {
         "name": "driver",

@@ -39,7 +39,7 @@ class StatusWriterParts:
     container: Obj  # the native sidecar, for `initContainers`
     volumes: list[Obj]  # the socket's emptyDir and the projected token
     driver_env: list[Obj]  # tells the driver's runtime to report through the socket
-    driver_mount: Obj  # the socket's volume in the driver container
+    driver_mount: Obj  # the socket's volume in the driver container, read-only
 
 
 def status_writer_parts(image: str, job_env: list[Obj]) -> StatusWriterParts:
@@ -76,5 +76,7 @@ def status_writer_parts(image: str, job_env: list[Obj]) -> StatusWriterParts:
         volumes=[{"name": SOCKET_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
                  token],
         driver_env=[socket_env],
-        driver_mount=socket_mount,
+        # Read-only: the driver connects to the socket (a read-only mount allows that) but
+        # cannot remove it, put its own listener in its place, or block the path.
+        driver_mount={**socket_mount, "readOnly": True},
     )

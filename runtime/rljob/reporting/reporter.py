@@ -130,10 +130,15 @@ class StatusReporter:
 
     # ---- the caller's side: never blocks for more than `settle_s` -----------------------
 
-    def report_fields(self, fields: dict[str, Any]) -> None:
+    def report_fields(self, fields: dict[str, Any], *, replace: bool = False) -> None:
+        """Report `fields` (latest state wins); `replace`: they are the whole set, and a
+        field reported before but not now is dropped (the status writer takes every
+        delivery of a driver this way, so nothing but the driver's latest set is applied)."""
         with self._cond:
             if self._closed:
                 return
+            if replace:
+                self._reported.clear()
             self._reported.update(fields)
             self._version += 1
             mine = self._version

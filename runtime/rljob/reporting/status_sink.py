@@ -118,20 +118,27 @@ class ApiSink:
 class SocketSink:
     """Hands the fields to the pod's status writer: one JSON request per connection, one
     JSON answer. The writer answers a write once its own apply went through or, while the
-    API server does not answer, at once (it keeps retrying on its own)."""
+    API server does not answer, at once (it keeps retrying on its own). A flush carries the
+    last fields again: a writer restarted since (the kubelet restarts a native sidecar that
+    died) would otherwise answer that it holds nothing, and the fields would be lost."""
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self._last: dict[str, Any] | None = None
 
     def __str__(self) -> str:
         return f"the status writer at {self.path}"
 
     def write(self, fields: dict[str, Any], timeout_s: float) -> None:
         self._call({"op": "write", "fields": fields}, timeout_s)
+        self._last = fields
 
     def flush(self, timeout_s: float) -> bool:
+        request: dict[str, Any] = {"op": "flush", "timeoutS": timeout_s}
+        if self._last is not None:
+            request["fields"] = self._last
         # The writer gets the whole deadline; the socket a little more to answer.
-        answer = self._call({"op": "flush", "timeoutS": timeout_s}, timeout_s + 1.0)
+        answer = self._call(request, timeout_s + 1.0)
         return bool(answer.get("flushed"))
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,49 +32,84 @@ from rljob_api import env
 
 ACCEPT_TIMEOUT_S = 1.0  # how often the accept loop looks whether it was told to stop
 READ_TIMEOUT_S = 5.0  # one request's whole read
+MAX_CONNECTIONS = 8  # requests served at once; more are answered "busy" (and retried)
 
 
 def answer(reporter: StatusReporter, request: object) -> dict[str, Any]:
-    """The answer to one request: `write` passes checked fields on to the reporter (it
-    returns once they are applied, or at once while the API server does not answer),
-    `flush` waits for the reporter's queue with the deadline asked for (at most the
-    writer's own flush deadline)."""
+    """The answer to one request. `write` hands checked fields to the reporter as the
+    driver's whole set (it returns once they are applied, or at once while the API server
+    does not answer); `flush` does the same with the fields it carries, if any, then waits
+    for the reporter's queue with the deadline asked for (at most the writer's own)."""
     if not isinstance(request, dict):
         return {"ok": False, "error": "expected a JSON object"}
     op = request.get("op")
-    if op == "write":
+    if op not in ("write", "flush"):
+        return {"ok": False, "error": f"op: {op!r} is not one of write, flush"}
+    timeout = FLUSH_TIMEOUT_S
+    if op == "flush" and "timeoutS" in request:
+        asked = request["timeoutS"]
+        if not isinstance(asked, int | float) or not math.isfinite(asked) or asked < 0:
+            return {"ok": False, "error": "timeoutS: expected seconds, a finite number >= 0"}
+        timeout = min(float(asked), FLUSH_TIMEOUT_S)
+    if op == "write" or "fields" in request:
         try:
             fields = checked_fields(request.get("fields"))
         except ValueError as err:
             return {"ok": False, "error": str(err)}
-        reporter.report_fields(fields)
+        reporter.report_fields(fields, replace=True)
+    if op == "write":
         return {"ok": True}
-    if op == "flush":
-        asked = request.get("timeoutS")
-        timeout = float(asked) if isinstance(asked, int | float) else FLUSH_TIMEOUT_S
-        return {"ok": True, "flushed": reporter.flush(min(max(timeout, 0.0), FLUSH_TIMEOUT_S))}
-    return {"ok": False, "error": f"op: {op!r} is not one of write, flush"}
+    return {"ok": True, "flushed": reporter.flush(timeout)}
 
 
 def _read(conn: socket.socket) -> object:
-    conn.settimeout(READ_TIMEOUT_S)
+    """One request: everything the client sends before it shuts its side, within
+    READ_TIMEOUT_S in all (a client that trickles bytes is cut off, not waited for)."""
+    deadline = time.monotonic() + READ_TIMEOUT_S
     data = b""
-    while chunk := conn.recv(65536):
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(f"request not complete within {READ_TIMEOUT_S:.0f}s")
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            raise ValueError(f"request not complete within {READ_TIMEOUT_S:.0f}s") from None
+        if not chunk:
+            break
         data += chunk
         if len(data) > MAX_REQUEST_BYTES:
             raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
     try:
         return json.loads(data)
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not UTF-8 at all
         raise ValueError(f"request is not JSON ({err})") from None
 
 
+def _handle(conn: socket.socket, reporter: StatusReporter, slots: threading.Semaphore) -> None:
+    with conn:
+        try:
+            reply = answer(reporter, _read(conn))
+        except (OSError, ValueError) as err:  # a bad or broken request: refused
+            reply = {"ok": False, "error": str(err)[:300]}
+        finally:
+            slots.release()
+        # The driver may have gone mid-request; it retries if it can.
+        with contextlib.suppress(OSError):
+            conn.settimeout(READ_TIMEOUT_S)
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
 def serve(path: Path, reporter: StatusReporter, stop: threading.Event) -> None:
-    """Answer requests on the socket at `path` until `stop` is set."""
+    """Answer requests on the socket at `path` until `stop` is set, each connection on a
+    thread of its own (at most MAX_CONNECTIONS at once), so that one slow client holds up
+    no other."""
     path.unlink(missing_ok=True)
+    slots = threading.Semaphore(MAX_CONNECTIONS)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
         server.bind(str(path))
-        server.listen(8)
+        server.listen(MAX_CONNECTIONS)
         server.settimeout(ACCEPT_TIMEOUT_S)
         print(f"status writer: listening on {path}", flush=True)
         while not stop.is_set():
@@ -80,14 +117,12 @@ def serve(path: Path, reporter: StatusReporter, stop: threading.Event) -> None:
                 conn, _ = server.accept()
             except TimeoutError:
                 continue
-            with conn:
-                try:
-                    reply = answer(reporter, _read(conn))
-                except (OSError, ValueError) as err:  # a bad or broken request: refused
-                    reply = {"ok": False, "error": str(err)[:300]}
-                # The driver may have gone mid-request; it retries if it can.
-                with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps(reply).encode() + b"\n")
+            if not slots.acquire(blocking=False):
+                with conn, contextlib.suppress(OSError):
+                    conn.sendall(b'{"ok": false, "error": "busy"}\n')
+                continue
+            threading.Thread(target=_handle, args=(conn, reporter, slots),
+                             name="status-request", daemon=True).start()
 
 
 def main() -> int:
