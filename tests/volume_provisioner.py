@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import Any
 
 from kubernetes import client, config, watch
@@ -64,24 +65,34 @@ def serve(api: client.ApiClient) -> None:
     """Provision and delete volumes for claims of STORAGE_CLASS, forever."""
     core = client.CoreV1Api(api)
     while True:
-        stream = watch.Watch().stream(core.list_persistent_volume_claim_for_all_namespaces,
-                                      timeout_seconds=60, _preload_content=True)
-        for event in stream:
-            claim = api.sanitize_for_serialization(event["object"])
-            if claim["spec"].get("storageClassName") != STORAGE_CLASS:
-                continue
-            name = f"pvc-{claim['metadata']['uid']}"
-            try:
-                if event["type"] == "DELETED":
-                    core.delete_persistent_volume(name)
-                elif not claim["spec"].get("volumeName"):
-                    volume: Any = volume_for(claim)  # the client takes plain dicts too
-                    core.create_persistent_volume(volume)
-                    log.info("provisioned %s for %s/%s", name, claim["metadata"]["namespace"],
-                             claim["metadata"]["name"])
-            except ApiException as err:
-                if err.status not in (404, 409):
-                    log.warning("%s: %s", name, err.reason)
+        try:
+            provision(api, core)
+        except Exception as err:  # a broken watch (slow or restarted API server): list again
+            log.warning("watch ended (%s: %s); listing the claims again", type(err).__name__, err)
+            time.sleep(1.0)  # pace a retry while the API server does not answer
+
+
+def provision(api: client.ApiClient, core: client.CoreV1Api) -> None:
+    """One watch of the claims (it starts with every claim that exists, ends after 60 s)."""
+    stream = watch.Watch().stream(core.list_persistent_volume_claim_for_all_namespaces,
+                                  timeout_seconds=60, _request_timeout=90,
+                                  _preload_content=True)
+    for event in stream:
+        claim = api.sanitize_for_serialization(event["object"])
+        if claim["spec"].get("storageClassName") != STORAGE_CLASS:
+            continue
+        name = f"pvc-{claim['metadata']['uid']}"
+        try:
+            if event["type"] == "DELETED":
+                core.delete_persistent_volume(name)
+            elif not claim["spec"].get("volumeName"):
+                volume: Any = volume_for(claim)  # the client takes plain dicts too
+                core.create_persistent_volume(volume)
+                log.info("provisioned %s for %s/%s", name, claim["metadata"]["namespace"],
+                         claim["metadata"]["name"])
+        except ApiException as err:
+            if err.status not in (404, 409):
+                log.warning("%s: %s", name, err.reason)
 
 
 def main(argv: list[str] | None = None) -> int:
