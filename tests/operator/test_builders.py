@@ -163,7 +163,8 @@ def test_driver_runs_the_job_against_the_head_and_records_its_attempt() -> None:
     assert pod["metadata"]["name"] == "rl-driver"
     assert pod["metadata"]["annotations"] == {
         "rljob.io/restarts": "2", "rljob.io/compute-pods": "a,b",
-        "rljob.io/revision": builders.revisions(JOB, s).driver}
+        "rljob.io/revision": builders.revisions(JOB, s).driver,
+        "kubectl.kubernetes.io/default-container": "driver"}
     assert pod["spec"]["restartPolicy"] == "Never"
     assert pod["spec"]["serviceAccountName"] == "rl-runtime"
     (container,) = pod["spec"]["containers"]
