@@ -134,11 +134,12 @@ class SocketSink:
         self._last = fields
 
     def flush(self, timeout_s: float) -> bool:
-        request: dict[str, Any] = {"op": "flush", "timeoutS": timeout_s}
+        # The writer waits for its apply a second less than the deadline: it has that second
+        # to answer within the deadline.
+        request: dict[str, Any] = {"op": "flush", "timeoutS": max(0.0, timeout_s - 1.0)}
         if self._last is not None:
             request["fields"] = self._last
-        # The writer gets the whole deadline; the socket a little more to answer.
-        answer = self._call(request, timeout_s + 1.0)
+        answer = self._call(request, max(timeout_s, 0.1))
         return bool(answer.get("flushed"))
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
