@@ -79,15 +79,23 @@ def test_job_runs_and_is_quiet_when_idle(
 
     # The job's pods may patch their own RLJob's status and nothing else.
     sa = f"system:serviceaccount:{namespace}:rl-runtime"
-    # ... and only the driver holds a token: the API server mounted none into the Ray pods.
-    def token_volumes(pod: dict[str, Any]) -> list[str]:
-        return [v["name"] for v in pod["spec"]["volumes"]
-                if v["name"].startswith("kube-api-access")]
+    # ... and only the driver pod's status writer holds a token: as the API server admitted
+    # the pods, no container but `status-writer` mounts a ServiceAccount token (neither the
+    # API server's automounted `kube-api-access-*` nor any projected token).
+    def token_mounts(pod: dict[str, Any]) -> dict[str, list[str]]:
+        tokens = {v["name"] for v in pod["spec"]["volumes"]
+                  if "serviceAccountToken" in json.dumps(v)}
+        containers = [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]
+        return {c["name"]: [m["name"] for m in c.get("volumeMounts", [])
+                            if m["name"] in tokens] for c in containers}
 
     for component, ps in by_component.items():
         for p in ps:
-            assert bool(token_volumes(p)) == (component == "driver"), p["metadata"]["name"]
-            if component != "driver":
+            mounts = token_mounts(p)
+            if component == "driver":
+                assert mounts["driver"] == [] and len(mounts["status-writer"]) == 1, mounts
+            else:
+                assert not any(mounts.values()), (p["metadata"]["name"], mounts)
                 assert p["spec"]["serviceAccountName"] == "default"
     assert by_component["driver"][0]["spec"]["serviceAccountName"] == "rl-runtime"
     # kopf stored nothing on the RLJob: no finalizer, no progress or diff-base annotations.
