@@ -31,6 +31,9 @@ def test_the_runtimes_own_reports_pass_unchanged() -> None:
     ({"progress": {"rolloutStep": 1, "extra": 1}}, "progress.extra:"),
     ({"stopped": {"signal": "SIGTERM"}}, "stopped.attempt:"),
     ({"checkpoint": {"history": [{"step": 1}] * 17}}, "checkpoint.history:"),
+    ({"progress": {"meanReward": float("inf")}}, "progress.meanReward: inf is not a finite"),
+    ({"checkpoint": {"history": [{"step": 2**63, "path": "/c", "savedAt": "now"}]}},
+     "checkpoint.history.0.step: 9223372036854775808 is beyond a 64-bit integer"),
 ])
 def test_anything_else_is_refused_naming_the_field(raw: object, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace(".", r"\.").replace("(", r"\(")):

@@ -130,13 +130,14 @@ class StatusReporter:
 
     # ---- the caller's side: never blocks for more than `settle_s` -----------------------
 
-    def report_fields(self, fields: dict[str, Any], *, replace: bool = False) -> None:
+    def report_fields(self, fields: dict[str, Any], *, replace: bool = False) -> bool:
         """Report `fields` (latest state wins); `replace`: they are the whole set, and a
         field reported before but not now is dropped (the status writer takes every
-        delivery of a driver this way, so nothing but the driver's latest set is applied)."""
+        delivery of a driver this way, so nothing but the driver's latest set is applied).
+        False when the reporter is closed and the fields were dropped."""
         with self._cond:
             if self._closed:
-                return
+                return False
             if replace:
                 self._reported.clear()
             self._reported.update(fields)
@@ -150,6 +151,7 @@ class StatusReporter:
             if self._healthy and self.settle_s > 0:
                 self._cond.wait_for(lambda: self._written >= mine or not self._healthy,
                                     timeout=self.settle_s)
+            return True
 
     @property
     def writing(self) -> bool:

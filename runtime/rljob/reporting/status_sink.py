@@ -17,7 +17,9 @@ tests' runtimes) the runtime applies directly with the credentials it has.
 from __future__ import annotations
 
 import json
+import math
 import socket
+import time
 from typing import Any, Protocol, cast
 
 from pydantic import BaseModel, ValidationError
@@ -74,8 +76,29 @@ def checked_fields(raw: object) -> dict[str, Any]:
             first = err.errors()[0]
             where = ".".join(str(p) for p in (name, *first["loc"]))
             raise ValueError(f"{where}: {first['msg']}") from None
-        fields[name] = model.model_dump(by_alias=True, exclude_none=True, mode="json")
+        dumped = model.model_dump(by_alias=True, exclude_none=True, mode="json")
+        _check_numbers(name, dumped)
+        fields[name] = dumped
     return fields
+
+
+INT64 = 2**63 - 1  # the API server stores integers as int64
+
+
+def _check_numbers(where: str, value: object) -> None:
+    """Numbers the API server would refuse (so every later apply of the set would fail)
+    are refused here, naming the field: NaN, infinities, integers beyond int64."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(f"{where}.{key}", item)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_numbers(f"{where}.{index}", item)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: {value} is not a finite number (report it in "
+                         f"progress.nonFinite instead)")
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64:
+        raise ValueError(f"{where}: {value} is beyond a 64-bit integer")
 
 
 class ApiSink:
@@ -143,13 +166,27 @@ class SocketSink:
         return bool(answer.get("flushed"))
 
     def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """One request and its answer, all within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"the status writer did not answer within {timeout_s:.0f}s")
+            return remaining
+
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(timeout_s)
+            conn.settimeout(left())
             conn.connect(self.path)
+            conn.settimeout(left())
             conn.sendall(json.dumps(request).encode() + b"\n")
             conn.shutdown(socket.SHUT_WR)
             data = b""
-            while chunk := conn.recv(65536):
+            while True:
+                conn.settimeout(left())
+                chunk = conn.recv(65536)
+                if not chunk:
+                    break
                 data += chunk
                 if len(data) > MAX_REQUEST_BYTES:
                     raise ConnectionError("the status writer's answer is too long")

@@ -5,7 +5,9 @@ It listens on the Unix socket RLJOB_STATUS_SOCKET names and takes the runtime's 
 fields from the driver container (`status_sink.SocketSink`), checks each against the
 status model, and applies them to the RLJob with the same writer thread, backoff and
 latest-wins rules as a runtime that writes directly (`reporter.StatusReporter`). It parses
-JSON and nothing else. Requests are served one at a time: there is one driver.
+JSON and nothing else. Each delivery is the driver's whole set: what was delivered before
+and is missing now is not applied again. Each connection is served on a thread of its own,
+at most MAX_CONNECTIONS at once, so that one slow client holds up no other.
 
 On SIGTERM (the kubelet stops a native sidecar only after the driver container has ended,
 so the driver's last reports are already here) it flushes with a deadline and exits 0.
@@ -39,7 +41,8 @@ def answer(reporter: StatusReporter, request: object) -> dict[str, Any]:
     """The answer to one request. `write` hands checked fields to the reporter as the
     driver's whole set (it returns once they are applied, or at once while the API server
     does not answer); `flush` does the same with the fields it carries, if any, then waits
-    for the reporter's queue with the deadline asked for (at most the writer's own)."""
+    for the reporter's queue: all of it within the deadline asked for (at most the
+    writer's own)."""
     if not isinstance(request, dict):
         return {"ok": False, "error": "expected a JSON object"}
     op = request.get("op")
@@ -48,18 +51,25 @@ def answer(reporter: StatusReporter, request: object) -> dict[str, Any]:
     timeout = FLUSH_TIMEOUT_S
     if op == "flush" and "timeoutS" in request:
         asked = request["timeoutS"]
-        if not isinstance(asked, int | float) or not math.isfinite(asked) or asked < 0:
+        if (isinstance(asked, bool) or not isinstance(asked, int | float)
+                or not math.isfinite(asked) or asked < 0):
             return {"ok": False, "error": "timeoutS: expected seconds, a finite number >= 0"}
         timeout = min(float(asked), FLUSH_TIMEOUT_S)
+    deadline = time.monotonic() + timeout
     if op == "write" or "fields" in request:
         try:
             fields = checked_fields(request.get("fields"))
         except ValueError as err:
             return {"ok": False, "error": str(err)}
-        reporter.report_fields(fields, replace=True)
+        if not reporter.report_fields(fields, replace=True):
+            return {"ok": False, "error": "the status writer is stopping"}
     if op == "write":
         return {"ok": True}
-    return {"ok": True, "flushed": reporter.flush(timeout)}
+    return {"ok": True, "flushed": reporter.flush(max(0.0, deadline - time.monotonic()))}
+
+
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _read(conn: socket.socket) -> object:
@@ -82,8 +92,8 @@ def _read(conn: socket.socket) -> object:
         if len(data) > MAX_REQUEST_BYTES:
             raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
     try:
-        return json.loads(data)
-    except ValueError as err:  # not JSON, or not UTF-8 at all
+        return json.loads(data, parse_constant=_refuse_constant)
+    except ValueError as err:  # not JSON (NaN and Infinity included), or not UTF-8 at all
         raise ValueError(f"request is not JSON ({err})") from None
 
 
@@ -93,6 +103,8 @@ def _handle(conn: socket.socket, reporter: StatusReporter, slots: threading.Sema
             reply = answer(reporter, _read(conn))
         except (OSError, ValueError) as err:  # a bad or broken request: refused
             reply = {"ok": False, "error": str(err)[:300]}
+        except Exception as err:  # anything else it provokes (e.g. nested too deep) too
+            reply = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}
         finally:
             slots.release()
         # The driver may have gone mid-request; it retries if it can.
@@ -121,8 +133,12 @@ def serve(path: Path, reporter: StatusReporter, stop: threading.Event) -> None:
                 with conn, contextlib.suppress(OSError):
                     conn.sendall(b'{"ok": false, "error": "busy"}\n')
                 continue
-            threading.Thread(target=_handle, args=(conn, reporter, slots),
-                             name="status-request", daemon=True).start()
+            try:
+                threading.Thread(target=_handle, args=(conn, reporter, slots),
+                                 name="status-request", daemon=True).start()
+            except RuntimeError:  # no thread to be had: refused, the driver retries
+                slots.release()
+                conn.close()
 
 
 def main() -> int:
