@@ -48,6 +48,25 @@ FIELD_MODELS: dict[str, type[BaseModel]] = {
 MAX_REQUEST_BYTES = 256 * 1024  # a status with a full checkpoint history is under 8 KiB
 
 
+def receive_all(conn: socket.socket, deadline: float) -> bytes:
+    """Everything the peer sends until it shuts its side, by `deadline` (time.monotonic)
+    and in at most MAX_REQUEST_BYTES: a peer that trickles bytes is cut off at the
+    deadline (TimeoutError), one that sends too much refused (ValueError). Both ends of the
+    socket read this way."""
+    data = b""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        conn.settimeout(left)
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+        if len(data) > MAX_REQUEST_BYTES:
+            raise ValueError(f"longer than {MAX_REQUEST_BYTES} bytes")
+
+
 class StatusSink(Protocol):
     """Takes the whole set of the runtime's status fields (the latest value of each)."""
 
@@ -168,28 +187,19 @@ class SocketSink:
     def _call(self, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """One request and its answer, all within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"the status writer did not answer within {timeout_s:.0f}s")
-            return remaining
-
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(left())
+            conn.settimeout(timeout_s)
             conn.connect(self.path)
-            conn.settimeout(left())
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
             conn.sendall(json.dumps(request).encode() + b"\n")
             conn.shutdown(socket.SHUT_WR)
-            data = b""
-            while True:
-                conn.settimeout(left())
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-                if len(data) > MAX_REQUEST_BYTES:
-                    raise ConnectionError("the status writer's answer is too long")
+            try:
+                data = receive_all(conn, deadline)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"the status writer did not answer within {timeout_s:.0f}s") from None
+            except ValueError:
+                raise ConnectionError("the status writer's answer is too long") from None
         answer = json.loads(data or b"{}")
         if not isinstance(answer, dict) or not answer.get("ok"):
             error = answer.get("error") if isinstance(answer, dict) else None

@@ -29,7 +29,7 @@ from types import FrameType
 from typing import Any
 
 from rljob.reporting.reporter import FLUSH_TIMEOUT_S, StatusReporter
-from rljob.reporting.status_sink import MAX_REQUEST_BYTES, ApiSink, checked_fields
+from rljob.reporting.status_sink import ApiSink, checked_fields, receive_all
 from rljob_api import env
 
 ACCEPT_TIMEOUT_S = 1.0  # how often the accept loop looks whether it was told to stop
@@ -75,22 +75,12 @@ def _refuse_constant(name: str) -> object:
 def _read(conn: socket.socket) -> object:
     """One request: everything the client sends before it shuts its side, within
     READ_TIMEOUT_S in all (a client that trickles bytes is cut off, not waited for)."""
-    deadline = time.monotonic() + READ_TIMEOUT_S
-    data = b""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ValueError(f"request not complete within {READ_TIMEOUT_S:.0f}s")
-        conn.settimeout(left)
-        try:
-            chunk = conn.recv(65536)
-        except TimeoutError:
-            raise ValueError(f"request not complete within {READ_TIMEOUT_S:.0f}s") from None
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > MAX_REQUEST_BYTES:
-            raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
+    try:
+        data = receive_all(conn, time.monotonic() + READ_TIMEOUT_S)
+    except TimeoutError:
+        raise ValueError(f"request not complete within {READ_TIMEOUT_S:.0f}s") from None
+    except ValueError as err:
+        raise ValueError(f"request {err}") from None
     try:
         return json.loads(data, parse_constant=_refuse_constant)
     except ValueError as err:  # not JSON (NaN and Infinity included), or not UTF-8 at all
