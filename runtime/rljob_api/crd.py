@@ -59,6 +59,13 @@ PRINTER_COLUMNS: list[Schema] = [
         "description": "Restarts after failures.",
     },
     {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {
+        "name": "ENGINES",
+        "type": "string",
+        "jsonPath": ".status.engines.summary",
+        "description": "Rollout engines serving / engines the job runs.",
+        "priority": 1,
+    },
 ]
 
 _DROP = {"title", "$defs"}

@@ -649,6 +649,21 @@ class RecoverySpec(ApiModel):
         10, ge=0, le=86400, description="First restart delay; doubles every restart."
     )
     max_backoff_seconds: int = Field(600, ge=0, le=86400, description="Longest restart delay.")
+    max_engine_restarts: int = Field(
+        10,
+        ge=0,
+        le=10000,
+        description=(
+            "Lost rollout engines replaced within engineRestartWindowSeconds without a "
+            "restart of the job: the driver keeps training on the engines left and starts "
+            "the lost one again. One more loss in the window fails the job "
+            "(EngineRestartsExhausted). 0: a lost engine restarts the job, as any lost pod. "
+            "Disaggregated placement only: a colocated engine shares its pod with a trainer."
+        ),
+    )
+    engine_restart_window_seconds: int = Field(
+        3600, ge=60, le=604800, description="The window maxEngineRestarts counts in."
+    )
     retry_on: list[FailureKind] = Field(
         default_factory=lambda: list(FailureKind),
         max_length=8,
@@ -840,6 +855,13 @@ class RLJobSpec(ApiModel):
         "would use (the driver's `device-plan:` lines) and stop without training: a check of "
         "a GPU cluster's layout. Fixed at creation.",
     )
+
+    def replaces_engines(self) -> bool:
+        """Whether a lost rollout engine is started again while training goes on
+        (`recovery.maxEngineRestarts`); a colocated engine shares its pod and GPUs with a
+        trainer, whose loss restarts the job anyway."""
+        return (self.placement == Placement.disaggregated
+                and self.recovery.max_engine_restarts > 0)
 
     def old_logprobs(self) -> OldLogprobs:
         """The old policy the loss uses, `algorithm.oldLogprobs` or its default for the mode.

@@ -25,7 +25,7 @@ OPERATOR_MANAGER = "rljob-operator"
 RUNTIME_MANAGER = "rljob-runtime"
 OPERATOR_FIELDS = ("phase", "conditions", "observedGeneration", "recovery", "startingSince",
                    "startedAt", "finishedAt")
-RUNTIME_FIELDS = ("progress", "checkpoint", "resumed", "runtimeFailure", "stopped")
+RUNTIME_FIELDS = ("progress", "checkpoint", "resumed", "runtimeFailure", "stopped", "engines")
 # The runtime's fields a restarted runtime carries over from its predecessor (the same field
 # manager: an apply without them would remove them). The others say how an attempt ended,
 # and a new attempt starts without them.
@@ -256,6 +256,43 @@ class RuntimeStop(ApiModel):
     time: Timestamp = Field(description="When it stopped.")
 
 
+class EngineState(str, Enum):
+    serving = "Serving"
+    lost = "Lost"  # being started again
+    rejoining = "Rejoining"  # started again, installing the version the others serve
+
+
+class EngineReport(ApiModel):
+    """One rollout engine as the driver sees it."""
+
+    name: ShortText = Field(description="engine-<index>, as in weight sync and metrics.")
+    state: EngineState = Field(description="Serving, Lost (being replaced) or Rejoining.")
+    weight_version: int | None = Field(
+        None, description="Weight version it serves; unset while it serves none."
+    )
+    restarts: int = Field(0, description="Times this attempt replaced it.")
+    reason: Message | None = Field(None, description="Why it was last lost.")
+    since: Timestamp = Field(description="When it entered its state.")
+
+
+class EnginesStatus(ApiModel):
+    """The rollout engines of the running attempt, written by the runtime whenever one is
+    lost or rejoins: a lost engine is replaced while training goes on."""
+
+    ready: int = Field(description="Engines serving requests.")
+    total: int = Field(description="Engines the job runs.")
+    summary: ShortText = Field(description="ready/total, as the ENGINES column shows it.")
+    restarts: int = Field(
+        0, description="Engines replaced within spec.recovery.engineRestartWindowSeconds."
+    )
+    paused: Message | None = Field(
+        None, description="Set while no engine serves: generation waits, and why."
+    )
+    engines: list[EngineReport] = Field(
+        default_factory=list, max_length=1024, description="Each engine, by index."
+    )
+
+
 class RLJobStatus(ApiModel):
     """Observed state of an RLJob."""
 
@@ -272,6 +309,9 @@ class RLJobStatus(ApiModel):
     recovery: RecoveryStatus | None = Field(None, description="Restarts (operator).")
     resumed: ResumeReport | None = Field(
         None, description="What the running attempt resumed from (runtime)."
+    )
+    engines: EnginesStatus | None = Field(
+        None, description="The running attempt's rollout engines (runtime)."
     )
     runtime_failure: RuntimeFailure | None = Field(
         None, description="A failure diagnosed by the runtime (runtime)."

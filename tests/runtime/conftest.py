@@ -11,6 +11,7 @@ import ray
 from rljob.cluster.cluster import worker_env
 from rljob_api.status import (
     CheckpointStatus,
+    EnginesStatus,
     Progress,
     ResumeReport,
     RuntimeFailure,
@@ -37,6 +38,7 @@ class RecordingReporter:
         self.failures: list[RuntimeFailure] = []
         self.resumes: list[ResumeReport] = []
         self.stops: list[RuntimeStop] = []
+        self.engine_reports: list[EnginesStatus] = []
 
     def progress(self, progress: Progress) -> None:
         self.progresses.append(progress)
@@ -52,6 +54,9 @@ class RecordingReporter:
 
     def stopped(self, stop: RuntimeStop) -> None:
         self.stops.append(stop)
+
+    def engines(self, engines: EnginesStatus) -> None:
+        self.engine_reports.append(engines)
 
     def close(self, timeout_s: float) -> bool:
         return True

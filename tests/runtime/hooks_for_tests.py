@@ -162,3 +162,33 @@ async def credential_probe_reward(args: HookArgs, sample: Sample) -> float:
         tmp.write_text(json.dumps(found))
         tmp.replace(out)
     return await default_reward(args, sample)
+
+
+ENGINE_LOSS_ENV = "RLJOB_TEST_ENGINE_LOSS_DIR"
+_generated = 0  # generate calls so far in this rollout worker
+_engine_announced = False
+
+
+async def generate_on_a_lost_engine(
+    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """The default generate, except once: the first request of the third rollout step or
+    later that goes to the last of several engines writes that engine's URL to
+    `$RLJOB_TEST_ENGINE_LOSS_DIR/engine` and waits until the engine stops answering (the
+    test kills its process), then is sent to it, and fails there. Meanwhile the step's other
+    requests run on, on both engines."""
+    global _generated, _engine_announced
+    _generated += 1
+    directory = os.environ.get(ENGINE_LOSS_ENV)
+    per_step = args.spec.algorithm.rollout_batch_size * args.spec.algorithm.n_samples_per_prompt
+    engine = args.engine_for(sample)
+    if (directory and not _engine_announced and _generated > 2 * per_step
+            and len(args.engines) > 1 and engine is args.engines[-1]):
+        _engine_announced = True
+        Path(directory, "engine").write_text(engine.base_url)
+        deadline = time.monotonic() + 120
+        while await asyncio.to_thread(engine.healthy, 1.0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine {engine.base_url} still answers after 120 s")
+            await asyncio.sleep(0.2)
+    return await default_generate(args, sample, sampling_params)

@@ -61,12 +61,14 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
     rollout = Actor("rollout", log, {"generate": (
         [], RolloutStats(rollout_seconds=0.1, response_tokens=0.0, tokens_per_second=1.0,
                          generation_rounds=1.0, generated_groups=0.0))})
+    engines = EngineGroup(lambda e: (Actor(f"engine{e}", log, {"resume_memory": weights_kept}),
+                                     []))
+    engines.start(2)
     roles = Roles(
         offload=offload,
         trainers=TrainerGroup([Actor(f"trainer{r}", log, {
             "train": metrics, "nonfinite_weights": [], "offload": 1}) for r in range(2)]),
-        engines=EngineGroup([Actor(f"engine{e}", log, {"resume_memory": weights_kept})
-                             for e in range(2)], []),
+        engines=engines,
         rollout=RolloutPipeline(rollout), devices=Devices(True, True))
     job = Job(attempt, roles,  # type: ignore[arg-type]
               state=LoopState(step=3, weight_version=3, consecutive_nonfinite=0,
@@ -81,6 +83,7 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
 @pytest.fixture(autouse=True)
 def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "get", lambda value: value)
+    monkeypatch.setattr(ray, "wait", lambda refs, **_: (refs, []))
 
 
 def _step(tmp_path: Path, **kw: Any) -> list[str]:

@@ -280,16 +280,17 @@ class Cluster:
                                "did not keep each pod's slots together; retry the job")
         holder_cls = ray.remote(SlotHolder)
         groups = layout.engine_slot_groups()
-        holders: list[list[Any]] = [[holder_cls.options(**at(s)).remote() for s in group[1:]]
-                                    for group in groups]
-        handles: list[Any] = []
-        # Stopped and killed on a failure from here on, whatever was started of them.
-        self.engines = EngineGroup(handles, [h for hs in holders for h in hs])
-        for group, hs, port in zip(groups, holders, ports, strict=True):
-            handles.append(engine_cls.options(**at(group[0])).remote(
+
+        def start_engine(i: int) -> tuple[Any, list[Any]]:
+            holders: list[Any] = [holder_cls.options(**at(s)).remote() for s in groups[i][1:]]
+            return engine_cls.options(**at(groups[i][0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
-                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, port,
-                ray.get([h.where.remote() for h in hs]), offload))
+                spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, ports[i],
+                ray.get([h.where.remote() for h in holders]), offload), holders
+
+        # Stopped and killed on a failure from here on, whatever was started of them.
+        self.engines = EngineGroup(start_engine)
+        self.engines.start(len(groups))
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
         init = "" if trainer_world(spec) == 1 else ray.get(
             ray.remote(rendezvous_address).options(

@@ -1,29 +1,47 @@
 """The rollout engines of a job as one object: every call the driver or weight sync makes on
-engines goes through here, to each engine, once."""
+engines goes through here, to each engine, once; and an engine that was lost is started
+again here, in its own slots, with the arguments it first had."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from rljob.engine.launcher import Locality
 
+# The handle of a new `EngineProcess` actor for engine i, and the holders of its further
+# slots (multi-GPU engines), started in that engine's bundles of the placement group.
+EngineStarter = Callable[[int], tuple[Any, list[Any]]]
+PING_TIMEOUT_S = 10.0
+
 
 class EngineGroup:
-    def __init__(self, handles: list[Any], slot_holders: list[Any]) -> None:
-        self.handles = handles  # Ray actor handles of `EngineProcess`es, by engine index
+    def __init__(self, starter: EngineStarter) -> None:
+        self.starter = starter
+        self.handles: list[Any] = []  # Ray actor handles of `EngineProcess`es, by index
         # Further slots of multi-GPU engines, held so that no other actor takes their GPUs.
-        self.slot_holders = slot_holders
+        self.slot_holders: list[list[Any]] = []
+        self._urls: list[str] | None = None
+        self._starting: dict[int, ray.ObjectRef[Any]] = {}  # a replacement's address
 
-    @functools.cached_property
+    def start(self, count: int) -> None:
+        """Engines 0..count-1; each is appended as it starts, so a failure part-way stops
+        exactly those started."""
+        for i in range(count):
+            handle, holders = self.starter(i)
+            self.handles.append(handle)
+            self.slot_holders.append(holders)
+
+    @property
     def urls(self) -> list[str]:
         """Each engine's HTTP address, once it serves (asked for when first needed, so the
         trainers start while the engines load)."""
-        urls: list[str] = ray.get([e.address.remote() for e in self.handles])
-        return urls
+        if self._urls is None:
+            self._urls = list(ray.get([e.address.remote() for e in self.handles]))
+        return self._urls
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -31,6 +49,44 @@ class EngineGroup:
     def localities(self) -> list[Locality]:
         """Each engine's Ray node and visible devices, as it reports them itself."""
         where: list[Locality] = ray.get([e.locality.remote() for e in self.handles])
+        return where
+
+    def serving(self, index: int) -> bool:
+        """Whether engine `index`'s actor lives and its server answers (an actor that lost
+        its SGLang process lives on without it); False when Ray lost the actor or it does
+        not answer within PING_TIMEOUT_S."""
+        try:
+            return bool(ray.get(self.handles[index].serving.remote(), timeout=PING_TIMEOUT_S))
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def replace(self, index: int) -> None:
+        """Kill engine `index` (whatever is left of it) and start it again in its slots;
+        `started` says when it serves. Ray places the slots again first when their node
+        is gone (a placement group's bundles are rescheduled when a node dies)."""
+        for handle in [self.handles[index], *self.slot_holders[index]]:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.kill(handle)
+        handle, holders = self.starter(index)
+        self.handles[index], self.slot_holders[index] = handle, holders
+        self._starting[index] = handle.address.remote()
+
+    def started(self, index: int) -> str | None:
+        """The replacement of engine `index`'s address once it serves, else None; raises
+        the RayError of a replacement that failed to start."""
+        ref = self._starting.get(index)
+        if ref is None:
+            return self.urls[index]
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return None
+        del self._starting[index]
+        url = str(ray.get(ref))
+        self.urls[index] = url
+        return url
+
+    def locality(self, index: int) -> Locality:
+        where: Locality = ray.get(self.handles[index].locality.remote(), timeout=PING_TIMEOUT_S)
         return where
 
     def release(self) -> None:
@@ -48,6 +104,6 @@ class EngineGroup:
                 ray.get(engine.stop.remote(), timeout=timeout_s)
 
     def kill(self) -> None:
-        for handle in [*self.handles, *self.slot_holders]:
+        for handle in [*self.handles, *(h for hs in self.slot_holders for h in hs)]:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(handle)

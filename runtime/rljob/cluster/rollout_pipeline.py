@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from rljob.cluster.engine_recovery import TEND_INTERVAL_S
 from rljob.rollout.sample import Sample, version_number
 from rljob.rollout.stats import EvalResult, RolloutStats
 
@@ -103,6 +105,16 @@ class RolloutPipeline:
         self.rollout = rollout  # the RolloutWorker actor
         self.in_flight: InFlight | None = None
         self.ready: RolloutBatch | None = None
+        # Called every TEND_INTERVAL_S while a batch or an evaluation is waited for: lost
+        # engines are replaced while the others generate (`Job.tend_engines`).
+        self.tend: Callable[[], None] = lambda: None
+
+    def _wait(self, ref: ray.ObjectRef[Any]) -> Any:
+        while True:
+            ready, _ = ray.wait([ref], timeout=TEND_INTERVAL_S)
+            if ready:
+                return ray.get(ref)
+            self.tend()
 
     def setup(self) -> list[str]:
         """Data and hooks loaded in the worker; the problems found, if any."""
@@ -114,7 +126,7 @@ class RolloutPipeline:
         would abort the eval's requests too (partial rollout aborts every request of the
         engines)."""
         self.settle()
-        result: EvalResult = ray.get(self.rollout.evaluate.remote())
+        result: EvalResult = self._wait(self.rollout.evaluate.remote())
         return result
 
     def launch(self, step: int, engine_version: int, oldest_version: int | None) -> None:
@@ -145,10 +157,10 @@ class RolloutPipeline:
         return self._batch(step, self.rollout.generate.remote(step, oldest_version),
                            engine_version)
 
-    @staticmethod
-    def _batch(step: int, generated: ray.ObjectRef[Any], engine_version: int) -> RolloutBatch:
+    def _batch(self, step: int, generated: ray.ObjectRef[Any], engine_version: int
+               ) -> RolloutBatch:
         """The batch of a `RolloutWorker.generate` call."""
-        samples, stats = ray.get(generated)
+        samples, stats = self._wait(generated)
         return RolloutBatch(step, samples, stats, engine_version)
 
     def settle(self) -> RolloutBatch | None:

@@ -93,6 +93,10 @@ class TrainerGroup:
             lambda: ray.get(self.rank0.publish.remote(version, again)), NonFiniteWeights)
         return result
 
+    def forget_engine(self, name: str) -> None:
+        """Weight sync stops delivering to engine `name` (lost) until it registers again."""
+        ray.get(self.rank0.forget_engine.remote(name))
+
     def shutdown(self, timeout_s: float) -> None:
         """Each rank leaves its process groups; a dead one has nothing to leave."""
         for t in self.handles:

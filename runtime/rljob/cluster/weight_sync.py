@@ -211,27 +211,56 @@ class WeightSyncActors:
         stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the engine's
         first slot (`placement`: the group and each engine's first slot) holding a share of
         that GPU."""
-        where = engines.localities()
-        cls = ray.remote(SidecarActor)
-        pg, slots = placement
-        for i, (url, loc, slot) in enumerate(zip(engines.urls, where, slots, strict=True)):
-            device, options = sidecar_placement(pg, slot, loc, sync_on_gpu)
-            # In pods: the port the pod declares for the sidecar of the engine at this port.
-            listen_port = (layout.weight_sync_health_port(
-                int(url.rsplit(":", 1)[1]) - self.settings.engine_port)
-                if self.settings.engine_port else 0)
-            config = SidecarConfig(
-                engine_name=engine_name(i),
-                engine_url=url,
-                trainer_host=store[0],
-                trainer_port=store[1],
-                listen_host="127.0.0.1" if loopback else "0.0.0.0",
-                listen_port=listen_port,
-                advertise_host="127.0.0.1" if loopback else "",
-                device=device,
-                engine_gpus=loc.gpus if device != "cpu" else "",
-            )
-            self.sidecars.append(cls.options(**options).remote(config))
+        self._where = (store, loopback, placement, sync_on_gpu)
+        for i, (url, loc) in enumerate(zip(engines.urls, engines.localities(), strict=True)):
+            self.sidecars.append(self._start_sidecar(i, url, loc))
+
+    def _start_sidecar(self, i: int, url: str, loc: Locality) -> Any:
+        store, loopback, (pg, slots), sync_on_gpu = self._where
+        device, options = sidecar_placement(pg, slots[i], loc, sync_on_gpu)
+        # In pods: the port the pod declares for the sidecar of the engine at this port.
+        listen_port = (layout.weight_sync_health_port(
+            int(url.rsplit(":", 1)[1]) - self.settings.engine_port)
+            if self.settings.engine_port else 0)
+        config = SidecarConfig(
+            engine_name=engine_name(i),
+            engine_url=url,
+            trainer_host=store[0],
+            trainer_port=store[1],
+            listen_host="127.0.0.1" if loopback else "0.0.0.0",
+            listen_port=listen_port,
+            advertise_host="127.0.0.1" if loopback else "",
+            device=device,
+            engine_gpus=loc.gpus if device != "cpu" else "",
+        )
+        return ray.remote(SidecarActor).options(**options).remote(config)
+
+    def replace_sidecar(self, i: int, url: str, loc: Locality) -> None:
+        """A new sidecar for the replacement of engine `i` (at `url`, where `loc` says):
+        the old one is killed; the new one registers under the same name, as a new
+        incarnation that the next delivery targets."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(self.sidecars[i])
+        self.sidecars[i] = self._start_sidecar(i, url, loc)
+        self.incarnations.pop(i, None)
+
+    def kill_sidecar(self, i: int) -> None:
+        """The sidecar of a lost engine: it has nothing left to install into."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.kill(self.sidecars[i])
+
+    def acked(self, i: int) -> int | None:
+        """The version engine `i`'s sidecar last installed and acknowledged, once it has
+        registered; None while it starts or before its first install."""
+        try:
+            health = ray.get(self.sidecars[i].health.remote(), timeout=HEALTH_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return None
+        if health["state"] in ("starting", "disconnected"):
+            return None
+        self.incarnations[i] = health["incarnation"]
+        version = health.get("last_acked_version")
+        return int(version) if version is not None else -1
 
     def health(self) -> list[dict[str, Any]]:
         """Each sidecar's `/health` answer, by engine index."""

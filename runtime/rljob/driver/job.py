@@ -4,12 +4,14 @@ another process goes through a role handle (`rljob.cluster`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from rljob.checkpoint.store import Verified
 from rljob.cluster.cluster import Roles
+from rljob.cluster.engine_recovery import EngineRecovery
 from rljob.cluster.rollout_pipeline import RolloutBatch, Staleness
 from rljob.driver.attempt import Attempt
 from rljob.driver.state import LoopState
@@ -41,6 +43,9 @@ class Job:
     # (rollout step, eval reward) of the latest evaluation, reported with every step: the
     # one a resumed attempt finds in metrics.jsonl until it evaluates itself
     last_eval: tuple[int, float] | None
+    # Lost rollout engines replaced while training goes on (`RLJobSpec.replaces_engines`);
+    # None: a lost engine ends the attempt, as any lost worker.
+    recovery: EngineRecovery | None = None
 
     @property
     def spec(self) -> RLJobSpec:
@@ -77,8 +82,14 @@ class Job:
 
     # ---- the step's parts ----------------------------------------------------------------
 
+    def tend_engines(self) -> None:
+        """Lost engines found and replaced, replacements brought back (`EngineRecovery`)."""
+        if self.recovery is not None:
+            self.recovery.tend(self.engine_version)
+
     def take_batch(self) -> tuple[RolloutBatch, Staleness]:
         """This step's rewarded samples, and how far they lag the policy."""
+        self.tend_engines()
         state, algo, bound = self.state, self.spec.algorithm, self.max_staleness
         batch = self.roles.rollout.take(
             state.step, self.engine_version,
@@ -151,6 +162,12 @@ class Job:
             self.attempt.fail("NonFiniteWeights", message, retryable=False)
             raise JobError(exits.NONFINITE, f"NonFiniteWeights: {message}") from None
         self.log_sync(result)
+        if result.stale and self.recovery is not None:
+            # Engines lost meanwhile are being replaced: each gets this version when back.
+            self.recovery.check()
+            down = self.recovery.down()
+            result = dataclasses.replace(result, stale={
+                name: why for name, why in result.stale.items() if name not in down})
         if result.stale:
             result = self.after_lost_sidecars(result)
         elif result.attempts > 1:
@@ -162,6 +179,8 @@ class Job:
             raise JobError(exits.FAILED, f"WeightSyncFailed: engines did not install "
                            f"weight version {version}: {reasons}")
         self.engine_version = version
+        if self.recovery is not None:
+            self.recovery.served(version)
 
     def after_lost_sidecars(self, result: SyncResult) -> SyncResult:
         """A delivery with stale engines whose sidecars died: those Ray started again are

@@ -36,6 +36,8 @@ def step_row(job: Job, metrics: TrainMetrics, batch: RolloutBatch, staleness: St
     }
     if job.max_staleness is not None:
         row["stale_samples"] = float(staleness.over_bound)
+    if job.recovery is not None:
+        row["engines_ready"] = float(job.recovery.ready())
     row.update({
         "train_seconds": times.train,
         "step_seconds": times.step,

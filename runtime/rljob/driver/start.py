@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rljob.checkpoint.store import Verified
+from rljob.cluster.engine_recovery import EngineRecovery
 from rljob.cluster.placement import plan
 from rljob.cluster.weight_sync import SyncSettings
 from rljob.driver.attempt import Attempt
@@ -83,6 +84,11 @@ def start(attempt: Attempt) -> Job:
                              if spec.rollout.mode == RolloutMode.async_ else None),
               engine_version=0, last_eval=last_eval)
     attempt.job = job
+    if spec.replaces_engines() and not roles.offload and cluster.weight_sync is not None:
+        job.recovery = EngineRecovery(
+            roles.engines, cluster.weight_sync, roles.trainers, roles.rollout.rollout,
+            attempt.reporter, spec.recovery, attempt.fail)
+        roles.rollout.tend = job.tend_engines
     job.publish()
     return job
 

@@ -93,6 +93,15 @@ class EngineProcess(Locatable):
     def address(self) -> str:
         return self.url
 
+    def serving(self) -> bool:
+        """Whether the server still runs and answers /health (SGLang is a process of its own
+        that can die while this actor lives on)."""
+        if self.server is not None and not self.server.thread.is_alive():
+            return False
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        return EngineClient(self.local_url).healthy(timeout_s=5.0)
+
     def locality(self) -> Locality:
         """Where this engine runs: its sidecar must run there too (shared memory, the same
         GPUs)."""

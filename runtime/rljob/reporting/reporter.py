@@ -32,6 +32,7 @@ from rljob.reporting.status_sink import ApiSink, SocketSink, StatusSink
 from rljob_api import env
 from rljob_api.status import (
     CheckpointStatus,
+    EnginesStatus,
     Progress,
     ResumeReport,
     RuntimeFailure,
@@ -64,6 +65,7 @@ class Reporter(Protocol):
     def resumed(self, resumed: ResumeReport) -> None: ...
     def failure(self, failure: RuntimeFailure) -> None: ...
     def stopped(self, stop: RuntimeStop) -> None: ...
+    def engines(self, engines: EnginesStatus) -> None: ...
     def close(self, timeout_s: float) -> bool: ...
 
 
@@ -84,6 +86,9 @@ class PrintReporter:
 
     def stopped(self, stop: RuntimeStop) -> None:
         return None  # the run's summary says how it stopped
+
+    def engines(self, engines: EnginesStatus) -> None:
+        return None  # each loss and rejoin is printed as it happens
 
     def close(self, timeout_s: float) -> bool:
         return True  # everything was printed when it was reported
@@ -242,3 +247,7 @@ class StatusReporter:
 
     def stopped(self, stop: RuntimeStop) -> None:
         self.report_fields({"stopped": stop.model_dump(by_alias=True, exclude_none=True)})
+
+    def engines(self, engines: EnginesStatus) -> None:
+        self.report_fields({"engines": engines.model_dump(by_alias=True, exclude_none=True,
+                                                          mode="json")})

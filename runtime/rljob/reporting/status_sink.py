@@ -29,6 +29,7 @@ from rljob_api.status import (
     RUNTIME_CARRIED_FIELDS,
     RUNTIME_MANAGER,
     CheckpointStatus,
+    EnginesStatus,
     Progress,
     ResumeReport,
     RuntimeFailure,
@@ -44,6 +45,7 @@ FIELD_MODELS: dict[str, type[BaseModel]] = {
     "resumed": ResumeReport,
     "runtimeFailure": RuntimeFailure,
     "stopped": RuntimeStop,
+    "engines": EnginesStatus,
 }
 MAX_REQUEST_BYTES = 256 * 1024  # a status with a full checkpoint history is under 8 KiB
 

@@ -18,6 +18,8 @@ class RolloutStats:
     tokens_per_second: float  # of tokens generated in this step (not carried ones)
     generation_rounds: float
     generated_groups: float
+    # requests sent again to another engine after theirs was lost
+    reissued_requests: float = 0.0
     # dynamic sampling
     filtered_groups: float | None = None  # zero-variance groups set aside
     filtered_groups_kept: float | None = None  # of them, used to fill a short batch

@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rljob.engine.client import EngineClient
 from rljob.model.text_codec import load_codec
 from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
 from rljob.rollout.data_source import DataSource
+from rljob.rollout.engine_pool import EnginePool
 from rljob.rollout.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
 from rljob.rollout.sample import Sample, Status, version_number
 from rljob.rollout.stats import EvalResult, RolloutStats
@@ -80,7 +80,9 @@ class RolloutWorker(Locatable):
     def __init__(self, spec_json: str, model_dir: str, engine_urls: list[str]) -> None:
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.model_dir = model_dir
-        self.engine_urls = engine_urls
+        # Requests go to the engines serving; one lost costs its requests, sent again to
+        # another, and rejoins when the driver says it has the current weights.
+        self.pool = EnginePool(engine_urls, reissue=self.spec.replaces_engines())
         # Partial rollout: groups cut off at the last step boundary, continued first next step.
         self.carried: list[list[Sample]] = []
 
@@ -131,7 +133,8 @@ class RolloutWorker(Locatable):
             async with sem:
                 if cut.is_set():
                     return sample
-                sample = await self.generate_fn(args, sample, self._sampling())
+                sample = await self.pool.run(
+                    lambda: self.generate_fn(args, sample, self._sampling()))
                 if _done(sample):
                     path = self.spec.reward.function
                     sample.reward = as_reward(await self.reward_fn(args, sample), path)
@@ -143,8 +146,7 @@ class RolloutWorker(Locatable):
 
     async def _round(
         self, args: HookArgs, jobs: list[Prompt | list[Sample]], first: int, step: int,
-        sem: asyncio.Semaphore, engines: list[EngineClient], cut_at: int | None,
-        filtering: bool,
+        sem: asyncio.Semaphore, cut_at: int | None, filtering: bool,
     ) -> tuple[list[list[Sample]], list[bool], bool]:
         """Generate `jobs` concurrently as groups first, first + 1, ...; return the groups
         in launch order, whether each finished, and whether the round was cut.
@@ -175,7 +177,7 @@ class RolloutWorker(Locatable):
                         counted += 1
                 if counted >= cut_at and not cut.is_set():
                     cut.set()
-                    await asyncio.gather(*(e.abort_all() for e in engines))
+                    await self.pool.abort_all()
             return [t.result() for t in tasks], finished, cut.is_set()
         finally:
             for task in tasks:  # only left running when one of them raised
@@ -212,10 +214,10 @@ class RolloutWorker(Locatable):
         attempted = rounds = uniform_kept = resumed_groups = 0
         brought: dict[int, int] = {}  # id(carried group) → response tokens it brought along
         stale = self._drop_stale_carried(oldest_version)
-        engines = [EngineClient(u) for u in self.engine_urls]
+        reissued_before = self.pool.reissued
         try:
-            args = HookArgs(self.spec, engines, self.codec, self.task)
-            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
+            args = HookArgs(self.spec, self.pool.serving, self.codec, self.task)
+            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(self.pool.clients))
             while len(done) < want:
                 if rounds == MAX_REFILLS + max(filter_rounds - 1, 0):
                     raise NotEnoughSamples(
@@ -230,8 +232,8 @@ class RolloutWorker(Locatable):
                     *resumed, *self.source.take(need + extra - len(resumed))]
                 filtering = rounds < filter_rounds
                 groups, finished, was_cut = await self._round(
-                    args, jobs, attempted, step, sem, engines,
-                    need if partial.enabled else None, filtering)
+                    args, jobs, attempted, step, sem, need if partial.enabled else None,
+                    filtering)
                 attempted += len(jobs)
                 rounds += 1
                 again: list[Prompt] = []
@@ -252,7 +254,7 @@ class RolloutWorker(Locatable):
                     uniform_kept = min(len(uniform), want - len(done))
                     done += uniform[:uniform_kept]
         finally:
-            await asyncio.gather(*(e.aclose() for e in engines))
+            await self.pool.aclose()
         samples = [s for g in done for s in g]
         for index, g in enumerate(done):
             for s in g:
@@ -266,7 +268,8 @@ class RolloutWorker(Locatable):
         stats = RolloutStats(
             rollout_seconds=seconds, response_tokens=float(tokens),
             tokens_per_second=generated / seconds if seconds > 0 else 0.0,
-            generation_rounds=float(rounds), generated_groups=float(attempted))
+            generation_rounds=float(rounds), generated_groups=float(attempted),
+            reissued_requests=float(self.pool.reissued - reissued_before))
         if dynamic.enabled:
             stats = replace(stats, filtered_groups=float(len(uniform)),
                             filtered_groups_kept=float(uniform_kept))
@@ -325,17 +328,17 @@ class RolloutWorker(Locatable):
         started = time.monotonic()
         n = self.spec.eval.samples_per_prompt
         sampling = self._eval_sampling()
-        engines = [EngineClient(u) for u in self.engine_urls]
         try:
-            args = HookArgs(self.spec, engines, self.codec, self.eval_task)
-            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(engines))
+            args = HookArgs(self.spec, self.pool.serving, self.codec, self.eval_task)
+            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(self.pool.clients))
 
             async def one(i: int, p: Prompt, index: int) -> tuple[float, bool]:
                 sample = Sample(prompt=p.prompt, label=p.label, group_index=i, index=index,
                                 prompt_tokens=self.codec.encode(p.prompt),
                                 seed=eval_seed(self.spec.algorithm.seed, i, index))
                 async with sem:
-                    sample = await self.generate_fn(args, sample, dict(sampling))
+                    sample = await self.pool.run(
+                        lambda: self.generate_fn(args, sample, dict(sampling)))
                     if sample.status not in (Status.completed, Status.truncated):
                         return 0.0, True
                     return as_reward(await self.reward_fn(args, sample),
@@ -347,7 +350,7 @@ class RolloutWorker(Locatable):
             per_prompt = await asyncio.gather(*(prompt_rewards(i, p)
                                                 for i, p in enumerate(self.eval_task.prompts)))
         finally:
-            await asyncio.gather(*(e.aclose() for e in engines))
+            await self.pool.aclose()
         rewards = [[r for r, _ in group] for group in per_prompt]
         return EvalResult(
             reward=sum(sum(g) for g in rewards) / (len(rewards) * n),
@@ -370,6 +373,18 @@ class RolloutWorker(Locatable):
         self.carried = keep
         self.source.give_back([_prompt_of(g) for g in stale])
         return len(stale)
+
+    async def engine_lost(self, index: int, why: str) -> None:
+        """The driver found engine `index` gone: its requests go elsewhere from now on."""
+        await self.pool.lose(index, why)
+
+    async def engine_joined(self, index: int, url: str) -> None:
+        """Engine `index` serves the current weights at `url` again."""
+        await self.pool.join(index, url)
+
+    def engines_lost(self) -> dict[int, str]:
+        """Engines this worker took out (a request failed, /health did not answer)."""
+        return dict(self.pool.lost)
 
     def return_prompts(self, samples: list[Sample]) -> None:
         """A generated batch's prompts, one per group, back to be generated again first."""

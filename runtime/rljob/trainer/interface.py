@@ -78,3 +78,6 @@ class TrainerActor(Locatable, TakesTurns):
 
     def publish(self, version: int, again: bool = False) -> SyncResult:
         return self.sync.publish(version, self.named_weights(), again=again)
+
+    def forget_engine(self, name: str) -> None:
+        self.sync.forget_engine(name)

@@ -69,6 +69,11 @@ class TrainerSync:
         worker_metrics.WEIGHT_VERSION.set(version)
         return result
 
+    def forget_engine(self, name: str) -> None:
+        """Engine `name` was lost: deliveries stop targeting it until its replacement's
+        sidecar registers."""
+        self._joined().forget(name)
+
     def device_buffers(self) -> list[torch.Tensor]:
         """The publisher's send buffers: a serving-dtype copy of the weights it keeps on the
         trainer's GPU between versions, which leaves with the trainer's other tensors."""

@@ -232,6 +232,12 @@ class WeightPublisher:
         with ThreadPoolExecutor(max_workers=min(32, len(names))) as pool:
             return dict(zip(names, pool.map(alive, names), strict=True))
 
+    def forget(self, name: str) -> None:
+        """Drop engine `name` until a sidecar registers under it again (a replacement): a
+        delivery neither probes nor waits for an engine known to be gone."""
+        self._refresh_members()
+        self._engines.pop(name, None)
+
     # --- publishing -------------------------------------------------------------------------
 
     def publish(

@@ -1,0 +1,199 @@
+"""Lost rollout engines replaced while training goes on.
+
+An engine is lost when Ray lost its actor (its process died, its pod or node went), when
+its server stopped answering while the actor lives (SGLang is a process of its own), or
+when the rollout worker took it out after a request failed on it and its /health stayed
+silent. From then on the worker sends its requests to the engines left
+(`rljob.rollout.engine_pool`), weight sync stops delivering to it, and it is started again
+in its own slots (Ray places them again first when their node is gone). Its replacement
+gets a new weight-sync sidecar next to it, which registers as a new incarnation and is sent
+the version the other engines serve, verified by digest like any version; only once its
+sidecar acknowledged that version is the worker told it serves again. More losses than
+`spec.recovery.maxEngineRestarts` within `engineRestartWindowSeconds` fail the job.
+
+The driver calls `tend` while it waits for a batch and at each step's start: replacements
+move forward between its other calls, never while a trainer works.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rljob.cluster.engine_group import PING_TIMEOUT_S, EngineGroup
+from rljob.cluster.trainer_group import TrainerGroup
+from rljob.cluster.weight_sync import WeightSyncActors, engine_name
+from rljob.reporting.reporter import Reporter
+from rljob_api import exits
+from rljob_api.exits import JobError
+from rljob_api.spec import RecoverySpec
+from rljob_api.status import EngineReport, EnginesStatus, EngineState, timestamp
+
+# How often the driver looks at the engines while it waits for a batch.
+TEND_INTERVAL_S = 2.0
+
+
+@dataclass
+class Tracked:
+    state: EngineState
+    since: str
+    version: int | None = None
+    restarts: int = 0
+    reason: str | None = None
+    url: str = ""
+
+
+class EngineRecovery:
+    def __init__(self, engines: EngineGroup, weight_sync: WeightSyncActors,
+                 trainers: TrainerGroup, rollout: Any, reporter: Reporter,
+                 recovery: RecoverySpec, fail: Callable[[str, str, bool], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engines = engines
+        self.weight_sync = weight_sync
+        self.trainers = trainers
+        self.rollout = rollout  # the RolloutWorker actor
+        self.reporter = reporter
+        self.recovery = recovery
+        self.fail = fail
+        self.clock = clock
+        now = timestamp()
+        self.tracked = {i: Tracked(EngineState.serving, now, url=url)
+                        for i, url in enumerate(engines.urls)}
+        self.losses: deque[float] = deque()  # when each loss in the window was seen
+        self.last_tend = 0.0
+
+    # ---- what the driver asks ------------------------------------------------------------
+
+    def down(self) -> set[str]:
+        """Weight-sync names of the engines not serving now."""
+        return {engine_name(i) for i, t in self.tracked.items()
+                if t.state != EngineState.serving}
+
+    def ready(self) -> int:
+        """Engines serving requests now."""
+        return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
+
+    def served(self, version: int) -> None:
+        """Every serving engine acknowledged `version` (a delivery succeeded)."""
+        changed = False
+        for t in self.tracked.values():
+            if t.state == EngineState.serving and t.version != version:
+                t.version, changed = version, True
+        if changed:
+            self.report()
+
+    def tend(self, version: int, *, now: bool = False) -> None:
+        """Find lost engines and move replacements forward; at most every
+        TEND_INTERVAL_S unless `now`. `version` is what the serving engines serve."""
+        if not now and self.clock() - self.last_tend < TEND_INTERVAL_S:
+            return
+        self.last_tend = self.clock()
+        self.check()
+        self.advance(version)
+
+    # ---- finding losses --------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Engines lost since the last check are taken out and started again."""
+        serving = [i for i, t in self.tracked.items() if t.state == EngineState.serving]
+        if not serving:
+            return
+        suspects: dict[int, str] = ray.get(self.rollout.engines_lost.remote())
+        refs = {i: self.engines.handles[i].serving.remote() for i in serving}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
+        for i, ref in refs.items():
+            why = self._lost(ref)
+            if why is None and i in suspects:
+                # The worker's request failed, yet the engine answers: it serves again.
+                ray.get(self.rollout.engine_joined.remote(i, self.tracked[i].url))
+                continue
+            if why is not None:
+                self.lose(i, suspects.get(i) or why)
+
+    @staticmethod
+    def _lost(ref: ray.ObjectRef[Any]) -> str | None:
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            return f"it did not answer within {PING_TIMEOUT_S:.0f}s"
+        try:
+            return None if ray.get(ref) else "its server stopped answering /health"
+        except ray.exceptions.RayError as err:
+            return f"Ray lost its process: {str(err).splitlines()[0][:300]}"
+
+    def lose(self, index: int, why: str) -> None:
+        """Take engine `index` out (requests, weight sync) and start it again, or fail the
+        job when the window's bound is spent."""
+        t = self.tracked[index]
+        name = engine_name(index)
+        print(f"engines: {name} lost: {why}", file=sys.stderr, flush=True)
+        ray.get(self.rollout.engine_lost.remote(index, why))
+        self.trainers.forget_engine(name)
+        self.weight_sync.kill_sidecar(index)
+        now = self.clock()
+        self.losses.append(now)
+        while self.losses and now - self.losses[0] > self.recovery.engine_restart_window_seconds:
+            self.losses.popleft()
+        t.state, t.since, t.version, t.reason = EngineState.lost, timestamp(), None, why
+        self.report()
+        if len(self.losses) > self.recovery.max_engine_restarts:
+            message = (f"{len(self.losses)} rollout engines lost within "
+                       f"{self.recovery.engine_restart_window_seconds}s, more than "
+                       f"spec.recovery.maxEngineRestarts ({self.recovery.max_engine_restarts});"
+                       f" the last: {name}: {why}")
+            self.fail("EngineRestartsExhausted", message, False)
+            raise JobError(exits.FAILED, f"EngineRestartsExhausted: {message}")
+        t.restarts += 1
+        self.engines.replace(index)
+
+    # ---- bringing replacements back -------------------------------------------------------
+
+    def advance(self, version: int) -> None:
+        """Replacements that serve get their sidecar; those whose sidecar registered get
+        `version`; those that acknowledged it serve requests again."""
+        for i, t in self.tracked.items():
+            if t.state != EngineState.lost:
+                continue
+            try:
+                url = self.engines.started(i)
+            except ray.exceptions.RayError as err:
+                self.lose(i, f"its replacement failed to start: {str(err).splitlines()[0]}")
+                continue
+            if url is not None:
+                t.url = url
+                self.weight_sync.replace_sidecar(i, url, self.engines.locality(i))
+                t.state, t.since = EngineState.rejoining, timestamp()
+                print(f"engines: {engine_name(i)} started again at {url}; installing weight "
+                      f"version {version}", file=sys.stderr, flush=True)
+                self.report()
+        rejoining = [i for i, t in self.tracked.items() if t.state == EngineState.rejoining]
+        acked = {i: self.weight_sync.acked(i) for i in rejoining}
+        if any(v is not None and v != version for v in acked.values()):
+            # Delivered to every registered engine that lacks it: the replacements.
+            self.trainers.publish(version, again=False)
+            acked = {i: self.weight_sync.acked(i) for i in rejoining}
+        for i, v in acked.items():
+            if v != version:
+                continue
+            t = self.tracked[i]
+            ray.get(self.rollout.engine_joined.remote(i, t.url))
+            t.state, t.since, t.version = EngineState.serving, timestamp(), version
+            print(f"engines: {engine_name(i)} rejoined, serving weight version {version}",
+                  file=sys.stderr, flush=True)
+            self.report()
+
+    def report(self) -> None:
+        ready = self.ready()
+        total = len(self.tracked)
+        self.reporter.engines(EnginesStatus(
+            ready=ready, total=total, summary=f"{ready}/{total}", restarts=len(self.losses),
+            paused=None if ready else "no rollout engine serves: generation waits for a "
+                                      "replacement to install the current weights",
+            engines=[EngineReport(name=engine_name(i), state=t.state, weight_version=t.version,
+                                  restarts=t.restarts, reason=t.reason, since=t.since)
+                     for i, t in sorted(self.tracked.items())]))
