@@ -58,7 +58,6 @@ PRINTER_COLUMNS: list[Schema] = [
         "jsonPath": ".status.recovery.restarts",
         "description": "Restarts after failures.",
     },
-    {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {
         "name": "ENGINES",
         "type": "string",
@@ -66,6 +65,7 @@ PRINTER_COLUMNS: list[Schema] = [
         "description": "Rollout engines serving / engines the job runs.",
         "priority": 1,
     },
+    {"name": "AGE", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
 _DROP = {"title", "$defs"}

@@ -60,7 +60,7 @@ def test_crd_shape() -> None:
     assert crd["spec"]["names"]["shortNames"] == ["rlj"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["PHASE", "STEP", "REWARD", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert columns == ["PHASE", "STEP", "REWARD", "CHECKPOINT", "RESTARTS", "ENGINES", "AGE"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
 
     def walk(node: dict[str, object], path: str) -> None:
