@@ -58,11 +58,14 @@ class JobMemory:
     support: SupportCheck | None = None
     ensured: Ensured | None = None
     claim: ClaimModes | None = None
+    # status.engines as last seen, by engine: (state, since) (`engine_events`).
+    engines: dict[str, tuple[str, str]] | None = None
 
     def holds_state(self) -> bool:
         """Whether anything besides failure hints is remembered."""
         return any(value is not None for value in (
-            self.in_the_way, self.fresh_at, self.support, self.ensured, self.claim))
+            self.in_the_way, self.fresh_at, self.support, self.ensured, self.claim,
+            self.engines))
 
 
 class Memory:

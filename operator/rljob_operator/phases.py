@@ -13,6 +13,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from rljob_api.layout import ROLLOUT
 from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import (
     MESSAGE_MAX,
@@ -317,6 +318,16 @@ def _active(s: Situation) -> Decision:
     return _progressing(s, driver, attempt, stale)
 
 
+def attempt_pods(s: Situation) -> tuple[str, ...]:
+    """The compute pods whose loss ends the attempt the new driver starts: every live one,
+    but rollout pods when the runtime replaces lost engines itself
+    (`RLJobSpec.replaces_engines`): KubeRay recreates such a pod, the driver starts its
+    engine again in it, and training goes on."""
+    spec = s.job.spec
+    spared = spec is not None and spec.replaces_engines()
+    return tuple(p.name for p in s.live() if not (spared and p.component == ROLLOUT))
+
+
 def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
                  stale: bool) -> Decision:
     """Pending, Initializing, Running or Recovering: what the attempt waits for, and the
@@ -351,7 +362,7 @@ def _progressing(s: Situation, driver: PodView | None, attempt: PodView | None,
             phase, action = waiting_phase, "StartingDriver"
             if not recovering:
                 phase = Phase.initializing.value
-            create_driver = tuple(p.name for p in s.live())
+            create_driver = attempt_pods(s)
     if not recovering and phase != Phase.running.value:
         action = None
     rec = recovery_status(s, action, next_at)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from rljob_api.status import parse_timestamp
 from rljob_operator import builders, names
@@ -22,6 +23,7 @@ from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_u
 from rljob_operator.config import NODE_LOST_AFTER_SECONDS
 from rljob_operator.controller import GONE, Gone
 from rljob_operator.decision import Actions, Event
+from rljob_operator.engine_events import engine_events, seen
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
 from rljob_operator.memory import ClaimModes, Ensured, Memory, SupportCheck
 from rljob_operator.metrics import Metrics
@@ -267,6 +269,7 @@ class Reconciler:
             log.info("%s/%s: %s: %s", namespace, name, decision.event.reason,
                      decision.event.message)
             self.kube.post_event(body, decision.event)
+        self._engine_events(body, job.status.get("engines"))
         if decision.restart is not None:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
         try:
@@ -296,6 +299,16 @@ class Reconciler:
             return 0.0
         self.metrics.set_phase((namespace, name), decision.phase)
         return decision.requeue_after
+
+    def _engine_events(self, body: Obj, engines: Any) -> None:
+        """An Event for each rollout engine lost or rejoined since the last reconcile."""
+        key = (body["metadata"].get("namespace", ""), body["metadata"]["name"])
+        report = engines if isinstance(engines, dict) else None
+        with self.memory.job(key) as held:
+            before, held.engines = held.engines, seen(report) if report else None
+        for event in engine_events(before, report):
+            log.info("%s/%s: %s: %s", key[0], key[1], event.reason, event.message)
+            self.kube.post_event(body, event)
 
     def _relabel(self, body: Obj, repairs: list[Relabel]) -> None:
         """Labels of the job's own children, removed or changed by hand, put back; said in

@@ -141,7 +141,8 @@ def test_ready_compute_starts_the_driver_then_runs() -> None:
     body = job()
     d = run(body, compute())
     assert d.status["phase"] == "Initializing"
-    assert d.actions.create_driver == tuple(sorted(n for n, _ in COMPUTE))
+    # Rollout pods are left out: the runtime replaces a lost engine without a restart.
+    assert d.actions.create_driver == ("rl-head-a", "rl-trainer-worker-a")
     body = applied(body, d)
     d = run(body, [*compute(), driver()], now=T0 + timedelta(seconds=5))
     assert d.status["phase"] == "Running"
@@ -185,6 +186,23 @@ def test_deleted_compute_pod_starts_a_restart_and_records_the_progress_it_had() 
     assert rec["nextAttemptAt"] == iso(T0 + timedelta(seconds=10))
     assert d.actions.delete_driver and d.requeue_after == 10
     assert d.event is not None and d.event.type == "Warning"
+    assert d.restart is not None and d.restart.kind == "PodDeleted"
+
+
+def test_a_lost_rollout_pod_ends_the_attempt_only_when_engines_are_not_replaced() -> None:
+    """KubeRay recreates a lost rollout pod and the runtime starts its engine again there
+    (spec.recovery.maxEngineRestarts): the driver does not record rollout pods, and their
+    loss is no failure of its attempt. With maxEngineRestarts 0 they are recorded, and a
+    deleted one restarts the job as before."""
+    spared = run(job(), compute()).actions.create_driver
+    assert spared is not None and not any("rollout" in p for p in spared)
+    d = run(job(RUNNING), [*compute("rl-rollout-worker-b"), driver(recorded=spared)])
+    assert d.status["phase"] == "Running" and d.restart is None
+    strict = {**SPEC, "recovery": {**SPEC["recovery"], "maxEngineRestarts": 0}}
+    recorded = run(job(spec=strict), compute()).actions.create_driver
+    assert recorded == tuple(sorted(n for n, _ in COMPUTE))
+    d = run(job(RUNNING, spec=strict), [*compute("rl-rollout-worker-b"),
+                                        driver(recorded=recorded)])
     assert d.restart is not None and d.restart.kind == "PodDeleted"
 
 
@@ -723,7 +741,7 @@ def test_a_runtime_field_edit_restarts_only_the_driver_and_is_no_failure() -> No
     # The old driver is gone: a new one starts on the same compute pods, then runs.
     body = applied(after, d)
     d = decide(parse_job(body), observe("rl", rc, pods[:-1], [READY_NODE]), T0)
-    assert d.actions.create_driver == tuple(sorted(n for n, _ in COMPUTE))
+    assert d.actions.create_driver == tuple(sorted(n for n, c in COMPUTE if c != "rollout"))
     d = run(applied(body, d), [*pods[:-1], driver()])
     assert d.status["phase"] == "Running" and d.status["recovery"]["restarts"] == 0
     assert not d.actions.delete_driver
@@ -749,10 +767,11 @@ def test_a_compute_field_edit_patches_the_raycluster_and_replaces_changed_pods()
     keep = [p for p in old_pods if p["metadata"]["labels"]["rljob.io/component"]
             in ("head", "trainer")]
     body = applied(after, d)
+    waiting = decide(parse_job(body), observe("rl", new_rc, keep, [READY_NODE]), T0)
+    assert waiting.actions.create_driver is None
     d = decide(parse_job(body), observe("rl", new_rc, [*keep, *fresh], [READY_NODE]), T0)
     assert not d.actions.patch_cluster and d.actions.replace_pods == ()
-    assert d.actions.create_driver is not None and "rl-rollout-worker-c" in \
-        d.actions.create_driver
+    assert d.actions.create_driver is not None
 
 
 def test_scaling_waits_for_exactly_the_new_count_before_the_driver_starts() -> None:
@@ -771,7 +790,8 @@ def test_scaling_waits_for_exactly_the_new_count_before_the_driver_starts() -> N
     assert d.actions.create_driver is None  # 1 of 2 trainers
     two, _ = built(after, [*one, pod("rl-trainer-worker-b", "trainer")], None)
     d = decide(parse_job(body), observe("rl", new_rc, two, [READY_NODE]), T0)
-    assert d.actions.create_driver is not None and len(d.actions.create_driver) == 5
+    # head and 2 trainers recorded; the rollout pods are not (`attempt_pods`)
+    assert d.actions.create_driver is not None and len(d.actions.create_driver) == 3
     # Scaling back down: a pod about to be removed never joins an attempt.
     down = job(applied(body, d)["status"], spec=before["spec"], generation=3)
     d = decide(parse_job(down), observe("rl", new_rc, two, [READY_NODE]), T0)

@@ -1,0 +1,46 @@
+"""Events from the rollout engines the runtime reports: a loss and a rejoin each get one, a
+report seen for the first time gets none, and a loss between two reports still shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rljob_operator.engine_events import engine_events, seen
+
+pytestmark = pytest.mark.unit
+
+
+def report(*engines: tuple[str, str, int | None]) -> dict[str, Any]:
+    rows = [{"name": f"engine-{i}", "state": state, "since": since, "weightVersion": version,
+             "restarts": 1, "reason": "Ray lost its process"}
+            for i, (state, since, version) in enumerate(engines)]
+    ready = sum(1 for r in rows if r["state"] == "Serving")
+    return {"ready": ready, "total": len(rows), "engines": rows}
+
+
+def test_a_first_report_is_taken_as_it_is() -> None:
+    assert engine_events(None, report(("Lost", "t1", None))) == []
+
+
+def test_a_loss_and_a_rejoin_each_get_an_event() -> None:
+    first = report(("Serving", "t0", 3), ("Serving", "t0", 3))
+    lost = report(("Serving", "t0", 3), ("Lost", "t1", None))
+    [event] = engine_events(seen(first), lost)
+    assert (event.type, event.reason) == ("Warning", "EngineLost")
+    assert "engine-1 lost at t1: Ray lost its process" in event.message
+    assert "1/2 engines" in event.message
+    assert engine_events(seen(lost), report(("Serving", "t0", 3), ("Rejoining", "t2", None))) \
+        == []
+    back = report(("Serving", "t0", 4), ("Serving", "t3", 4))
+    [event] = engine_events(seen(lost), back)
+    assert (event.type, event.reason) == ("Normal", "EngineRejoined")
+    assert "engine-1 rejoined at t3, serving weight version 4" in event.message
+    assert engine_events(seen(back), back) == []
+
+
+def test_a_loss_between_two_reports_shows_as_a_rejoin() -> None:
+    before = report(("Serving", "t0", 3), ("Serving", "t0", 3))
+    [event] = engine_events(seen(before), report(("Serving", "t0", 5), ("Serving", "t4", 5)))
+    assert event.reason == "EngineRejoined"
