@@ -166,6 +166,54 @@ def _suspend(cluster: KindCluster, flag: bool) -> None:
                     json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
 
 
+def _rollout_pod_lost_and_rejoined(cluster: KindCluster, job: Job) -> None:
+    """One of the two rollout pods is deleted mid-run. What the runtime reports shows the
+    rest: the engine lost, then serving again with the version every engine serves, the
+    job Running throughout with the same attempt (no restart, nothing resumed), progress
+    moving on, and the operator's EngineLost and EngineRejoined Events."""
+    def both_serving() -> dict[str, Any] | None:
+        status = job.status()
+        engines = status.get("engines") or {}
+        return status if engines.get("ready") == engines.get("total") == 2 else None
+
+    before = job.wait(both_serving, "both engines serving")
+    restarts = (before.get("recovery") or {}).get("restarts", 0)
+    victim = job.pods("rollout")[0]["metadata"]["name"]
+    cluster.kubectl("delete", "pod", "-n", NAMESPACE, victim, "--wait=false")
+
+    def reported_lost() -> dict[str, Any] | None:
+        engines = job.status().get("engines") or {}
+        return engines if engines.get("ready") == 1 else None
+
+    lost = job.wait(reported_lost, "the runtime to report one engine lost", 300)
+    (gone,) = [e for e in lost["engines"] if e["state"] != "Serving"]
+
+    def rejoined() -> dict[str, Any] | None:
+        status = job.status()
+        engines = status.get("engines") or {}
+        rows = {e["name"]: e for e in engines.get("engines") or []}
+        back = rows.get(gone["name"]) or {}
+        versions = {e.get("weightVersion") for e in rows.values()}
+        if engines.get("ready") == 2 and back.get("restarts", 0) >= 1 \
+                and versions == {(status.get("progress") or {}).get("weightVersion")}:
+            return status
+        return None
+
+    after = job.wait(rejoined, f"{gone['name']} to rejoin with the trainer's weights")
+    # Neither a restart nor a resume: the same runtime trained on, past the step it was at.
+    assert after["phase"] == "Running", after
+    assert (after.get("recovery") or {}).get("restarts", 0) == restarts, after["recovery"]
+    assert after["resumed"] == before["resumed"], (before["resumed"], after["resumed"])
+    assert after["progress"]["rolloutStep"] > before["progress"]["rolloutStep"]
+    assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
+    log = job.driver_log()
+    assert f"engines: {gone['name']} lost" in log and f"engines: {gone['name']} rejoined" in log
+    events = cluster.get("events", "-n", NAMESPACE, "--field-selector",
+                         f"involvedObject.name={JOB}")["items"]
+    reasons = {e["reason"] for e in events if gone["name"] in e.get("message", "")}
+    assert {"EngineLost", "EngineRejoined"} <= reasons, [e["message"] for e in events]
+
+
 def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason: set[str]) -> None:
     """The restarted runtime loaded a checkpoint at least as new as the one seen before the
     fault, and the digest it verified is the one its saver published."""
@@ -188,6 +236,7 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     job = Job(cluster)
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
+    doc["spec"]["rollout"]["engines"] = 2  # one is lost on its own below
     # A job left by an earlier, interrupted run goes first (with its children).
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
@@ -237,6 +286,10 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     # Nor can a pod of another namespace use the job's engines or weight-sync store: refused
     # without the job's peer key (and by the network where NetworkPolicies are enforced).
     assert_foreign_pod_refused(cluster, NAMESPACE, JOB, timeout=STEP_S)
+
+    # A rollout pod is deleted: the other engine generates on, KubeRay recreates the pod, the
+    # runtime starts the engine in it and installs the current weights; no restart.
+    _rollout_pod_lost_and_rejoined(cluster, job)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")
