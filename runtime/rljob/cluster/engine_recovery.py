@@ -37,6 +37,9 @@ from rljob_api.status import EngineReport, EnginesStatus, EngineState, timestamp
 
 # How often the driver looks at the engines while it waits for a batch.
 TEND_INTERVAL_S = 2.0
+# Checks in a row an engine whose actor lives may fail (no answer, /health silent) before it
+# counts as lost: a loaded engine can be slow to answer one. An actor Ray lost counts at once.
+STRIKES = 3
 
 
 @dataclass
@@ -66,6 +69,7 @@ class EngineRecovery:
         self.tracked = {i: Tracked(EngineState.serving, now, url=url)
                         for i, url in enumerate(engines.urls)}
         self.losses: deque[float] = deque()  # when each loss in the window was seen
+        self.strikes: dict[int, int] = {}  # failed checks in a row, by engine
         self.last_tend = 0.0
 
     # ---- what the driver asks ------------------------------------------------------------
@@ -108,23 +112,31 @@ class EngineRecovery:
         refs = {i: self.engines.handles[i].serving.remote() for i in serving}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
-            why = self._lost(ref)
-            if why is None and i in suspects:
-                # The worker's request failed, yet the engine answers: it serves again.
-                ray.get(self.rollout.engine_joined.remote(i, self.tracked[i].url))
+            why, certain = self._lost(ref)
+            if why is None:
+                self.strikes.pop(i, None)
+                if i in suspects:
+                    # The worker's request failed, yet the engine answers: it serves again.
+                    ray.get(self.rollout.engine_joined.remote(i, self.tracked[i].url))
                 continue
-            if why is not None:
+            self.strikes[i] = self.strikes.get(i, 0) + 1
+            if certain or self.strikes[i] >= STRIKES:
+                self.strikes.pop(i, None)
                 self.lose(i, suspects.get(i) or why)
 
     @staticmethod
-    def _lost(ref: ray.ObjectRef[Any]) -> str | None:
+    def _lost(ref: ray.ObjectRef[Any]) -> tuple[str | None, bool]:
+        """Why the engine of this `serving` call looks lost (None: it serves), and whether
+        that is certain (Ray lost the actor) or may pass (it did not answer in time)."""
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
-            return f"it did not answer within {PING_TIMEOUT_S:.0f}s"
+            return f"it did not answer for {STRIKES} checks of {PING_TIMEOUT_S:.0f}s", False
         try:
-            return None if ray.get(ref) else "its server stopped answering /health"
+            if ray.get(ref):
+                return None, False
+            return f"its server did not answer /health for {STRIKES} checks", False
         except ray.exceptions.RayError as err:
-            return f"Ray lost its process: {str(err).splitlines()[0][:300]}"
+            return f"Ray lost its process: {str(err).splitlines()[0][:300]}", True
 
     def lose(self, index: int, why: str) -> None:
         """Take engine `index` out (requests, weight sync) and start it again, or fail the
