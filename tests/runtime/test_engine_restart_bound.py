@@ -1,0 +1,62 @@
+"""The bound on replaced engines (`spec.recovery.maxEngineRestarts` within
+`engineRestartWindowSeconds`), with the Ray actors stood in by recorders and a clock the
+test moves: losses inside the window are counted and replaced, one more fails the job as
+`EngineRestartsExhausted` (not retryable), and losses that left the window no longer count."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from rljob.cluster.engine_recovery import EngineRecovery
+from rljob_api.exits import JobError
+from rljob_api.spec import RecoverySpec
+from rljob_api.status import EnginesStatus, EngineState
+from tests.runtime.test_colocated_turns import Actor
+
+pytestmark = pytest.mark.runtime
+
+
+@pytest.fixture(autouse=True)
+def _no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray, "get", lambda value, **_: value)
+
+
+def test_losses_beyond_the_bound_within_the_window_fail_the_job() -> None:
+    log: list[str] = []
+    now = [0.0]
+    failures: list[tuple[str, str, bool]] = []
+    reports: list[EnginesStatus] = []
+    replaced: list[int] = []
+    engines = SimpleNamespace(urls=["http://e0", "http://e1"], replace=replaced.append)
+    recovery = EngineRecovery(
+        engines, SimpleNamespace(kill_sidecar=lambda i: log.append(f"kill sidecar {i}")),  # type: ignore[arg-type]
+        SimpleNamespace(forget_engine=lambda name: log.append(f"forget {name}")),  # type: ignore[arg-type]
+        Actor("rollout", log, {}),
+        SimpleNamespace(engines=reports.append),  # type: ignore[arg-type]
+        RecoverySpec(max_engine_restarts=2, engine_restart_window_seconds=600),
+        lambda reason, message, retryable: failures.append((reason, message, retryable)),
+        clock=lambda: now[0])
+    recovery.lose(1, "Ray lost its process")
+    now[0] = 100.0
+    recovery.lose(0, "its server did not answer /health")
+    assert replaced == [1, 0] and not failures
+    assert log[:3] == ["rollout.engine_lost", "forget engine-1", "kill sidecar 1"], log
+    last = reports[-1]
+    assert (last.ready, last.total, last.summary, last.restarts) == (0, 2, "0/2", 2)
+    assert last.paused and [e.state for e in last.engines] == [EngineState.lost] * 2
+    # The first loss leaves the window: two in it again, still within the bound.
+    now[0] = 650.0
+    recovery.tracked[1].state = EngineState.serving
+    recovery.lose(1, "Ray lost its process")
+    assert replaced == [1, 0, 1] and not failures
+    now[0] = 700.0
+    recovery.tracked[0].state = EngineState.serving
+    with pytest.raises(JobError, match="EngineRestartsExhausted"):
+        recovery.lose(0, "Ray lost its process")
+    assert replaced == [1, 0, 1], "the loss over the bound is not replaced"
+    [(reason, message, retryable)] = failures
+    assert reason == "EngineRestartsExhausted" and retryable is False
+    assert "3 rollout engines lost within 600s" in message and "maxEngineRestarts (2)" in message
