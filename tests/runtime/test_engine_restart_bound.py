@@ -35,7 +35,7 @@ def test_losses_beyond_the_bound_within_the_window_fail_the_job() -> None:
         engines, SimpleNamespace(kill_sidecar=lambda i: log.append(f"kill sidecar {i}")),  # type: ignore[arg-type]
         SimpleNamespace(forget_engine=lambda name: log.append(f"forget {name}")),  # type: ignore[arg-type]
         Actor("rollout", log, {}),
-        SimpleNamespace(engines=reports.append),  # type: ignore[arg-type]
+        SimpleNamespace(engines=reports.append),
         RecoverySpec(max_engine_restarts=2, engine_restart_window_seconds=600),
         lambda reason, message, retryable: failures.append((reason, message, retryable)),
         clock=lambda: now[0])
