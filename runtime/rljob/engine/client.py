@@ -140,9 +140,17 @@ class EngineClient:
     async def aclose(self) -> None:
         """Close the generation session (and the calling thread's kept connection)."""
         self._close()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        # Taken first: a call made while it closes opens a session of its own.
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        """The generation session, opened on first use and again after `aclose` (one closed
+        under calls in flight fails those calls, never a later one)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(headers=self._auth)
+        return self._session
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -266,10 +274,9 @@ class EngineClient:
         call = "POST /generate"
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
-        if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._auth)
+        session = self._open_session()
         try:
-            async with self._session.post(self.base_url + "/generate", json=body,
+            async with session.post(self.base_url + "/generate", json=body,
                                           timeout=self._generate_timeout) as resp:
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError) as err:
@@ -293,10 +300,9 @@ class EngineClient:
         requests sent after this one run normally. Async, on the generation session: it
         is sent from the event loop whose generations it stops."""
         call = "POST /abort_request"
-        if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._auth)
+        session = self._open_session()
         try:
-            async with self._session.post(
+            async with session.post(
                     self.base_url + "/abort_request", json={"rid": "", "abort_all": True},
                     timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
                 text = await resp.text()
