@@ -237,6 +237,10 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
     doc["spec"]["rollout"]["engines"] = 2  # one is lost on its own below
+    # Every pod fits the one worker left after the lost node: KubeRay's wait-gcs-ready init
+    # container makes each rollout pod ask 200m, so the second engine's pod takes that
+    # from the trainer's 500m (Ray still counts one CPU: KubeRay rounds the request up).
+    doc["spec"]["trainer"]["resources"]["requests"]["cpu"] = "250m"
     # A job left by an earlier, interrupted run goes first (with its children).
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
