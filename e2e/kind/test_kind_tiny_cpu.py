@@ -3,7 +3,8 @@
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
 meant for it, only its status writer holds its API token (not the driver container, where
 hooks run), a pod of another namespace cannot use its engines or weight-sync store, it
-checkpoints, loses a trainer pod and its driver pod, is suspended and resumed, and loses a
+checkpoints, loses one of its two rollout pods without a restart (the engine started again
+in KubeRay's new pod with the current weights), loses a trainer pod and its driver pod, is suspended and resumed, and loses a
 whole worker node (each time resuming from its last verified checkpoint, as reported by the
 runtime that resumed), finishes with step, reward and checkpoint in `kubectl get rljobs`, and
 deleting it removes every child. Every fact asserted about progress, placement and recovery
