@@ -4,11 +4,12 @@ One job goes through the user's whole story: it starts, every Ray actor runs on 
 meant for it, only its status writer holds its API token (not the driver container, where
 hooks run), a pod of another namespace cannot use its engines or weight-sync store, it
 checkpoints, loses one of its two rollout pods without a restart (the engine started again
-in KubeRay's new pod with the current weights), loses a trainer pod and its driver pod, is suspended and resumed, and loses a
-whole worker node (each time resuming from its last verified checkpoint, as reported by the
-runtime that resumed), finishes with step, reward and checkpoint in `kubectl get rljobs`, and
-deleting it removes every child. Every fact asserted about progress, placement and recovery
-comes from the real runtime's processes (their status reports and logs), never from the test.
+in KubeRay's new pod with the current weights), loses a trainer pod and its driver pod, is
+suspended and resumed, and loses a whole worker node (each time resuming from its last
+verified checkpoint, as reported by the runtime that resumed), finishes with step, reward
+and checkpoint in `kubectl get rljobs`, and deleting it removes every child. Every fact
+asserted about progress, placement and recovery comes from the real runtime's processes
+(their status reports and logs), never from the test.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "tiny"
 JOB = "tiny-cpu"
-TOTAL_STEPS = 120  # enough steps that three faults land before the end
+TOTAL_STEPS = 130  # enough steps that four faults land before the end
 START_S = 900      # images are local; Ray and the model start in a few minutes on 2 cores
 STEP_S = 900       # generous: 2 cores run the control plane, Ray and training together
 

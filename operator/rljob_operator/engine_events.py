@@ -2,7 +2,8 @@
 lost, why and when, and when it rejoined with which weight version. The runtime replaces
 engines without a restart of the job, so these Events are where `kubectl describe` tells
 that story. The operator remembers the last report it saw of each job; one it sees for the
-first time (a new operator, a new attempt) is taken as it is, without Events."""
+first time (a new operator) or one of another attempt (each attempt starts its engines
+afresh) is taken as it is, without Events."""
 
 from __future__ import annotations
 
@@ -11,32 +12,35 @@ from typing import Any
 from rljob_api.status import EngineState
 from rljob_operator.decision import Event
 
-# Engine name → (state, since) as last seen.
-Seen = dict[str, tuple[str, str]]
+# The attempt that reported, and engine name → (state, since), as last seen.
+Seen = tuple[Any, dict[str, tuple[str, str]]]
 
 
 def seen(engines: dict[str, Any] | None) -> Seen:
     """What `status.engines` says of each engine, to compare the next report against."""
-    return {str(e.get("name")): (str(e.get("state")), str(e.get("since")))
-            for e in (engines or {}).get("engines") or []}
+    report = engines or {}
+    return report.get("attempt"), {
+        str(e.get("name")): (str(e.get("state")), str(e.get("since")))
+        for e in report.get("engines") or []}
 
 
 def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[Event]:
     """The Events of the changes between the report last seen (`before`, None when none
     was) and `engines` (`status.engines` now)."""
-    if before is None or not engines:
+    if before is None or not engines or before[0] != engines.get("attempt"):
         return []
+    last = before[1]
     events = []
     for e in engines.get("engines") or []:
         name, state, since = str(e.get("name")), str(e.get("state")), str(e.get("since"))
-        if before.get(name) == (state, since):
+        if last.get(name) == (state, since):
             continue
         if state == EngineState.lost.value:
             events.append(Event("Warning", "EngineLost", (
                 f"{name} lost at {since}: {e.get('reason') or 'no reason given'}; the job "
                 f"goes on with {engines.get('ready')}/{engines.get('total')} engines while "
                 "it is started again")))
-        elif state == EngineState.serving.value and name in before:
+        elif state == EngineState.serving.value and name in last:
             # A loss between two reports shows only as a later `since`.
             events.append(Event("Normal", "EngineRejoined", (
                 f"{name} rejoined at {since}, serving weight version "

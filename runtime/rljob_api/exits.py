@@ -42,6 +42,9 @@ class JobError(Exception):
     """Stops the run with exit code `code` and a message (no traceback): a failure the run
     names itself, as opposed to one raised from a worker."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, retryable: bool = True) -> None:
         self.code = code
+        # A FAILED run a restart cannot help (e.g. engines that keep dying): reported so,
+        # and the operator fails the job instead of restarting it.
+        self.retryable = retryable
         super().__init__(message)

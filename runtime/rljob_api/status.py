@@ -279,11 +279,18 @@ class EnginesStatus(ApiModel):
     """The rollout engines of the running attempt, written by the runtime whenever one is
     lost or rejoins: a lost engine is replaced while training goes on."""
 
+    attempt: int = Field(
+        description="The attempt that reported (the operator's restart count at its start)."
+    )
     ready: int = Field(description="Engines serving requests.")
     total: int = Field(description="Engines the job runs.")
     summary: ShortText = Field(description="ready/total, as the ENGINES column shows it.")
     restarts: int = Field(
-        0, description="Engines replaced within spec.recovery.engineRestartWindowSeconds."
+        0,
+        description=(
+            "Engine losses within spec.recovery.engineRestartWindowSeconds (each replaced, "
+            "but one beyond maxEngineRestarts, which fails the job)."
+        ),
     )
     paused: Message | None = Field(
         None, description="Set while no engine serves: generation waits, and why."

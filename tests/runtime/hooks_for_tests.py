@@ -172,15 +172,18 @@ _engine_announced = False
 async def generate_on_a_lost_engine(
     args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
 ) -> Sample:
-    """The default generate, except once: the first request of the third rollout step or
+    """The default generate, except twice. The first request of the third rollout step or
     later that goes to the last of several engines writes that engine's URL to
     `$RLJOB_TEST_ENGINE_LOSS_DIR/engine` and waits until the engine stops answering (the
-    test kills its process), then is sent to it, and fails there. Meanwhile the step's other
-    requests run on, on both engines."""
+    test kills its process), then is sent to that engine all the same, and fails there.
+    Meanwhile the step's other requests run on, on both engines. And the requests of the
+    job's last step wait until every engine serves again, so the run cannot end before the
+    replacement rejoined (the driver brings it back while it waits for the batch)."""
     global _generated, _engine_announced
     _generated += 1
     directory = os.environ.get(ENGINE_LOSS_ENV)
-    per_step = args.spec.algorithm.rollout_batch_size * args.spec.algorithm.n_samples_per_prompt
+    algo, engines = args.spec.algorithm, args.spec.rollout.engines
+    per_step = algo.rollout_batch_size * algo.n_samples_per_prompt
     engine = args.engine_for(sample)
     if (directory and not _engine_announced and _generated > 2 * per_step
             and len(args.engines) > 1 and engine is args.engines[-1]):
@@ -190,5 +193,13 @@ async def generate_on_a_lost_engine(
         while await asyncio.to_thread(engine.healthy, 1.0):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine {engine.base_url} still answers after 120 s")
+            await asyncio.sleep(0.2)
+        return await default_generate(dataclasses.replace(args, engines=[engine]), sample,
+                                      sampling_params)
+    if directory and _generated > (algo.total_steps - 1) * per_step:
+        deadline = time.monotonic() + 300
+        while len(args.engines) < engines:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(args.engines)}/{engines} engines serve after 300 s")
             await asyncio.sleep(0.2)
     return await default_generate(args, sample, sampling_params)

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from rljob.cluster.engine_recovery import EngineRecovery
-from rljob_api.exits import JobError
+from rljob.driver.outcome import exit_code
+from rljob_api.exits import FAILED
 from rljob_api.spec import RecoverySpec
 from rljob_api.status import EnginesStatus, EngineState
 from tests.runtime.test_colocated_turns import Actor
@@ -36,8 +37,7 @@ def test_losses_beyond_the_bound_within_the_window_fail_the_job() -> None:
         SimpleNamespace(forget_engine=lambda name: log.append(f"forget {name}")),  # type: ignore[arg-type]
         Actor("rollout", log, {}),
         SimpleNamespace(engines=reports.append),
-        RecoverySpec(max_engine_restarts=2, engine_restart_window_seconds=600),
-        lambda reason, message, retryable: failures.append((reason, message, retryable)),
+        RecoverySpec(max_engine_restarts=2, engine_restart_window_seconds=600), attempt=0,
         clock=lambda: now[0])
     recovery.lose(1, "Ray lost its process")
     now[0] = 100.0
@@ -54,8 +54,16 @@ def test_losses_beyond_the_bound_within_the_window_fail_the_job() -> None:
     assert replaced == [1, 0, 1] and not failures
     now[0] = 700.0
     recovery.tracked[0].state = EngineState.serving
-    with pytest.raises(JobError, match="EngineRestartsExhausted"):
+    # Through the run's exit path, as `rljob run` ends: reported as not retryable, so the
+    # operator fails the job rather than restarting it.
+    attempt = SimpleNamespace(
+        fail=lambda reason, message, retryable: failures.append((reason, message, retryable)))
+
+    def exhaust() -> int:
         recovery.lose(0, "Ray lost its process")
+        return 0
+
+    assert exit_code(attempt, exhaust) == FAILED  # type: ignore[arg-type]
     assert replaced == [1, 0, 1], "the loss over the bound is not replaced"
     [(reason, message, retryable)] = failures
     assert reason == "EngineRestartsExhausted" and retryable is False

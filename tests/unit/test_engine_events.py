@@ -12,12 +12,12 @@ from rljob_operator.engine_events import engine_events, seen
 pytestmark = pytest.mark.unit
 
 
-def report(*engines: tuple[str, str, int | None]) -> dict[str, Any]:
+def report(*engines: tuple[str, str, int | None], attempt: int = 0) -> dict[str, Any]:
     rows = [{"name": f"engine-{i}", "state": state, "since": since, "weightVersion": version,
              "restarts": 1, "reason": "Ray lost its process"}
             for i, (state, since, version) in enumerate(engines)]
     ready = sum(1 for r in rows if r["state"] == "Serving")
-    return {"ready": ready, "total": len(rows), "engines": rows}
+    return {"attempt": attempt, "ready": ready, "total": len(rows), "engines": rows}
 
 
 def test_a_first_report_is_taken_as_it_is() -> None:
@@ -38,6 +38,12 @@ def test_a_loss_and_a_rejoin_each_get_an_event() -> None:
     assert (event.type, event.reason) == ("Normal", "EngineRejoined")
     assert "engine-1 rejoined at t3, serving weight version 4" in event.message
     assert engine_events(seen(back), back) == []
+
+
+def test_a_new_attempts_first_report_gets_no_event() -> None:
+    before = report(("Serving", "t0", 3), ("Lost", "t1", None))
+    assert engine_events(seen(before), report(("Serving", "t5", 3), ("Serving", "t5", 3),
+                                              attempt=1)) == []
 
 
 def test_a_loss_between_two_reports_shows_as_a_rejoin() -> None:

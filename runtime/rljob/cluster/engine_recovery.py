@@ -11,8 +11,11 @@ the version the other engines serve, verified by digest like any version; only o
 sidecar acknowledged that version is the worker told it serves again. More losses than
 `spec.recovery.maxEngineRestarts` within `engineRestartWindowSeconds` fail the job.
 
-The driver calls `tend` while it waits for a batch and at each step's start: replacements
-move forward between its other calls, never while a trainer works.
+The driver calls `tend` while it waits for a batch and at each step's start, and `advance`
+right after each delivery: replacements move forward between its other calls, never while a
+trainer works. A replacement is sent the engines' version only while the trainer's weights
+are that version (always in sync mode; in async mode right after a delivery), so the
+version it installs is the one its label says.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,7 @@ import ray
 from rljob.cluster.engine_group import PING_TIMEOUT_S, EngineGroup
 from rljob.cluster.trainer_group import TrainerGroup
 from rljob.cluster.weight_sync import WeightSyncActors, engine_name
+from rljob.engine.launcher import EXITED, SERVING
 from rljob.reporting.reporter import Reporter
 from rljob_api import exits
 from rljob_api.exits import JobError
@@ -38,8 +42,14 @@ from rljob_api.status import EngineReport, EnginesStatus, EngineState, timestamp
 # How often the driver looks at the engines while it waits for a batch.
 TEND_INTERVAL_S = 2.0
 # Checks in a row an engine whose actor lives may fail (no answer, /health silent) before it
-# counts as lost: a loaded engine can be slow to answer one. An actor Ray lost counts at once.
+# counts as lost: a loaded engine can be slow to answer one. An actor Ray lost, or a server
+# process that exited, counts at once.
 STRIKES = 3
+# A replacement that does not serve the current weights this long after its loss is lost
+# again (counted): its pod never came back, or its installs keep failing.
+REJOIN_TIMEOUT_S = 900.0
+# Deliveries to replacements that lack the version are tried at most this often.
+RESYNC_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -50,12 +60,13 @@ class Tracked:
     restarts: int = 0
     reason: str | None = None
     url: str = ""
+    lost_at: float = 0.0  # clock() when it was last lost
 
 
 class EngineRecovery:
     def __init__(self, engines: EngineGroup, weight_sync: WeightSyncActors,
                  trainers: TrainerGroup, rollout: Any, reporter: Reporter,
-                 recovery: RecoverySpec, fail: Callable[[str, str, bool], None],
+                 recovery: RecoverySpec, attempt: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engines = engines
         self.weight_sync = weight_sync
@@ -63,7 +74,7 @@ class EngineRecovery:
         self.rollout = rollout  # the RolloutWorker actor
         self.reporter = reporter
         self.recovery = recovery
-        self.fail = fail
+        self.attempt = attempt
         self.clock = clock
         now = timestamp()
         self.tracked = {i: Tracked(EngineState.serving, now, url=url)
@@ -71,17 +82,18 @@ class EngineRecovery:
         self.losses: deque[float] = deque()  # when each loss in the window was seen
         self.strikes: dict[int, int] = {}  # failed checks in a row, by engine
         self.last_tend = 0.0
+        self.last_resync = -RESYNC_INTERVAL_S
 
     # ---- what the driver asks ------------------------------------------------------------
+
+    def ready(self) -> int:
+        """Engines serving requests now."""
+        return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
 
     def down(self) -> set[str]:
         """Weight-sync names of the engines not serving now."""
         return {engine_name(i) for i, t in self.tracked.items()
                 if t.state != EngineState.serving}
-
-    def ready(self) -> int:
-        """Engines serving requests now."""
-        return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
 
     def served(self, version: int) -> None:
         """Every serving engine acknowledged `version` (a delivery succeeded)."""
@@ -92,51 +104,68 @@ class EngineRecovery:
         if changed:
             self.report()
 
-    def tend(self, version: int, *, now: bool = False) -> None:
-        """Find lost engines and move replacements forward; at most every
-        TEND_INTERVAL_S unless `now`. `version` is what the serving engines serve."""
-        if not now and self.clock() - self.last_tend < TEND_INTERVAL_S:
+    def tend(self, version: int, *, resync: bool) -> None:
+        """Find lost engines and move replacements forward, at most every TEND_INTERVAL_S.
+        `version` is what the serving engines serve; `resync`: the trainer's weights are
+        that version, so a replacement may be sent them now."""
+        if self.clock() - self.last_tend < TEND_INTERVAL_S:
             return
         self.last_tend = self.clock()
         self.check()
-        self.advance(version)
+        self.advance(version, resync=resync)
 
     # ---- finding losses --------------------------------------------------------------------
 
-    def check(self) -> None:
-        """Engines lost since the last check are taken out and started again."""
-        serving = [i for i, t in self.tracked.items() if t.state == EngineState.serving]
-        if not serving:
+    def check(self, stale: Collection[str] = ()) -> None:
+        """Engines lost since the last check are taken out and started again. `stale`:
+        engines a delivery just failed to reach; one of them that does not answer (or that
+        the worker took out) is lost at once, without waiting for more checks."""
+        watched = [i for i, t in self.tracked.items() if t.state != EngineState.lost]
+        if not watched:
             return
         suspects: dict[int, str] = ray.get(self.rollout.engines_lost.remote())
-        refs = {i: self.engines.handles[i].serving.remote() for i in serving}
+        refs = {i: self.engines.handles[i].serving.remote() for i in watched}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
         for i, ref in refs.items():
+            t = self.tracked[i]
             why, certain = self._lost(ref)
+            if t.state == EngineState.rejoining:
+                # Its replacement died before it served, or never got the weights.
+                if why is not None and certain:
+                    self.lose(i, f"its replacement was lost too: {why}")
+                elif self.clock() - t.lost_at > REJOIN_TIMEOUT_S:
+                    self.lose(i, f"its replacement did not install the current weights "
+                                 f"within {REJOIN_TIMEOUT_S:.0f}s")
+                continue
             if why is None:
                 self.strikes.pop(i, None)
                 if i in suspects:
                     # The worker's request failed, yet the engine answers: it serves again.
-                    ray.get(self.rollout.engine_joined.remote(i, self.tracked[i].url))
+                    ray.get(self.rollout.engine_joined.remote(i, t.url))
                 continue
             self.strikes[i] = self.strikes.get(i, 0) + 1
-            if certain or self.strikes[i] >= STRIKES:
+            if certain or self.strikes[i] >= STRIKES or engine_name(i) in stale \
+                    or i in suspects:
                 self.strikes.pop(i, None)
                 self.lose(i, suspects.get(i) or why)
 
     @staticmethod
     def _lost(ref: ray.ObjectRef[Any]) -> tuple[str | None, bool]:
         """Why the engine of this `serving` call looks lost (None: it serves), and whether
-        that is certain (Ray lost the actor) or may pass (it did not answer in time)."""
+        that is certain (Ray lost the actor, its server process exited) or may pass (it
+        did not answer in time)."""
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
-            return f"it did not answer for {STRIKES} checks of {PING_TIMEOUT_S:.0f}s", False
+            return f"it did not answer within {PING_TIMEOUT_S:.0f}s", False
         try:
-            if ray.get(ref):
-                return None, False
-            return f"its server did not answer /health for {STRIKES} checks", False
+            state = ray.get(ref)
         except ray.exceptions.RayError as err:
             return f"Ray lost its process: {str(err).splitlines()[0][:300]}", True
+        if state == SERVING:
+            return None, False
+        if state == EXITED:
+            return "its server process exited", True
+        return "its server did not answer /health", False
 
     def lose(self, index: int, why: str) -> None:
         """Take engine `index` out (requests, weight sync) and start it again, or fail the
@@ -152,41 +181,49 @@ class EngineRecovery:
         while self.losses and now - self.losses[0] > self.recovery.engine_restart_window_seconds:
             self.losses.popleft()
         t.state, t.since, t.version, t.reason = EngineState.lost, timestamp(), None, why
+        t.lost_at = now
         self.report()
         if len(self.losses) > self.recovery.max_engine_restarts:
             message = (f"{len(self.losses)} rollout engines lost within "
                        f"{self.recovery.engine_restart_window_seconds}s, more than "
                        f"spec.recovery.maxEngineRestarts ({self.recovery.max_engine_restarts});"
                        f" the last: {name}: {why}")
-            self.fail("EngineRestartsExhausted", message, False)
-            raise JobError(exits.FAILED, f"EngineRestartsExhausted: {message}")
+            raise JobError(exits.FAILED, f"EngineRestartsExhausted: {message}",
+                           retryable=False)
         t.restarts += 1
         self.engines.replace(index)
 
     # ---- bringing replacements back -------------------------------------------------------
 
-    def advance(self, version: int) -> None:
+    def advance(self, version: int, *, resync: bool) -> None:
         """Replacements that serve get their sidecar; those whose sidecar registered get
-        `version`; those that acknowledged it serve requests again."""
+        `version` when `resync` (the trainer's weights are `version`); those that
+        acknowledged it serve requests again."""
         for i, t in self.tracked.items():
             if t.state != EngineState.lost:
                 continue
+            if self.clock() - t.lost_at > REJOIN_TIMEOUT_S:
+                self.lose(i, f"its replacement did not start within {REJOIN_TIMEOUT_S:.0f}s")
+                continue
             try:
                 url = self.engines.started(i)
-            except ray.exceptions.RayError as err:
+                if url is None:
+                    continue
+                self.weight_sync.replace_sidecar(i, url, self.engines.locality(i))
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
                 self.lose(i, f"its replacement failed to start: {str(err).splitlines()[0]}")
                 continue
-            if url is not None:
-                t.url = url
-                self.weight_sync.replace_sidecar(i, url, self.engines.locality(i))
-                t.state, t.since = EngineState.rejoining, timestamp()
-                print(f"engines: {engine_name(i)} started again at {url}; installing weight "
-                      f"version {version}", file=sys.stderr, flush=True)
-                self.report()
+            t.url = url
+            t.state, t.since = EngineState.rejoining, timestamp()
+            print(f"engines: {engine_name(i)} started again at {url}; installing weight "
+                  f"version {version}", file=sys.stderr, flush=True)
+            self.report()
         rejoining = [i for i, t in self.tracked.items() if t.state == EngineState.rejoining]
         acked = {i: self.weight_sync.acked(i) for i in rejoining}
-        if any(v is not None and v != version for v in acked.values()):
+        due = self.clock() - self.last_resync >= RESYNC_INTERVAL_S
+        if resync and due and any(v is not None and v != version for v in acked.values()):
             # Delivered to every registered engine that lacks it: the replacements.
+            self.last_resync = self.clock()
             self.trainers.publish(version, again=False)
             acked = {i: self.weight_sync.acked(i) for i in rejoining}
         for i, v in acked.items():
@@ -203,7 +240,8 @@ class EngineRecovery:
         ready = self.ready()
         total = len(self.tracked)
         self.reporter.engines(EnginesStatus(
-            ready=ready, total=total, summary=f"{ready}/{total}", restarts=len(self.losses),
+            attempt=self.attempt, ready=ready, total=total, summary=f"{ready}/{total}",
+            restarts=len(self.losses),
             paused=None if ready else "no rollout engine serves: generation waits for a "
                                       "replacement to install the current weights",
             engines=[EngineReport(name=engine_name(i), state=t.state, weight_version=t.version,

@@ -109,12 +109,13 @@ class RolloutPipeline:
         # engines are replaced while the others generate (`Job.tend_engines`).
         self.tend: Callable[[], None] = lambda: None
 
-    def _wait(self, ref: ray.ObjectRef[Any]) -> Any:
+    def _wait(self, ref: ray.ObjectRef[Any], tend: bool = True) -> Any:
         while True:
             ready, _ = ray.wait([ref], timeout=TEND_INTERVAL_S)
             if ready:
                 return ray.get(ref)
-            self.tend()
+            if tend:
+                self.tend()
 
     def setup(self) -> list[str]:
         """Data and hooks loaded in the worker; the problems found, if any."""
@@ -157,17 +158,18 @@ class RolloutPipeline:
         return self._batch(step, self.rollout.generate.remote(step, oldest_version),
                            engine_version)
 
-    def _batch(self, step: int, generated: ray.ObjectRef[Any], engine_version: int
-               ) -> RolloutBatch:
+    def _batch(self, step: int, generated: ray.ObjectRef[Any], engine_version: int,
+               tend: bool = True) -> RolloutBatch:
         """The batch of a `RolloutWorker.generate` call."""
-        samples, stats = self._wait(generated)
+        samples, stats = self._wait(generated, tend)
         return RolloutBatch(step, samples, stats, engine_version)
 
-    def settle(self) -> RolloutBatch | None:
-        """Wait for the batch generating in the background (if any) and keep it."""
+    def settle(self, tend: bool = True) -> RolloutBatch | None:
+        """Wait for the batch generating in the background (if any) and keep it; lost
+        engines are tended meanwhile unless not `tend` (a checkpoint being written)."""
         if self.in_flight is not None:
             flight, self.in_flight = self.in_flight, None
-            self.ready = self._batch(flight.step, flight.ref, flight.engine_version)
+            self.ready = self._batch(flight.step, flight.ref, flight.engine_version, tend)
         return self.ready
 
     def for_checkpoint(
@@ -188,7 +190,7 @@ class RolloutPipeline:
                 self.in_flight = None
                 return flight.state_before, None, None
             try:
-                self.settle()
+                self.settle(tend=False)
             except ray.exceptions.RayError as err:
                 return flight.state_before, None, err
         state: dict[str, Any] = ray.get(self.rollout.state.remote())

@@ -85,7 +85,9 @@ class Job:
     def tend_engines(self) -> None:
         """Lost engines found and replaced, replacements brought back (`EngineRecovery`)."""
         if self.recovery is not None:
-            self.recovery.tend(self.engine_version)
+            # A replacement is sent the engines' version only while the trainer holds it.
+            self.recovery.tend(self.engine_version,
+                               resync=self.state.weight_version == self.engine_version)
 
     def take_batch(self) -> tuple[RolloutBatch, Staleness]:
         """This step's rewarded samples, and how far they lag the policy."""
@@ -164,7 +166,7 @@ class Job:
         self.log_sync(result)
         if result.stale and self.recovery is not None:
             # Engines lost meanwhile are being replaced: each gets this version when back.
-            self.recovery.check()
+            self.recovery.check(stale=set(result.stale))
             down = self.recovery.down()
             result = dataclasses.replace(result, stale={
                 name: why for name, why in result.stale.items() if name not in down})
@@ -181,6 +183,8 @@ class Job:
         self.engine_version = version
         if self.recovery is not None:
             self.recovery.served(version)
+            # The trainer holds exactly this version now: replacements may get it.
+            self.recovery.advance(version, resync=True)
 
     def after_lost_sidecars(self, result: SyncResult) -> SyncResult:
         """A delivery with stale engines whose sidecars died: those Ray started again are

@@ -33,7 +33,7 @@ def exit_code(attempt: Attempt, run: Callable[[], int]) -> int:
     except JobError as err:
         _say(str(err))
         if err.code == exits.FAILED:
-            attempt.fail(str(err).split(":", 1)[0], str(err), retryable=True)
+            attempt.fail(str(err).split(":", 1)[0], str(err), retryable=err.retryable)
         elif err.code == exits.INVALID:
             # The status says why (the field and the fix), not only the exit code.
             attempt.fail(exits.TERMINAL_REASONS[exits.INVALID], str(err), retryable=False)

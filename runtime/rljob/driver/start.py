@@ -87,7 +87,7 @@ def start(attempt: Attempt) -> Job:
     if spec.replaces_engines() and not roles.offload and cluster.weight_sync is not None:
         job.recovery = EngineRecovery(
             roles.engines, cluster.weight_sync, roles.trainers, roles.rollout.rollout,
-            attempt.reporter, spec.recovery, attempt.fail)
+            attempt.reporter, spec.recovery, attempt.number)
         roles.rollout.tend = job.tend_engines
     job.publish()
     return job

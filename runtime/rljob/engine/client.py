@@ -132,6 +132,9 @@ class EngineClient:
         self._local = threading.local()
         self._generate_timeout = aiohttp.ClientTimeout(total=generate_timeout_s, connect=10)
         self._session: aiohttp.ClientSession | None = None
+        # A lost engine's client: its generations fail at once, so a hook holding it never
+        # reaches a replacement at the same address before that has the current weights.
+        self.retired = False
 
     def close(self) -> None:
         """Close the calling thread's kept connection."""
@@ -272,6 +275,8 @@ class EngineClient:
     ) -> dict[str, Any]:
         """One prompt's completion in SGLang's shape, with per-token log-probs."""
         call = "POST /generate"
+        if self.retired:
+            raise EngineError(self.base_url, call, "the engine was lost (this client retired)")
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": True}
         session = self._open_session()

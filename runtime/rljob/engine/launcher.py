@@ -30,6 +30,8 @@ from rljob.reporting.locatable import Locatable
 from rljob.weightsync.auth import peer_key
 
 STARTUP_TIMEOUT_S = 900.0
+# What `EngineProcess.serving` finds.
+SERVING, EXITED, SILENT = "serving", "exited", "silent"
 # Releasing or resuming an engine's memory moves at most its weights and KV cache.
 OCCUPATION_TIMEOUT_S = 600.0
 
@@ -93,14 +95,15 @@ class EngineProcess(Locatable):
     def address(self) -> str:
         return self.url
 
-    def serving(self) -> bool:
-        """Whether the server still runs and answers /health (SGLang is a process of its own
-        that can die while this actor lives on)."""
+    def serving(self) -> str:
+        """SERVING when the server runs and answers /health; EXITED when it stopped for good
+        (SGLang is a process of its own that can die while this actor lives on); SILENT
+        when it runs but did not answer (a loaded engine can be slow)."""
         if self.server is not None and not self.server.thread.is_alive():
-            return False
+            return EXITED
         if self.proc is not None and self.proc.poll() is not None:
-            return False
-        return EngineClient(self.local_url).healthy(timeout_s=5.0)
+            return EXITED
+        return SERVING if EngineClient(self.local_url).healthy(timeout_s=5.0) else SILENT
 
     def locality(self) -> Locality:
         """Where this engine runs: its sidecar must run there too (shared memory, the same

@@ -62,13 +62,17 @@ class EnginePool:
             return
         self.lost[index] = why
         self._rebuild()
+        self.clients[index].retired = True
         with contextlib.suppress(Exception):
             await self.clients[index].aclose()
 
     async def join(self, index: int, url: str) -> None:
-        """Engine `index` serves again at `url` (a replacement with the current weights)."""
+        """Engine `index` serves again at `url` (a replacement with the current weights, or
+        the engine itself when it answers after all)."""
         old = self.clients.get(index)
-        if old is not None and old.base_url != url.rstrip("/"):
+        if old is not None and old.retired:
+            self.clients[index] = EngineClient(url)
+        elif old is not None and old.base_url != url.rstrip("/"):
             with contextlib.suppress(Exception):
                 await old.aclose()
             self.clients[index] = EngineClient(url)

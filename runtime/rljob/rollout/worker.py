@@ -130,11 +130,14 @@ class RolloutWorker(Locatable):
                 return sample
             sample.group_index = group
             sample.seed = sample_seed(self.spec.algorithm.seed, step, group, sample.index)
-            async with sem:
-                if cut.is_set():
+
+            async def send() -> Sample:
+                if cut.is_set():  # not sent, nor sent again after the cut
                     return sample
-                sample = await self.pool.run(
-                    lambda: self.generate_fn(args, sample, self._sampling()))
+                return await self.generate_fn(args, sample, self._sampling())
+
+            async with sem:
+                sample = await self.pool.run(send)
                 if _done(sample):
                     path = self.spec.reward.function
                     sample.reward = as_reward(await self.reward_fn(args, sample), path)
