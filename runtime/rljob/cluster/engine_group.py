@@ -71,12 +71,16 @@ class EngineGroup:
         self.handles[index], self.slot_holders[index] = handle, holders
         self._starting[index] = handle.address.remote()
 
+    def replacing(self, index: int) -> bool:
+        """Whether a replacement of engine `index` was started and has not served yet."""
+        return index in self._starting
+
     def started(self, index: int) -> str | None:
-        """The replacement of engine `index`'s address once it serves, else None; raises
-        the RayError of a replacement that failed to start."""
+        """The address of engine `index`'s replacement once it serves, else None (also
+        when none was started); raises the RayError of one that failed to start."""
         ref = self._starting.get(index)
         if ref is None:
-            return self.urls[index]
+            return None
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             return None

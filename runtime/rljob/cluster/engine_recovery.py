@@ -191,7 +191,16 @@ class EngineRecovery:
             raise JobError(exits.FAILED, f"EngineRestartsExhausted: {message}",
                            retryable=False)
         t.restarts += 1
-        self.engines.replace(index)
+        self._start_again(index)
+
+    def _start_again(self, index: int) -> None:
+        """A replacement for engine `index` in its slots; one that could not even be asked
+        for (Ray did not answer) is asked for again at the next `advance`."""
+        try:
+            self.engines.replace(index)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
+            print(f"engines: {engine_name(index)} could not be started again yet: "
+                  f"{str(err).splitlines()[0]}", file=sys.stderr, flush=True)
 
     # ---- bringing replacements back -------------------------------------------------------
 
@@ -204,6 +213,9 @@ class EngineRecovery:
                 continue
             if self.clock() - t.lost_at > REJOIN_TIMEOUT_S:
                 self.lose(i, f"its replacement did not start within {REJOIN_TIMEOUT_S:.0f}s")
+                continue
+            if not self.engines.replacing(i):
+                self._start_again(i)
                 continue
             try:
                 url = self.engines.started(i)
