@@ -74,7 +74,8 @@ def edits(pool: str, priority_class: str) -> list[Edit]:
         Edit("recovery", {"recovery": {
             "maxRestarts": 5, "backoffSeconds": 2, "maxBackoffSeconds": 4,
             "retryOn": ["PodFailed", "PodEvicted", "NodeLost", "DriverFailed"],
-            "startupTimeoutSeconds": 900, "stopGracePeriodSeconds": 120}}),
+            "startupTimeoutSeconds": 900, "stopGracePeriodSeconds": 120,
+            "maxEngineRestarts": 3, "engineRestartWindowSeconds": 600}}),
         Edit("trainer-replicas", {"trainer": {"replicas": 2}}),
         Edit("trainer-gpus", {"trainer": {"gpusPerReplica": 4}}),
         Edit("trainer-image-resources", {"trainer": {
