@@ -56,7 +56,9 @@ def recovered(cp: ControlPlane, ns: str, name: str, restarts: int) -> Obj:
 def test_pod_and_driver_failures_restart_with_a_new_driver_until_max_restarts(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
     gpu_pool(1, 8)
-    cluster.apply(job_manifest("rec", namespace), "-n", namespace)
+    # Engines not replaced by the runtime: a lost rollout pod restarts the job like any pod
+    # (with engines replaced, the driver does not record rollout pods: test_decide.py).
+    cluster.apply(job_manifest("rec", namespace, recovery=RESTART_ON_ANY_POD), "-n", namespace)
     wait_phase(cluster, namespace, "rec", "Running")
 
     # 1. A trainer pod is deleted.
@@ -109,6 +111,10 @@ def test_pod_and_driver_failures_restart_with_a_new_driver_until_max_restarts(
     assert operator.metric("rljob_operator_restarts_total") == 3
 
 
+RESTART_ON_ANY_POD = {"maxRestarts": 3, "backoffSeconds": 1, "maxBackoffSeconds": 2,
+                      "maxEngineRestarts": 0}
+
+
 def _node_of(cp: ControlPlane, ns: str, name: str, component: str) -> str:
     return str(pods(cp, ns, name, component)[0]["spec"]["nodeName"])
 
@@ -116,7 +122,7 @@ def _node_of(cp: ControlPlane, ns: str, name: str, component: str) -> str:
 def test_lost_nodes_move_the_job_elsewhere(
         cluster: ControlPlane, namespace: str, operator: Operator, gpu_pool: Pool) -> None:
     gpu_pool(3, 4)
-    cluster.apply(job_manifest("nl", namespace), "-n", namespace)
+    cluster.apply(job_manifest("nl", namespace, recovery=RESTART_ON_ANY_POD), "-n", namespace)
     wait_phase(cluster, namespace, "nl", "Running")
 
     # A node stops reporting Ready (kwok no longer manages it, as a dead kubelet).
