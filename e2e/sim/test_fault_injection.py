@@ -1,6 +1,7 @@
 """Several RLJobs on 20 kwok GPU nodes while pods are killed, a kubelet dies and a node is
 deleted: every job a fault touched restarts exactly once per fault and runs again with a
-new driver, the others are left alone, nothing is duplicated, and a job past maxRestarts
+new driver, the others are left alone (a lost rollout pod touches no attempt: the runtime
+replaces the engine, KubeRay the pod), nothing is duplicated, and a job past maxRestarts
 fails with `RestartLimitExceeded`. (What a restart resumed from is reported by a real
 runtime; kwok runs none, so it is not asserted here.)
 
@@ -129,24 +130,28 @@ def test_faults_restart_exactly_the_touched_jobs(
     cluster.apply(jobs, "-n", namespace)
     settle(cluster, namespace, ledger, operator, "creation")
 
-    # 1. Random compute pods of three jobs are killed; one job loses two pods at once,
-    #    which is still one failure of its attempt.
+    # 1. Random head or trainer pods of three jobs are killed; one job loses two pods at
+    #    once, which is still one failure of its attempt. A rollout pod of a fourth job
+    #    goes too: the runtime replaces engines itself, so that job does not restart.
     pods = live_pods(cluster, namespace)
-    victims = rng.sample(ledger.alive(), 3)
+    victims = rng.sample(ledger.alive(), 4)
+    spared = victims.pop()
     for i, job in enumerate(victims):
-        doomed = rng.sample(compute_pods(pods, job), 2 if i == 0 else 1)
+        doomed = rng.sample(compute_pods(pods, job, ("head", "trainer")), 2 if i == 0 else 1)
         cluster.kubectl("delete", "pod", *doomed, "-n", namespace, "--wait=false")
+    engine_pod = rng.choice(compute_pods(pods, spared, ("rollout",)))
+    cluster.kubectl("delete", "pod", engine_pod, "-n", namespace, "--wait=false")
     ledger.hit(set(victims), {"PodDeleted", "PodFailed"})
-    settle(cluster, namespace, ledger, operator, f"killing pods of {victims}")
+    settle(cluster, namespace, ledger, operator, f"killing pods of {victims} and {engine_pod}")
 
-    # 2. A kubelet stops reporting, then a node is deleted: every job with a pod on the
-    #    busiest node restarts elsewhere.
+    # 2. A kubelet stops reporting, then a node is deleted: every job with a head or
+    #    trainer pod on the busiest node restarts elsewhere (rollout pods move without).
     lost: set[str] = set()
     for fault, reasons in (("kubelet stopped", {"NodeLost"}),
                            ("node deleted", {"NodeLost", "PodDeleted"})):
         alive = set(ledger.alive())
-        placed = {n: js & alive for n, js in jobs_by_node(live_pods(cluster, namespace)).items()
-                  if js & alive and n not in lost}
+        by_node = jobs_by_node(live_pods(cluster, namespace), frozenset({"rollout"}))
+        placed = {n: js & alive for n, js in by_node.items() if js & alive and n not in lost}
         busiest = max(len(js) for js in placed.values())
         node = rng.choice(sorted(n for n, js in placed.items() if len(js) == busiest))
         if fault == "kubelet stopped":
@@ -161,7 +166,7 @@ def test_faults_restart_exactly_the_touched_jobs(
     # 3. The fragile job is failed until it runs out of restarts.
     while not ledger.failed(FRAGILE):
         pods = live_pods(cluster, namespace)
-        pod = rng.choice(compute_pods(pods, FRAGILE))
+        pod = rng.choice(compute_pods(pods, FRAGILE, ("head", "trainer")))
         cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=false")
         ledger.hit({FRAGILE}, {"PodDeleted"})
         settle(cluster, namespace, ledger, operator, f"killing {pod}")
