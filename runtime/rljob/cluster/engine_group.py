@@ -51,15 +51,6 @@ class EngineGroup:
         where: list[Locality] = ray.get([e.locality.remote() for e in self.handles])
         return where
 
-    def serving(self, index: int) -> bool:
-        """Whether engine `index`'s actor lives and its server answers (an actor that lost
-        its SGLang process lives on without it); False when Ray lost the actor or it does
-        not answer within PING_TIMEOUT_S."""
-        try:
-            return bool(ray.get(self.handles[index].serving.remote(), timeout=PING_TIMEOUT_S))
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
-
     def replace(self, index: int) -> None:
         """Kill engine `index` (whatever is left of it) and start it again in its slots;
         `started` says when it serves. Ray places the slots again first when their node
