@@ -354,7 +354,7 @@ class Kube:
         were replaced with by that patch, if one was needed (for the log)."""
         made = _json(apply_status(self.custom, namespace, name, status, OPERATOR_MANAGER,
                                   TIMEOUT, _preload_content=False))
-        stored = operator_fields(made.get("status") or {})
+        stored = operator_fields(made.get("status") or {}, status)
         fix: Obj = {}
         if needs_write(stored, status):
             fix = merge_patch_to(stored, status)

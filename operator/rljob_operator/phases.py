@@ -49,6 +49,7 @@ from rljob_operator.status import (
     scheduling_conditions,
     started_condition,
     waiting_for,
+    with_shown_step,
 )
 
 Obj = dict[str, Any]
@@ -109,7 +110,7 @@ def backoff_seconds(spec: RLJobSpec, restart: int) -> int:
 
 def _terminal(s: Situation) -> Decision:
     """Succeeded/Failed stay so; compute is torn down, the driver pod kept for its logs."""
-    status = operator_fields(s.stored)
+    status = with_shown_step(s, operator_fields(s.stored))
     status["observedGeneration"] = s.job.generation
     return Decision(status, Actions(delete_cluster=s.obs.cluster == "present"))
 

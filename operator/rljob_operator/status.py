@@ -36,8 +36,40 @@ STARTED_MESSAGE = "the driver runs; it was started once every compute pod ran"
 DERIVED_RECOVERY_FIELDS = {"resumed_from_step", "lost_steps"}
 
 
-def operator_fields(status: Obj) -> Obj:
-    return {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
+def operator_fields(status: Obj, desired: Obj | None = None) -> Obj:
+    """The operator's fields of `status`; with a `desired` status that holds the step a
+    restarted job has (`shown_step`), that step of `status` too, to compare with it."""
+    out = {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
+    if desired is not None and "progress" in desired:
+        out["progress"] = {"rolloutStep": (status.get("progress") or {}).get("rolloutStep")}
+    return out
+
+
+def shown_step(s: Situation) -> int | None:
+    """The rollout step a restarted job still has, while its new attempt's runtime has not
+    said where it resumed; None once it has (its own progress stands), on the first attempt
+    and before any progress. Without it the STEP column would show the step the lost
+    attempt reached through the backoff and the new driver's start: steps the job no longer
+    has. The runtime resumes from its latest verified checkpoint, which it reported in
+    status.checkpoint (none verified: step 0). The operator writes this one field of the
+    runtime's progress and keeps writing it until the new runtime's own report, which
+    takes it over (both apply with force), so an old runtime's late report cannot bring
+    the lost step back either."""
+    if s.restarts == 0 or not isinstance((s.stored.get("progress") or {}).get("rolloutStep"),
+                                         int):
+        return None
+    resumed = s.stored.get("resumed") or {}
+    if isinstance(resumed.get("attempt"), int) and resumed["attempt"] >= s.restarts:
+        return None
+    checkpoint = s.stored.get("checkpoint") or {}
+    step = checkpoint.get("step")
+    return step if checkpoint.get("verified") is True and isinstance(step, int) else 0
+
+
+def with_shown_step(s: Situation, status: Obj) -> Obj:
+    """`status` with the step a restarted job has (`shown_step`), when there is one."""
+    step = shown_step(s)
+    return status if step is None else {**status, "progress": {"rolloutStep": step}}
 
 
 def _normal(status: Obj) -> Obj:
@@ -48,7 +80,7 @@ def _normal(status: Obj) -> Obj:
 
 def needs_write(current: Obj, desired: Obj) -> bool:
     """Whether the operator's fields differ from what is stored (no write when equal)."""
-    return _normal(operator_fields(current)) != _normal(desired)
+    return _normal(operator_fields(current, desired)) != _normal(desired)
 
 
 def merge_patch_to(current: Obj, desired: Obj) -> Obj:
@@ -139,7 +171,7 @@ def build_status(s: Situation, phase: str, conditions: list[Condition],
         finished_at = stored if parse_timestamp(stored) is not None else timestamp(s.now)
     if finished_at:
         out["finishedAt"] = finished_at
-    return out
+    return with_shown_step(s, out)
 
 
 def recovery_status(s: Situation, action: str | None, next_at: str | None = None,

@@ -104,8 +104,10 @@ def applied(body: Obj, d: Decision) -> Obj:
     """The RLJob after the operator's status write (server-side apply: the operator's fields
     are replaced, those it leaves out removed; runtime fields untouched)."""
     kept = {k: v for k, v in body["status"].items() if k not in OPERATOR_FIELDS}
-    return job({**kept, **d.status}, body["spec"], body["metadata"]["name"],
-               body["metadata"]["generation"])
+    status = {**kept, **d.status}
+    if "progress" in d.status:  # the runtime's progress, one field of it applied over
+        status["progress"] = {**kept.get("progress", {}), **d.status["progress"]}
+    return job(status, body["spec"], body["metadata"]["name"], body["metadata"]["generation"])
 
 
 def conditions(d: Decision) -> dict[str, Obj]:
@@ -250,6 +252,54 @@ def test_recovery_waits_for_backoff_then_starts_the_next_attempt() -> None:
     body = applied(body, reported)
     again = run(body, attempt_1, now=T0 + timedelta(seconds=20))
     assert again.event is None and not needs_write(body["status"], again.status)
+
+
+def test_a_restarted_job_shows_the_step_it_has_until_its_new_runtime_reports() -> None:
+    """Input: the runtime had reported rollout step 9 and a verified checkpoint of step 6.
+    From the restart on, the STEP column (progress.rolloutStep) shows 6, through the backoff
+    and the new driver's start, and again after a late report of the lost attempt's
+    runtime; once the new attempt's runtime said where it resumed, its own progress stands."""
+    body = job(RUNNING)
+    assert "progress" not in run(body, [*compute(), driver()]).status  # a first attempt
+    failed = run(body, [*compute("rl-trainer-worker-a"), driver()])
+    assert failed.status["phase"] == "Recovering"
+    assert failed.status["progress"] == {"rolloutStep": 6}
+    assert failed.status["recovery"]["lastFailure"]["step"] == 9
+    body = applied(body, failed)
+    assert body["status"]["progress"] == {"rolloutStep": 6}
+    fresh = [*compute("rl-trainer-worker-a"), pod("rl-trainer-worker-z", "trainer")]
+    due = run(body, fresh, now=T0 + timedelta(seconds=10))
+    assert due.actions.create_driver is not None and due.status["progress"] == {"rolloutStep": 6}
+    body = applied(body, due)
+    attempt_1 = [*fresh, driver(restarts=1, recorded=due.actions.create_driver)]
+    back = run(body, attempt_1, now=T0 + timedelta(seconds=12))
+    assert back.status["phase"] == "Running" and back.status["progress"] == {"rolloutStep": 6}
+    body = applied(body, back)
+    # Input: the lost attempt's runtime reports once more on its way out.
+    body["status"]["progress"] = {"rolloutStep": 10, "meanReward": 0.5}
+    body["status"]["resumed"] = {"attempt": 0, "found": False, "step": 0, "at": iso(T0)}
+    late = run(body, attempt_1, now=T0 + timedelta(seconds=13))
+    assert late.status["progress"] == {"rolloutStep": 6} and needs_write(body["status"],
+                                                                         late.status)
+    # Input: attempt 1's runtime reports what it loaded, and its own progress with it.
+    body["status"]["progress"] = {"rolloutStep": 6, "meanReward": 0.25}
+    body["status"]["resumed"] = {"attempt": 1, "found": True, "step": 6, "at": iso(T0)}
+    own = run(body, attempt_1, now=T0 + timedelta(seconds=14))
+    assert "progress" not in own.status
+    # Without a verified checkpoint the runtime starts over: the job has step 0.
+    unverified = {**RUNNING, "checkpoint": {"step": 6, "verified": False}}
+    d = run(job(unverified), [*compute("rl-trainer-worker-a"), driver()])
+    assert d.status["progress"] == {"rolloutStep": 0}
+    # A job that fails while it restarts keeps showing the step it has.
+    body = applied(job(RUNNING), failed)
+    body["status"]["recovery"]["restarts"] = 2  # input: the last restart is used up
+    ended = run(body, [*compute("rl-trainer-worker-b"),
+                       driver(restarts=2, recorded=due.actions.create_driver)],
+                now=T0 + timedelta(seconds=30))
+    assert ended.status["phase"] == "Failed", ended.status
+    assert ended.status["progress"] == {"rolloutStep": 6}
+    kept = run(applied(body, ended), [], now=T0 + timedelta(seconds=40))
+    assert kept.status["progress"] == {"rolloutStep": 6}
 
 
 def test_resume_figures_come_only_from_the_current_attempts_report() -> None:

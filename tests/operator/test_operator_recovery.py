@@ -214,8 +214,9 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
         tmp_path: Path) -> None:
     """A real runtime trains, saves step 2, reports step 4 and dies mid-save; the operator
     restarts the job; the next real runtime loads step 2 and says so; only then does the
-    status show resumedFromStep 2 and lostSteps 2, and the STEP column shows step 2 while
-    the resumed attempt's first step is still held in its rewards, not the lost step 4."""
+    status show resumedFromStep 2 and lostSteps 2. The STEP column shows step 2, not the
+    lost step 4, from the restart on and while the resumed attempt's first step is still
+    held in its rewards."""
     gpu_pool(1, 8)
     job = job_file(tmp_path, {
         "algorithm": {"totalSteps": 6}, "checkpoint": {"interval": 2},
@@ -250,6 +251,9 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
     st = recovered(cluster, namespace, "real", 1)
     assert st["recovery"]["lastFailure"]["step"] == 4  # what that runtime had reported
     assert "resumedFromStep" not in st["recovery"]  # attempt 1 has not said anything yet
+    # Restarted, before any runtime of attempt 1 ran: STEP shows the step of the verified
+    # checkpoint that runtime reported, not the lost step 4.
+    assert st["progress"]["rolloutStep"] == 2, st["progress"]
 
     gate.touch()
     second = _runtime(cluster, namespace, "real", job, workdir, log, "--max-steps", "1",
