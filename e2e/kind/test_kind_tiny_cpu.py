@@ -3,8 +3,9 @@
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
 meant for it, only its status writer holds its API token (not the driver container, where
 hooks run), a pod of another namespace cannot use its engines or weight-sync store, it
-checkpoints, loses one of its two rollout pods without a restart (the engine started again
-in KubeRay's new pod with the current weights), loses a trainer pod and its driver pod, is
+checkpoints, loses one of its two rollout pods and then the node of the other without a
+restart (each time the engine started again in KubeRay's new pod with the current weights,
+each step once in the runtime's step log), loses a trainer pod and its driver pod, is
 suspended and resumed, and loses a whole worker node (each time resuming from its last
 verified checkpoint, as reported by the runtime that resumed), finishes with step, reward
 and checkpoint in `kubectl get rljobs`, and deleting it removes every child. Every fact
@@ -17,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,13 +26,15 @@ import yaml
 
 from e2e.kind.foreign_peer import assert_foreign_pod_refused
 from e2e.kind.kindcluster import EXAMPLE, KindCluster
+from rljob.reporting import metrics_log
+from rljob.reporting.metrics_log import METRICS_FILE
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
 
 NAMESPACE = "tiny"
 JOB = "tiny-cpu"
-TOTAL_STEPS = 130  # enough steps that four faults land before the end
+TOTAL_STEPS = 150  # enough steps that every fault lands before the end
 START_S = 900      # images are local; Ray and the model start in a few minutes on 2 cores
 STEP_S = 900       # generous: 2 cores run the control plane, Ray and training together
 
@@ -168,11 +172,22 @@ def _suspend(cluster: KindCluster, flag: bool) -> None:
                     json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
 
 
-def _rollout_pod_lost_and_rejoined(cluster: KindCluster, job: Job) -> None:
-    """One of the two rollout pods is deleted mid-run. What the runtime reports shows the
-    rest: the engine lost, then serving again with the version every engine serves, the
-    job Running throughout with the same attempt (no restart, nothing resumed), progress
-    moving on, and the operator's EngineLost and EngineRejoined Events."""
+def _steps_once(cluster: KindCluster) -> list[int]:
+    """The steps in the runtime's own step log (metrics.jsonl in the job's workdir on its
+    checkpoint volume), asserted to be each step once, in order, from the first."""
+    log = cluster.host_path(NAMESPACE, f"{JOB}-checkpoints") / JOB / METRICS_FILE
+    steps = [int(row["step"]) for row in metrics_log.read(log)]
+    assert steps == list(range(1, len(steps) + 1)), steps
+    return steps
+
+
+def _engine_lost_and_rejoined(cluster: KindCluster, job: Job, what: str,
+                              lose: Callable[[], None]) -> dict[str, Any]:
+    """`lose` takes one of the two engines away mid-run. What the runtime reports shows the
+    rest: the engine lost, then serving again with the version every engine and the trainer
+    serve, the job Running throughout with the same attempt (no restart, nothing resumed),
+    progress moving on with each step once in the runtime's step log, and the operator's
+    EngineLost and EngineRejoined Events. Returns the status after the rejoin."""
     def both_serving() -> dict[str, Any] | None:
         status = job.status()
         engines = status.get("engines") or {}
@@ -180,40 +195,83 @@ def _rollout_pod_lost_and_rejoined(cluster: KindCluster, job: Job) -> None:
 
     before = job.wait(both_serving, "both engines serving")
     restarts = (before.get("recovery") or {}).get("restarts", 0)
-    victim = job.pods("rollout")[0]["metadata"]["name"]
-    cluster.kubectl("delete", "pod", "-n", NAMESPACE, victim, "--wait=false")
+    rows = {e["name"]: e.get("restarts", 0) for e in before["engines"]["engines"]}
+    lose()
 
     def reported_lost() -> dict[str, Any] | None:
         engines = job.status().get("engines") or {}
         return engines if engines.get("ready") == 1 else None
 
-    lost = job.wait(reported_lost, "the runtime to report one engine lost", 300)
+    lost = job.wait(reported_lost, f"the runtime to report an engine lost ({what})", 300)
     (gone,) = [e for e in lost["engines"] if e["state"] != "Serving"]
 
     def rejoined() -> dict[str, Any] | None:
         status = job.status()
         engines = status.get("engines") or {}
-        rows = {e["name"]: e for e in engines.get("engines") or []}
-        back = rows.get(gone["name"]) or {}
-        versions = {e.get("weightVersion") for e in rows.values()}
-        if engines.get("ready") == 2 and back.get("restarts", 0) >= 1 \
-                and versions == {(status.get("progress") or {}).get("weightVersion")}:
+        now = {e["name"]: e for e in engines.get("engines") or []}
+        back = now.get(gone["name"]) or {}
+        versions = {e.get("weightVersion") for e in now.values()}
+        progress = status.get("progress") or {}
+        if engines.get("ready") == 2 and back.get("restarts", 0) > rows[gone["name"]] \
+                and versions == {progress.get("weightVersion")} \
+                and progress.get("policyVersion") == progress.get("weightVersion"):
             return status
         return None
 
-    after = job.wait(rejoined, f"{gone['name']} to rejoin with the trainer's weights")
+    after = job.wait(rejoined, f"{gone['name']} to rejoin with the trainer's weights ({what})")
     # Neither a restart nor a resume: the same runtime trained on, past the step it was at.
     assert after["phase"] == "Running", after
     assert (after.get("recovery") or {}).get("restarts", 0) == restarts, after["recovery"]
     assert after["resumed"] == before["resumed"], (before["resumed"], after["resumed"])
     assert after["progress"]["rolloutStep"] > before["progress"]["rolloutStep"]
-    assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
+    assert _steps_once(cluster)[-1] >= after["progress"]["rolloutStep"] - 1
     log = job.driver_log()
     assert f"engines: {gone['name']} lost" in log and f"engines: {gone['name']} rejoined" in log
     events = cluster.get("events", "-n", NAMESPACE, "--field-selector",
                          f"involvedObject.name={JOB}")["items"]
     reasons = {e["reason"] for e in events if gone["name"] in e.get("message", "")}
     assert {"EngineLost", "EngineRejoined"} <= reasons, [e["message"] for e in events]
+    return after  # type: ignore[no-any-return]
+
+
+def _rollout_pod_and_node_lost(cluster: KindCluster, job: Job) -> None:
+    """Every pod of the job started on one worker (the others cordoned). One rollout pod is
+    deleted and KubeRay's new pod is let onto the other worker only; then that worker, which
+    holds no other pod of the job, is stopped: its pod is lost with the node, and the
+    engine comes back in a new pod on the first worker."""
+    (home,) = {p["spec"]["nodeName"] for c in ("trainer", "rollout", "head", "driver")
+               for p in job.pods(c)}
+    (away,) = [w for w in cluster.workers() if w != home]
+    victim = job.pods("rollout")[0]["metadata"]["name"]
+
+    def delete() -> None:
+        cluster.cordon(home)
+        cluster.cordon(away, False)
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, victim, "--wait=false")
+
+    def moved() -> list[dict[str, Any]]:
+        return [p for p in job.pods("rollout")
+                if p["metadata"]["name"] != victim and p["spec"].get("nodeName") == away]
+
+    try:
+        _engine_lost_and_rejoined(cluster, job, "its pod deleted", delete)
+        assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
+        (alone,) = job.wait(lambda: moved() or None, f"the new rollout pod to run on {away}")
+    finally:
+        cluster.cordon(home, False)
+    others = [p["metadata"]["name"] for c in ("trainer", "rollout", "head", "driver")
+              for p in job.pods(c) if p["spec"].get("nodeName") == away]
+    assert others == [alone["metadata"]["name"]], others
+
+    try:
+        _engine_lost_and_rejoined(cluster, job, f"its node {away} stopped",
+                                  lambda: cluster.stop_node(away))
+        for p in job.pods("rollout"):
+            assert p["spec"].get("nodeName") == home, p["spec"]
+    finally:
+        cluster.start_node(away)
+    wait_for(lambda: cluster.ready(away), timeout=300, interval=2,
+             what=f"{away} Ready again")
 
 
 def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason: set[str]) -> None:
@@ -238,6 +296,7 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     job = Job(cluster)
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["algorithm"]["totalSteps"] = TOTAL_STEPS
+    doc["spec"]["checkpoint"]["interval"] = 5  # each fault waits for a checkpoint after it
     doc["spec"]["rollout"]["engines"] = 2  # one is lost on its own below
     # Every pod fits the one worker left after the lost node: KubeRay's wait-gcs-ready init
     # container makes each rollout pod ask 200m, so the second engine's pod takes that
@@ -247,7 +306,19 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
     cluster.kubectl("create", "namespace", NAMESPACE)
-    cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
+    # Every pod of the job starts on one worker, so that the other can later hold a rollout
+    # pod alone (_rollout_pod_and_node_lost).
+    home, *others = cluster.workers()
+    try:
+        for worker in others:
+            cluster.cordon(worker)
+        cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
+        job.wait(lambda: len([p for c in ("trainer", "rollout", "head", "driver")
+                              for p in job.pods(c) if p["spec"].get("nodeName")]) == 5,
+                 "the job's 5 pods on " + home, START_S)
+    finally:
+        for worker in others:
+            cluster.cordon(worker, False)
     interval = doc["spec"]["checkpoint"]["interval"]
 
     # Started: the driver joined the job's Ray cluster, and every actor runs where it should.
@@ -293,9 +364,10 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     # without the job's peer key (and by the network where NetworkPolicies are enforced).
     assert_foreign_pod_refused(cluster, NAMESPACE, JOB, timeout=STEP_S)
 
-    # A rollout pod is deleted: the other engine generates on, KubeRay recreates the pod, the
-    # runtime starts the engine in it and installs the current weights; no restart.
-    _rollout_pod_lost_and_rejoined(cluster, job)
+    # A rollout pod is deleted, then the node of its replacement is lost: each time the other
+    # engine generates on, KubeRay recreates the pod, the runtime starts the engine in it and
+    # installs the current weights; no restart.
+    _rollout_pod_and_node_lost(cluster, job)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")
@@ -346,6 +418,7 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     (trainer,) = job.pods("trainer")
     lost = trainer["spec"]["nodeName"]
     (survivor,) = [w for w in cluster.workers() if w != lost]
+    print(f"lost node at step {job.status()['progress']['rolloutStep']} of {TOTAL_STEPS}")
     cluster.stop_node(lost)
     try:
         rec = job.resumed_after(rec["restarts"])
