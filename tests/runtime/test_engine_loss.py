@@ -19,7 +19,7 @@ import pytest
 from rljob.driver.job import WEIGHT_SYNC_LOG
 from rljob.reporting import metrics_log
 from tests.polling import wait_for
-from tests.processes import reap
+from tests.processes import listening_pid, reap
 from tests.runtime.hooks_for_tests import ENGINE_LOSS_ENV
 from tests.runtime.jobs import job_file
 
@@ -27,14 +27,6 @@ pytestmark = pytest.mark.runtime
 
 RLJOB = [sys.executable, "-m", "rljob.cli"]
 STEPS = 12  # the last step waits for the replacement (the hook), so any count above 3
-
-
-def _serving(port: int) -> int:
-    """The pid of the process listening on `port`: the engine's actor process."""
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return int(conn.pid)
-    raise AssertionError(f"no process listens on port {port}")
 
 
 def test_a_killed_engine_costs_no_step_and_rejoins_with_the_current_weights(
@@ -57,7 +49,7 @@ def test_a_killed_engine_costs_no_step_and_rejoins_with_the_current_weights(
         url = (signals / "engine").read_text()
         port = urlparse(url).port
         assert port is not None
-        killed = _serving(port)
+        killed = listening_pid(port)
         os.kill(killed, signal.SIGKILL)
         out, _ = proc.communicate(timeout=420)
     finally:

@@ -52,6 +52,11 @@ REJOIN_TIMEOUT_S = 900.0
 RESYNC_INTERVAL_S = 10.0
 
 
+# What status.engines.paused says, and a local run prints, while no engine serves.
+PAUSED = ("no rollout engine serves: generation waits for a replacement to install the "
+          "current weights")
+
+
 @dataclass
 class Tracked:
     state: EngineState
@@ -182,6 +187,8 @@ class EngineRecovery:
             self.losses.popleft()
         t.state, t.since, t.version, t.reason = EngineState.lost, timestamp(), None, why
         t.lost_at = now
+        if not self.ready():
+            print(f"engines: {PAUSED}", file=sys.stderr, flush=True)
         self.report()
         if len(self.losses) > self.recovery.max_engine_restarts:
             message = (f"{len(self.losses)} rollout engines lost within "
@@ -254,8 +261,7 @@ class EngineRecovery:
         self.reporter.engines(EnginesStatus(
             attempt=self.attempt, ready=ready, total=total, summary=f"{ready}/{total}",
             restarts=len(self.losses),
-            paused=None if ready else "no rollout engine serves: generation waits for a "
-                                      "replacement to install the current weights",
+            paused=None if ready else PAUSED,
             engines=[EngineReport(name=engine_name(i), state=t.state, weight_version=t.version,
                                   restarts=t.restarts, reason=t.reason, since=t.since)
                      for i, t in sorted(self.tracked.items())]))
