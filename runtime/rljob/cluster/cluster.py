@@ -286,7 +286,7 @@ class Cluster:
             return engine_cls.options(**at(groups[i][0])).remote(
                 spec.rollout.backend, str(model_dir), spec.model.dtype, devices.engine, "0",
                 spec.rollout.gpus_per_engine, dict(spec.rollout.sglang_args), bind, ports[i],
-                ray.get([h.where.remote() for h in holders]), offload), holders
+                [h.where.remote() for h in holders], offload), holders
 
         # Stopped and killed on a failure from here on, whatever was started of them.
         self.engines = EngineGroup(start_engine)

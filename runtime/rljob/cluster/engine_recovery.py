@@ -95,6 +95,12 @@ class EngineRecovery:
         """Engines serving requests now."""
         return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
 
+    def awaiting_weights(self) -> bool:
+        """No engine serves, and a replacement waits for weights (its sidecar registered):
+        nothing generates until one is sent."""
+        return not self.ready() and any(t.state == EngineState.rejoining
+                                        for t in self.tracked.values())
+
     def down(self) -> set[str]:
         """Weight-sync names of the engines not serving now."""
         return {engine_name(i) for i, t in self.tracked.items()

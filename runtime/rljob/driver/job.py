@@ -84,10 +84,20 @@ class Job:
 
     def tend_engines(self) -> None:
         """Lost engines found and replaced, replacements brought back (`EngineRecovery`)."""
-        if self.recovery is not None:
-            # A replacement is sent the engines' version only while the trainer holds it.
-            self.recovery.tend(self.engine_version,
-                               resync=self.state.weight_version == self.engine_version)
+        if self.recovery is None:
+            return
+        # A replacement is sent the engines' version only while the trainer holds it.
+        held = self.state.weight_version == self.engine_version
+        self.recovery.tend(self.engine_version, resync=held)
+        if not held and self.recovery.awaiting_weights():
+            # Async, and no engine serves: the trainer moved past the engines' version, and
+            # nothing generates that a delivery could disturb. The replacements get the
+            # trainer's version now, as the next step would have delivered it; waiting for
+            # that step would wait for a batch that needs them.
+            print(f"engines: none serves; delivering the trainer's weight version "
+                  f"{self.state.weight_version} to the replacements now", file=sys.stderr,
+                  flush=True)
+            self.publish()
 
     def take_batch(self) -> tuple[RolloutBatch, Staleness]:
         """This step's rewarded samples, and how far they lag the policy."""

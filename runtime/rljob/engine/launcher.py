@@ -55,15 +55,20 @@ class EngineProcess(Locatable):
     def __init__(
         self, backend: str, model_dir: str, dtype: str, device: str, weight_version: str,
         tp: int, sglang_args: dict[str, str], bind_host: str, port: int = 0,
-        further_slots: list[SlotDevices] | None = None, offload: bool = False,
+        further_slots: list[SlotDevices] | list[ray.ObjectRef[SlotDevices]] | None = None,
+        offload: bool = False,
     ) -> None:
+        # Where the engine's further slots are, or the slot holders' answers to come: the
+        # driver does not wait for them, since a replacement's slots wait for its new pod.
+        further: list[SlotDevices] = [
+            ray.get(s) if isinstance(s, ray.ObjectRef) else s for s in further_slots or []]
         self.device = device
         self.backend = backend
         self.server: ServerThread | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
         advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
-        gpus = engine_gpus(here(), further_slots or [])
+        gpus = engine_gpus(here(), further)
         # The GPUs its ranks compute on, rank r on the r-th: SGLang's on every slot, the
         # `hf` engine's all on its first (it keeps the contract of `tp` ranks in one process).
         self.gpus = (gpus if backend != "hf" else gpus[:1]) if device.startswith("cuda") else []
