@@ -39,6 +39,9 @@ class Decision:
     event: Event | None = None
     requeue_after: float | None = None
     restart: Failure | None = None  # set when this decision starts a restart
+    # The step a restarted job has, for status.progress.rolloutStep, while the runtime's
+    # progress is still the lost attempt's (status.held_step).
+    hold_step: int | None = None
 
     @property
     def phase(self) -> str | None:

@@ -354,7 +354,7 @@ class Kube:
         were replaced with by that patch, if one was needed (for the log)."""
         made = _json(apply_status(self.custom, namespace, name, status, OPERATOR_MANAGER,
                                   TIMEOUT, _preload_content=False))
-        stored = operator_fields(made.get("status") or {}, status)
+        stored = operator_fields(made.get("status") or {})
         fix: Obj = {}
         if needs_write(stored, status):
             fix = merge_patch_to(stored, status)
@@ -364,6 +364,26 @@ class Kube:
                 _content_type="application/merge-patch+json", _request_timeout=TIMEOUT))
         self.cache.put(KIND, made)
         return fix
+
+    def hold_step(self, namespace: str, name: str, step: int, resource_version: str) -> bool:
+        """Write status.progress.rolloutStep (`held_step`) unless the RLJob changed since it
+        was read at `resource_version` (False then: a runtime may have reported meanwhile,
+        and the next reconcile decides again). A merge patch, not an apply: the operator
+        keeps no ownership of the field that a later apply of its own would remove, and the
+        runtime's next apply (with force) takes the field back."""
+        body = {"metadata": {"resourceVersion": resource_version},
+                "status": {"progress": {"rolloutStep": step}}}
+        try:
+            made = _json(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, body,
+                field_manager=OPERATOR_MANAGER, _preload_content=False,
+                _content_type="application/merge-patch+json", _request_timeout=TIMEOUT))
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+        self.cache.put(KIND, made)
+        return True
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]

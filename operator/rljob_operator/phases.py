@@ -43,13 +43,13 @@ from rljob_operator.status import (
     STARTING_PHASES,
     build_status,
     condition,
+    held_step,
     not_ready,
     operator_fields,
     recovery_status,
     scheduling_conditions,
     started_condition,
     waiting_for,
-    with_shown_step,
 )
 
 Obj = dict[str, Any]
@@ -57,6 +57,11 @@ Obj = dict[str, Any]
 
 def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
     """The operator's status fields and next actions for one job."""
+    decision = _decide_phase(job, obs, now)
+    return replace(decision, hold_step=held_step(job.status, decision.restarts))
+
+
+def _decide_phase(job: JobView, obs: Observed, now: datetime) -> Decision:
     s = Situation.of(job, obs, now)
     if s.phase in TERMINAL_PHASES:
         if finished(s.stored):
@@ -110,7 +115,7 @@ def backoff_seconds(spec: RLJobSpec, restart: int) -> int:
 
 def _terminal(s: Situation) -> Decision:
     """Succeeded/Failed stay so; compute is torn down, the driver pod kept for its logs."""
-    status = with_shown_step(s, operator_fields(s.stored))
+    status = operator_fields(s.stored)
     status["observedGeneration"] = s.job.generation
     return Decision(status, Actions(delete_cluster=s.obs.cluster == "present"))
 

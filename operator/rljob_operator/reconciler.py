@@ -258,6 +258,9 @@ class Reconciler:
             observed = replace(observed, checkpoint_modes=self._claim_modes(
                 namespace, name, job.spec.checkpoint.pvc))
         decision = decide(job, observed, now)
+        if decision.hold_step is not None:
+            self.kube.hold_step(namespace, name, decision.hold_step,
+                                body["metadata"]["resourceVersion"])
         if needs_write(job.status, decision.status):
             fix = self.kube.apply_status(namespace, name, decision.status)
             if fix:

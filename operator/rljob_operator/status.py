@@ -2,9 +2,10 @@
 from what is stored.
 
 The operator writes its own fields (`rljob_api.status.OPERATOR_FIELDS`), built from the
-API's typed `Condition` and `RecoveryStatus`; the runtime's fields are only read. What a
-restart resumed from is never predicted: it is derived (`resume_figures`) from what the
-restarted runtime reported it loaded.
+API's typed `Condition` and `RecoveryStatus`; of the runtime's fields it writes one, and only
+between a restart and the new runtime's first report: the step the job has
+(`held_step`). What a restart resumed from is never predicted: it is derived
+(`resume_figures`) from what the restarted runtime reported it loaded.
 """
 
 from __future__ import annotations
@@ -36,40 +37,8 @@ STARTED_MESSAGE = "the driver runs; it was started once every compute pod ran"
 DERIVED_RECOVERY_FIELDS = {"resumed_from_step", "lost_steps"}
 
 
-def operator_fields(status: Obj, desired: Obj | None = None) -> Obj:
-    """The operator's fields of `status`; with a `desired` status that holds the step a
-    restarted job has (`shown_step`), that step of `status` too, to compare with it."""
-    out = {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
-    if desired is not None and "progress" in desired:
-        out["progress"] = {"rolloutStep": (status.get("progress") or {}).get("rolloutStep")}
-    return out
-
-
-def shown_step(s: Situation) -> int | None:
-    """The rollout step a restarted job still has, while its new attempt's runtime has not
-    said where it resumed; None once it has (its own progress stands), on the first attempt
-    and before any progress. Without it the STEP column would show the step the lost
-    attempt reached through the backoff and the new driver's start: steps the job no longer
-    has. The runtime resumes from its latest verified checkpoint, which it reported in
-    status.checkpoint (none verified: step 0). The operator writes this one field of the
-    runtime's progress and keeps writing it until the new runtime's own report, which
-    takes it over (both apply with force), so an old runtime's late report cannot bring
-    the lost step back either."""
-    if s.restarts == 0 or not isinstance((s.stored.get("progress") or {}).get("rolloutStep"),
-                                         int):
-        return None
-    resumed = s.stored.get("resumed") or {}
-    if isinstance(resumed.get("attempt"), int) and resumed["attempt"] >= s.restarts:
-        return None
-    checkpoint = s.stored.get("checkpoint") or {}
-    step = checkpoint.get("step")
-    return step if checkpoint.get("verified") is True and isinstance(step, int) else 0
-
-
-def with_shown_step(s: Situation, status: Obj) -> Obj:
-    """`status` with the step a restarted job has (`shown_step`), when there is one."""
-    step = shown_step(s)
-    return status if step is None else {**status, "progress": {"rolloutStep": step}}
+def operator_fields(status: Obj) -> Obj:
+    return {k: status[k] for k in OPERATOR_FIELDS if status.get(k) is not None}
 
 
 def _normal(status: Obj) -> Obj:
@@ -80,7 +49,7 @@ def _normal(status: Obj) -> Obj:
 
 def needs_write(current: Obj, desired: Obj) -> bool:
     """Whether the operator's fields differ from what is stored (no write when equal)."""
-    return _normal(operator_fields(current, desired)) != _normal(desired)
+    return _normal(operator_fields(current)) != _normal(desired)
 
 
 def merge_patch_to(current: Obj, desired: Obj) -> Obj:
@@ -96,6 +65,29 @@ def merge_patch_to(current: Obj, desired: Obj) -> Obj:
         elif have != want:
             out[key] = want
     return out
+
+
+def held_step(stored: Obj, restarts: int) -> int | None:
+    """The rollout step to show in status.progress.rolloutStep (the STEP column), when the
+    progress there is still a lost attempt's and shows another; None otherwise.
+
+    Until the new attempt's runtime reports (its first report, before it places workers,
+    carries `attempt`), the progress is the one the lost attempt reached, steps the job no
+    longer has, through the backoff and the new driver's start. The job has the step of the
+    latest verified checkpoint the runtime reported in status.checkpoint, which is where the
+    runtime resumes (0 without one). A late report of the lost attempt's runtime shows its
+    step again and is corrected the same way."""
+    progress = stored.get("progress") or {}
+    step = progress.get("rolloutStep")
+    attempt = progress.get("attempt")
+    if restarts == 0 or not isinstance(step, int) or (
+            isinstance(attempt, int) and attempt >= restarts):
+        return None
+    checkpoint = stored.get("checkpoint") or {}
+    has = checkpoint.get("step")
+    if checkpoint.get("verified") is not True or not isinstance(has, int):
+        has = 0
+    return has if step != has else None
 
 
 def resume_figures(restarts: int, last_failure: Obj | None, resumed: Obj | None,
@@ -171,7 +163,7 @@ def build_status(s: Situation, phase: str, conditions: list[Condition],
         finished_at = stored if parse_timestamp(stored) is not None else timestamp(s.now)
     if finished_at:
         out["finishedAt"] = finished_at
-    return with_shown_step(s, out)
+    return out
 
 
 def recovery_status(s: Situation, action: str | None, next_at: str | None = None,

@@ -2,8 +2,11 @@
 
 Ownership is split by field manager: the operator writes `OPERATOR_FIELDS`, the runtime
 `RUNTIME_FIELDS`, each with server-side apply (`apply_status`) under its own manager, so
-neither overwrites the other's fields. Facts about training (what was saved, what was loaded)
-come only from the runtime; the operator derives its recovery figures from them.
+neither overwrites the other's fields. One exception: after a restart, until the new
+attempt's runtime reports, the operator sets `progress.rolloutStep` to the step the job
+has, by a merge patch that the runtime's next apply overrides. Facts about training (what
+was saved, what was loaded) come only from the runtime; the operator derives its recovery
+figures from them.
 """
 
 from __future__ import annotations
@@ -88,8 +91,12 @@ class Condition(ApiModel):
 
 
 class Progress(ApiModel):
-    """Training progress, written by the runtime."""
+    """Training progress, written by the runtime; after a restart, until the new attempt's
+    runtime reports, the operator sets rolloutStep to the step the job has."""
 
+    attempt: int | None = Field(
+        None, description="The attempt that reported (the operator's restart count at its start)."
+    )
     rollout_step: int = Field(0, description="Rollout steps completed.")
     train_step: int = Field(0, description="Optimizer steps completed.")
     total_steps: int = Field(0, description="Rollout steps the job will run.")

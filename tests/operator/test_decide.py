@@ -105,8 +105,8 @@ def applied(body: Obj, d: Decision) -> Obj:
     are replaced, those it leaves out removed; runtime fields untouched)."""
     kept = {k: v for k, v in body["status"].items() if k not in OPERATOR_FIELDS}
     status = {**kept, **d.status}
-    if "progress" in d.status:  # the runtime's progress, one field of it applied over
-        status["progress"] = {**kept.get("progress", {}), **d.status["progress"]}
+    if d.hold_step is not None:  # the merge patch of the runtime's progress.rolloutStep
+        status["progress"] = {**kept.get("progress", {}), "rolloutStep": d.hold_step}
     return job(status, body["spec"], body["metadata"]["name"], body["metadata"]["generation"])
 
 
@@ -255,51 +255,49 @@ def test_recovery_waits_for_backoff_then_starts_the_next_attempt() -> None:
 
 
 def test_a_restarted_job_shows_the_step_it_has_until_its_new_runtime_reports() -> None:
-    """Input: the runtime had reported rollout step 9 and a verified checkpoint of step 6.
-    From the restart on, the STEP column (progress.rolloutStep) shows 6, through the backoff
-    and the new driver's start, and again after a late report of the lost attempt's
-    runtime; once the new attempt's runtime said where it resumed, its own progress stands."""
-    body = job(RUNNING)
-    assert "progress" not in run(body, [*compute(), driver()]).status  # a first attempt
+    """Input: attempt 0's runtime had reported rollout step 9 and a verified checkpoint of
+    step 6. From the restart on, the operator sets the STEP column (progress.rolloutStep)
+    to 6, through the backoff and the new driver's start, and again after a late report of
+    the lost attempt's runtime; once attempt 1's runtime reported progress, it stands."""
+    running = {**RUNNING, "progress": {"attempt": 0, "rolloutStep": 9}}
+    body = job(running)
+    assert run(body, [*compute(), driver()]).hold_step is None  # a first attempt
     failed = run(body, [*compute("rl-trainer-worker-a"), driver()])
-    assert failed.status["phase"] == "Recovering"
-    assert failed.status["progress"] == {"rolloutStep": 6}
+    assert failed.status["phase"] == "Recovering" and failed.hold_step == 6
     assert failed.status["recovery"]["lastFailure"]["step"] == 9
+    assert "progress" not in failed.status  # the runtime's field: not in the operator's apply
     body = applied(body, failed)
-    assert body["status"]["progress"] == {"rolloutStep": 6}
+    assert body["status"]["progress"] == {"attempt": 0, "rolloutStep": 6}
     fresh = [*compute("rl-trainer-worker-a"), pod("rl-trainer-worker-z", "trainer")]
     due = run(body, fresh, now=T0 + timedelta(seconds=10))
-    assert due.actions.create_driver is not None and due.status["progress"] == {"rolloutStep": 6}
+    assert due.actions.create_driver is not None and due.hold_step is None  # shown already
     body = applied(body, due)
     attempt_1 = [*fresh, driver(restarts=1, recorded=due.actions.create_driver)]
-    back = run(body, attempt_1, now=T0 + timedelta(seconds=12))
-    assert back.status["phase"] == "Running" and back.status["progress"] == {"rolloutStep": 6}
-    body = applied(body, back)
     # Input: the lost attempt's runtime reports once more on its way out.
-    body["status"]["progress"] = {"rolloutStep": 10, "meanReward": 0.5}
-    body["status"]["resumed"] = {"attempt": 0, "found": False, "step": 0, "at": iso(T0)}
-    late = run(body, attempt_1, now=T0 + timedelta(seconds=13))
-    assert late.status["progress"] == {"rolloutStep": 6} and needs_write(body["status"],
-                                                                         late.status)
-    # Input: attempt 1's runtime reports what it loaded, and its own progress with it.
-    body["status"]["progress"] = {"rolloutStep": 6, "meanReward": 0.25}
-    body["status"]["resumed"] = {"attempt": 1, "found": True, "step": 6, "at": iso(T0)}
-    own = run(body, attempt_1, now=T0 + timedelta(seconds=14))
-    assert "progress" not in own.status
+    body["status"]["progress"] = {"attempt": 0, "rolloutStep": 10, "meanReward": 0.5}
+    late = run(body, attempt_1, now=T0 + timedelta(seconds=12))
+    assert late.status["phase"] == "Running" and late.hold_step == 6
+    # Input: attempt 1's runtime reports where it starts, before it even placed its workers,
+    # then its steps; whatever it reports stands (it may resume from a newer checkpoint).
+    for step in (7, 8):
+        body["status"]["progress"] = {"attempt": 1, "rolloutStep": step}
+        assert run(body, attempt_1, now=T0 + timedelta(seconds=14)).hold_step is None
+    # A runtime that reports no attempt (an older release) is the lost one's until resumed.
+    body["status"]["progress"] = {"rolloutStep": 9}
+    assert run(body, attempt_1, now=T0 + timedelta(seconds=15)).hold_step == 6
     # Without a verified checkpoint the runtime starts over: the job has step 0.
-    unverified = {**RUNNING, "checkpoint": {"step": 6, "verified": False}}
-    d = run(job(unverified), [*compute("rl-trainer-worker-a"), driver()])
-    assert d.status["progress"] == {"rolloutStep": 0}
+    unverified = {**running, "checkpoint": {"step": 6, "verified": False}}
+    assert run(job(unverified), [*compute("rl-trainer-worker-a"), driver()]).hold_step == 0
     # A job that fails while it restarts keeps showing the step it has.
-    body = applied(job(RUNNING), failed)
+    body = applied(job(running), failed)
+    body["status"]["progress"]["rolloutStep"] = 9  # input: the late report again
     body["status"]["recovery"]["restarts"] = 2  # input: the last restart is used up
     ended = run(body, [*compute("rl-trainer-worker-b"),
                        driver(restarts=2, recorded=due.actions.create_driver)],
                 now=T0 + timedelta(seconds=30))
-    assert ended.status["phase"] == "Failed", ended.status
-    assert ended.status["progress"] == {"rolloutStep": 6}
-    kept = run(applied(body, ended), [], now=T0 + timedelta(seconds=40))
-    assert kept.status["progress"] == {"rolloutStep": 6}
+    assert ended.status["phase"] == "Failed" and ended.hold_step == 6, ended.status
+    body = applied(body, ended)
+    assert run(body, [], now=T0 + timedelta(seconds=40)).hold_step is None
 
 
 def test_resume_figures_come_only_from_the_current_attempts_report() -> None:

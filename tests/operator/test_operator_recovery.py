@@ -252,8 +252,9 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
     assert st["recovery"]["lastFailure"]["step"] == 4  # what that runtime had reported
     assert "resumedFromStep" not in st["recovery"]  # attempt 1 has not said anything yet
     # Restarted, before any runtime of attempt 1 ran: STEP shows the step of the verified
-    # checkpoint that runtime reported, not the lost step 4.
-    assert st["progress"]["rolloutStep"] == 2, st["progress"]
+    # checkpoint that runtime reported, not the lost step 4 (the operator's correction of
+    # attempt 0's progress).
+    assert (st["progress"]["attempt"], st["progress"]["rolloutStep"]) == (0, 2), st["progress"]
 
     gate.touch()
     second = _runtime(cluster, namespace, "real", job, workdir, log, "--max-steps", "1",
@@ -267,11 +268,15 @@ def test_resume_figures_come_from_the_runtime_that_resumed(
                        describe=lambda: log.read_text(errors="replace")[-3000:])
         wait_for(lambda: (tmp_path / "gate.BLOCKED").exists(), timeout=300,
                  what="the resumed attempt's first step to wait in its rewards")
-        shown = wait_for(lambda: (status(cluster, namespace, "real").get("progress") or {}
-                                  ).get("rolloutStep") == 2 or None, timeout=60,
-                         what="the STEP column to show the resumed step",
-                         describe=lambda: str(status(cluster, namespace, "real")))
-        assert shown and not (workdir / "checkpoints" / "step_00000003").exists()
+        # attempt 1's runtime reported its own progress: the step it resumed from.
+        def reported() -> dict[str, Any] | None:
+            found = status(cluster, namespace, "real").get("progress") or {}
+            return found if found.get("attempt") == 1 else None
+
+        progress = wait_for(reported, timeout=60, what="the resumed runtime's progress",
+                            describe=lambda: str(status(cluster, namespace, "real")))
+        assert (progress["attempt"], progress["rolloutStep"]) == (1, 2), progress
+        assert not (workdir / "checkpoints" / "step_00000003").exists()
     finally:
         gate.unlink(missing_ok=True)
         reap(second)

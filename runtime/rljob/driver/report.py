@@ -60,7 +60,7 @@ def report_step(job: Job, metrics: TrainMetrics, batch: RolloutBatch, staleness:
     metrics_log.append(job.metrics_path, row)
     job.attempt.tracking.log(row)
     job.attempt.reporter.progress(Progress(
-        rollout_step=state.step, train_step=state.train_step,
+        attempt=job.attempt.number, rollout_step=state.step, train_step=state.train_step,
         total_steps=job.spec.algorithm.total_steps, samples=state.samples,
         mean_reward=metrics.reward, tokens_per_second=stats.tokens_per_second,
         weight_version=job.engine_version, skipped_steps=state.skipped_steps,

@@ -104,7 +104,7 @@ def report_resumed_progress(attempt: Attempt, state: LoopState, metrics_path: Pa
     last = rows[-1] if rows and int(rows[-1]["step"]) == state.step else {}
     reward = last.get("reward")
     attempt.reporter.progress(Progress(
-        rollout_step=state.step, train_step=state.train_step,
+        attempt=attempt.number, rollout_step=state.step, train_step=state.train_step,
         total_steps=attempt.spec.algorithm.total_steps, samples=state.samples,
         mean_reward=float(reward) if isinstance(reward, int | float) else None,
         weight_version=state.weight_version, skipped_steps=state.skipped_steps,
