@@ -6,7 +6,9 @@ in its own step log."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 import yaml
 
 from rljob.cluster.engine_recovery import PAUSED
+from rljob.driver.job import WEIGHT_SYNC_LOG
 from rljob.reporting import metrics_log
 from tests.controlplane import REPO, ControlPlane
 from tests.polling import wait_for
@@ -99,6 +102,10 @@ def test_the_only_engine_lost_pauses_generation_with_its_reason_and_costs_no_ste
     assert f"engines: {PAUSED}" in said()
     # Nothing generated meanwhile: the replacement got the trainer's version at once, and no
     # sample lagged the trainer by more than the bound.
-    assert "delivering the trainer's weight version" in said(), said()[-3000:]
+    (version,) = re.findall(r"delivering the trainer's weight version (\d+)", said())
+    assert f"engines: engine-0 rejoined, serving weight version {version}" in said()
+    syncs = [json.loads(line) for line in (workdir / WEIGHT_SYNC_LOG).read_text().splitlines()]
+    (delivery,) = [s for s in syncs if s["version"] == int(version)]
+    assert delivery["acked"] == ["engine-0"] and not delivery["stale"], delivery
     rows_ = metrics_log.read(rows)
     assert all(float(r["staleness_max"]) <= 1 for r in rows_), rows_

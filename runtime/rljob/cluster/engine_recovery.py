@@ -96,10 +96,11 @@ class EngineRecovery:
         return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
 
     def awaiting_weights(self) -> bool:
-        """No engine serves, and a replacement waits for weights (its sidecar registered):
-        nothing generates until one is sent."""
-        return not self.ready() and any(t.state == EngineState.rejoining
-                                        for t in self.tracked.values())
+        """No engine serves, and a replacement waits for weights with its sidecar
+        registered (a delivery reaches it): nothing generates until one is sent."""
+        return not self.ready() and any(
+            t.state == EngineState.rejoining and self.weight_sync.acked(i) is not None
+            for i, t in self.tracked.items())
 
     def down(self) -> set[str]:
         """Weight-sync names of the engines not serving now."""
