@@ -3,7 +3,7 @@ the docs and the operator agree (README "Exit codes"; the operator reads them as
 container's exit code). Both sides import the API model, so the operator does not import the
 runtime for them.
 
-Two codes say that a restart cannot help, so the job fails at once instead of retrying the
+Three codes say that a restart cannot help, so the job fails at once instead of retrying the
 same doomed start until `maxRestarts` is used up. A signal stop is not a failure of the job's
 own making: the run finished or abandoned its step, saved what it could and reported
 `status.stopped`; its code is the shell's convention, 128 + the signal number.
@@ -17,6 +17,7 @@ OK = 0
 FAILED = 1  # runtime failure: a worker, engine or weight sync failed; a restart may help
 INVALID = 2  # invalid job: spec, dataset, model source or hooks
 NONFINITE = 3  # stopped on non-finite loss, gradients or weights; evidence kept
+ENGINES_EXHAUSTED = 4  # rollout engines lost more often than spec.recovery.maxEngineRestarts
 INTERRUPTED = 128 + signal.SIGINT  # 130: stopped by SIGINT (Ctrl-C)
 TERMINATED = 128 + signal.SIGTERM  # 143: deletion, suspension, preemption; state saved
 
@@ -25,11 +26,14 @@ TERMINATED = 128 + signal.SIGTERM  # 143: deletion, suspension, preemption; stat
 TERMINAL_REASONS: dict[int, str] = {
     INVALID: "InvalidSpec",
     NONFINITE: "NonFiniteValues",
+    ENGINES_EXHAUSTED: "EngineRestartsExhausted",
 }
 
 TERMINAL_MEANING: dict[int, str] = {
     INVALID: "the job is invalid (spec, dataset, model source or hooks)",
     NONFINITE: "the runtime stopped on non-finite loss, gradients or weights",
+    ENGINES_EXHAUSTED: ("rollout engines were lost more often than "
+                        "spec.recovery.maxEngineRestarts allows"),
 }
 
 
@@ -42,9 +46,6 @@ class JobError(Exception):
     """Stops the run with exit code `code` and a message (no traceback): a failure the run
     names itself, as opposed to one raised from a worker."""
 
-    def __init__(self, code: int, message: str, retryable: bool = True) -> None:
+    def __init__(self, code: int, message: str) -> None:
         self.code = code
-        # A FAILED run a restart cannot help (e.g. engines that keep dying): reported so,
-        # and the operator fails the job instead of restarting it.
-        self.retryable = retryable
         super().__init__(message)

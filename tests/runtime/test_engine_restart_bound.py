@@ -12,7 +12,7 @@ import ray
 
 from rljob.cluster.engine_recovery import EngineRecovery
 from rljob.driver.outcome import exit_code
-from rljob_api.exits import FAILED
+from rljob_api.exits import ENGINES_EXHAUSTED
 from rljob_api.spec import RecoverySpec
 from rljob_api.status import EnginesStatus, EngineState
 from tests.runtime.test_colocated_turns import Actor
@@ -63,7 +63,7 @@ def test_losses_beyond_the_bound_within_the_window_fail_the_job() -> None:
         recovery.lose(0, "Ray lost its process")
         return 0
 
-    assert exit_code(attempt, exhaust) == FAILED  # type: ignore[arg-type]
+    assert exit_code(attempt, exhaust) == ENGINES_EXHAUSTED  # type: ignore[arg-type]
     assert replaced == [1, 0, 1], "the loss over the bound is not replaced"
     [(reason, message, retryable)] = failures
     assert reason == "EngineRestartsExhausted" and retryable is False

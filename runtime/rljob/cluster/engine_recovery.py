@@ -202,8 +202,7 @@ class EngineRecovery:
                        f"{self.recovery.engine_restart_window_seconds}s, more than "
                        f"spec.recovery.maxEngineRestarts ({self.recovery.max_engine_restarts});"
                        f" the last: {name}: {why}")
-            raise JobError(exits.FAILED, f"EngineRestartsExhausted: {message}",
-                           retryable=False)
+            raise JobError(exits.ENGINES_EXHAUSTED, f"EngineRestartsExhausted: {message}")
         t.restarts += 1
         self._start_again(index)
 

@@ -33,10 +33,10 @@ def exit_code(attempt: Attempt, run: Callable[[], int]) -> int:
     except JobError as err:
         _say(str(err))
         if err.code == exits.FAILED:
-            attempt.fail(str(err).split(":", 1)[0], str(err), retryable=err.retryable)
-        elif err.code == exits.INVALID:
+            attempt.fail(str(err).split(":", 1)[0], str(err), retryable=True)
+        elif err.code in (exits.INVALID, exits.ENGINES_EXHAUSTED):
             # The status says why (the field and the fix), not only the exit code.
-            attempt.fail(exits.TERMINAL_REASONS[exits.INVALID], str(err), retryable=False)
+            attempt.fail(exits.TERMINAL_REASONS[err.code], str(err), retryable=False)
         return err.code
     except (LeaseLost, CheckpointConflict) as err:
         # Another driver of this job owns the checkpoint store, and the job's status with it:
