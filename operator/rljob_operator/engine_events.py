@@ -36,10 +36,11 @@ def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[E
         if last.get(name) == (state, since):
             continue
         if state == EngineState.lost.value:
+            left = (f"the job goes on with {engines.get('ready')}/{engines.get('total')} "
+                    "engines" if engines.get("ready") else "generation pauses")
             events.append(Event("Warning", "EngineLost", (
-                f"{name} lost at {since}: {e.get('reason') or 'no reason given'}; the job "
-                f"goes on with {engines.get('ready')}/{engines.get('total')} engines while "
-                "it is started again")))
+                f"{name} lost at {since}: {e.get('reason') or 'no reason given'}; {left} "
+                "while it is started again")))
         elif state == EngineState.serving.value and name in last:
             # A loss between two reports shows only as a later `since`.
             events.append(Event("Normal", "EngineRejoined", (

@@ -50,3 +50,10 @@ def test_a_loss_between_two_reports_shows_as_a_rejoin() -> None:
     before = report(("Serving", "t0", 3), ("Serving", "t0", 3))
     [event] = engine_events(seen(before), report(("Serving", "t0", 5), ("Serving", "t4", 5)))
     assert event.reason == "EngineRejoined"
+
+
+def test_the_only_engine_lost_says_generation_pauses() -> None:
+    first = report(("Serving", "t0", 3))
+    [event] = engine_events(seen(first), report(("Lost", "t1", None)))
+    assert "engine-0 lost at t1" in event.message and "generation pauses" in event.message
+    assert "0/1 engines" not in event.message

@@ -190,8 +190,7 @@ class EngineRecovery:
         self.weight_sync.kill_sidecar(index)
         now = self.clock()
         self.losses.append(now)
-        while self.losses and now - self.losses[0] > self.recovery.engine_restart_window_seconds:
-            self.losses.popleft()
+        self._forget_old_losses()
         t.state, t.since, t.version, t.reason = EngineState.lost, timestamp(), None, why
         t.lost_at = now
         if not self.ready():
@@ -261,7 +260,14 @@ class EngineRecovery:
                   file=sys.stderr, flush=True)
             self.report()
 
+    def _forget_old_losses(self) -> None:
+        """Losses that left spec.recovery.engineRestartWindowSeconds no longer count."""
+        now, window = self.clock(), self.recovery.engine_restart_window_seconds
+        while self.losses and now - self.losses[0] > window:
+            self.losses.popleft()
+
     def report(self) -> None:
+        self._forget_old_losses()
         ready = self.ready()
         total = len(self.tracked)
         self.reporter.engines(EnginesStatus(
