@@ -239,8 +239,8 @@ class EngineRecovery:
                 continue
             t.url = url
             t.state, t.since = EngineState.rejoining, timestamp()
-            print(f"engines: {engine_name(i)} started again at {url}; installing weight "
-                  f"version {version}", file=sys.stderr, flush=True)
+            print(f"engines: {engine_name(i)} started again at {url}; it gets requests once "
+                  "its sidecar acknowledged the current weights", file=sys.stderr, flush=True)
             self.report()
         rejoining = [i for i, t in self.tracked.items() if t.state == EngineState.rejoining]
         acked = {i: self.weight_sync.acked(i) for i in rejoining}
