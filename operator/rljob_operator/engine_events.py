@@ -12,16 +12,21 @@ from typing import Any
 from rljob_api.status import EngineState
 from rljob_operator.decision import Event
 
-# The attempt that reported, and engine name → (state, since), as last seen.
-Seen = tuple[Any, dict[str, tuple[str, str]]]
+# The attempt that reported, and engine name → (state, since, restarts), as last seen.
+Seen = tuple[Any, dict[str, tuple[str, str, int]]]
 
 
 def seen(engines: dict[str, Any] | None) -> Seen:
     """What `status.engines` says of each engine, to compare the next report against."""
     report = engines or {}
     return report.get("attempt"), {
-        str(e.get("name")): (str(e.get("state")), str(e.get("since")))
+        str(e.get("name")): (str(e.get("state")), str(e.get("since")), _restarts(e))
         for e in report.get("engines") or []}
+
+
+def _restarts(engine: dict[str, Any]) -> int:
+    value = engine.get("restarts")
+    return value if isinstance(value, int) else 0
 
 
 def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[Event]:
@@ -33,7 +38,8 @@ def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[E
     events = []
     for e in engines.get("engines") or []:
         name, state, since = str(e.get("name")), str(e.get("state")), str(e.get("since"))
-        if last.get(name) == (state, since):
+        was = last.get(name)
+        if was is not None and was[:2] == (state, since):
             continue
         if state == EngineState.lost.value:
             left = (f"the job goes on with {engines.get('ready')}/{engines.get('total')} "
@@ -41,8 +47,11 @@ def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[E
             events.append(Event("Warning", "EngineLost", (
                 f"{name} lost at {since}: {e.get('reason') or 'no reason given'}; {left} "
                 "while it is started again")))
-        elif state == EngineState.serving.value and name in last:
-            # A loss between two reports shows only as a later `since`.
+        elif state == EngineState.serving.value and was is not None and (
+                was[0] != EngineState.serving.value or _restarts(e) > was[2]):
+            # A loss between two reports shows only as more restarts. A new driver pod of
+            # the same attempt (after a suspension) starts its engines afresh: a later
+            # `since`, no more restarts, no Event.
             events.append(Event("Normal", "EngineRejoined", (
                 f"{name} rejoined at {since}, serving weight version "
                 f"{e.get('weightVersion')} (started again {e.get('restarts')} times in this "

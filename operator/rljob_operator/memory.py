@@ -12,8 +12,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
 
+from rljob_operator.engine_events import Seen
 from rljob_operator.observe import FailureHint, InTheWay
 
 Key = tuple[str, str]  # namespace, name
@@ -59,8 +59,8 @@ class JobMemory:
     support: SupportCheck | None = None
     ensured: Ensured | None = None
     claim: ClaimModes | None = None
-    # status.engines as last seen: its attempt, and (state, since) by engine (`engine_events`).
-    engines: tuple[Any, dict[str, tuple[str, str]]] | None = None
+    # status.engines as last seen (`engine_events.seen`).
+    engines: Seen | None = None
 
     def holds_state(self) -> bool:
         """Whether anything besides failure hints is remembered."""

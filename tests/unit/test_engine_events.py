@@ -12,9 +12,10 @@ from rljob_operator.engine_events import engine_events, seen
 pytestmark = pytest.mark.unit
 
 
-def report(*engines: tuple[str, str, int | None], attempt: int = 0) -> dict[str, Any]:
+def report(*engines: tuple[str, str, int | None], attempt: int = 0,
+           restarts: int = 1) -> dict[str, Any]:
     rows = [{"name": f"engine-{i}", "state": state, "since": since, "weightVersion": version,
-             "restarts": 1, "reason": "Ray lost its process"}
+             "restarts": restarts, "reason": "Ray lost its process"}
             for i, (state, since, version) in enumerate(engines)]
     ready = sum(1 for r in rows if r["state"] == "Serving")
     return {"attempt": attempt, "ready": ready, "total": len(rows), "engines": rows}
@@ -47,9 +48,17 @@ def test_a_new_attempts_first_report_gets_no_event() -> None:
 
 
 def test_a_loss_between_two_reports_shows_as_a_rejoin() -> None:
-    before = report(("Serving", "t0", 3), ("Serving", "t0", 3))
+    before = report(("Serving", "t0", 3), ("Serving", "t0", 3), restarts=0)
     [event] = engine_events(seen(before), report(("Serving", "t0", 5), ("Serving", "t4", 5)))
     assert event.reason == "EngineRejoined"
+
+
+def test_a_new_driver_of_the_same_attempt_starts_its_engines_without_events() -> None:
+    """After a suspension the attempt number stays, and the new runtime's engines all start
+    Serving at a later time with no restarts: nothing was lost or rejoined."""
+    before = report(("Serving", "t0", 3), ("Serving", "t0", 3))
+    after = report(("Serving", "t9", 3), ("Serving", "t9", 3), restarts=0)
+    assert engine_events(seen(before), after) == []
 
 
 def test_the_only_engine_lost_says_generation_pauses() -> None:
