@@ -1,6 +1,7 @@
 """A rollout engine lost mid-run costs no step: `rljob run` with two engines, one of whose
 processes the test kills while a step generates. The runtime's own records say what
-happened: each step once in metrics.jsonl, the requests sent again, the engine lost and
+happened: each step once in metrics.jsonl, each prompt group generated once, the requests
+sent again, the engine lost and
 started again, and the replacement acknowledging the weight versions after it."""
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from rljob.reporting import metrics_log
 from tests.polling import wait_for
 from tests.processes import listening_pid, reap
 from tests.runtime.hooks_for_tests import ENGINE_LOSS_ENV
-from tests.runtime.jobs import job_file
+from tests.runtime.jobs import SMALL, job_file
 
 pytestmark = pytest.mark.runtime
 
 RLJOB = [sys.executable, "-m", "rljob.cli"]
 STEPS = 12  # the last step waits for the replacement (the hook), so any count above 3
+GROUPS = SMALL["algorithm"]["rolloutBatchSize"]  # prompt groups a step generates
 
 
 def test_a_killed_engine_costs_no_step_and_rejoins_with_the_current_weights(
@@ -59,6 +61,10 @@ def test_a_killed_engine_costs_no_step_and_rejoins_with_the_current_weights(
     # Every step once, none redone: the run never went back to a checkpoint.
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1)), out[-4000:]
     assert "resumed from" not in out
+    # Every prompt group of every step generated once: one generation round of exactly the
+    # step's groups, none dropped to be generated again after the loss.
+    assert [(r["generation_rounds"], r["generated_groups"]) for r in rows] == \
+        [(1, GROUPS)] * STEPS, [(r["generation_rounds"], r["generated_groups"]) for r in rows]
     # The request that found engine-1 dead (and any in flight on it) went to engine-0.
     reissued = [r.get("reissued_requests", 0) for r in rows]
     assert sum(reissued[2:]) >= 1 and not any(reissued[:2]), reissued
