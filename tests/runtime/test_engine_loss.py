@@ -1,8 +1,8 @@
 """A rollout engine lost mid-run costs no step: `rljob run` with two engines, one of whose
 processes the test kills while a step generates. The runtime's own records say what
 happened: each step once in metrics.jsonl, each prompt group generated once, the requests
-sent again, the engine lost and
-started again, and the replacement acknowledging the weight versions after it."""
+sent again, the engine lost and started again, and the replacement acknowledging the weight
+versions after it."""
 
 from __future__ import annotations
 
