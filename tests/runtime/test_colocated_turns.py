@@ -54,7 +54,8 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
         eval=SimpleNamespace(dataset=None, interval=0),
         checkpoint=SimpleNamespace(interval=100, format="torch"))
     attempt = SimpleNamespace(  # one step from step 3; the save at its end records nothing
-        spec=spec, options=SimpleNamespace(workdir=tmp_path, max_steps=1), stop=StopSignals(),
+        number=0, spec=spec, options=SimpleNamespace(workdir=tmp_path, max_steps=1),
+        stop=StopSignals(),
         checkpoints=SimpleNamespace(check_writer=lambda: None, save=lambda *_, **__: None),
         reporter=SimpleNamespace(progress=lambda _: None), tracking=Trackers(),
         loop_started=False)
