@@ -40,7 +40,7 @@ class Decision:
     requeue_after: float | None = None
     restart: Failure | None = None  # set when this decision starts a restart
     # The step a restarted job has, for status.progress.rolloutStep, while the runtime's
-    # progress is still the lost attempt's (status.held_step).
+    # progress is still the lost attempt's (`status.held_step`).
     hold_step: int | None = None
 
     @property

@@ -365,10 +365,10 @@ class Kube:
         self.cache.put(KIND, made)
         return fix
 
-    def hold_step(self, namespace: str, name: str, step: int, resource_version: str) -> bool:
+    def hold_step(self, namespace: str, name: str, step: int, resource_version: str) -> None:
         """Write status.progress.rolloutStep (`held_step`) unless the RLJob changed since it
-        was read at `resource_version` (False then: a runtime may have reported meanwhile,
-        and the next reconcile decides again). A merge patch, not an apply: the operator
+        was read at `resource_version` (a runtime may have reported meanwhile; the next
+        reconcile decides again). A merge patch, not an apply: the operator
         keeps no ownership of the field that a later apply of its own would remove, and the
         runtime's next apply (with force) takes the field back."""
         body = {"metadata": {"resourceVersion": resource_version},
@@ -380,10 +380,9 @@ class Kube:
                 _content_type="application/merge-patch+json", _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status == 409:
-                return False
+                return
             raise
         self.cache.put(KIND, made)
-        return True
 
     def post_event(self, job: Obj, event: Event) -> None:
         meta = job["metadata"]
