@@ -54,13 +54,21 @@ def writer(path: Path, sink: KeptSink) -> Iterator[None]:
     stop = threading.Event()
     thread = threading.Thread(target=serve, args=(path, reporter, stop), daemon=True)
     thread.start()
-    wait_for(path.exists, timeout=10, what="the writer's socket")
+    wait_for(lambda: answers(path), timeout=10, what="the writer's socket")
     try:
         yield
     finally:
         stop.set()
         thread.join(timeout=10)
         reporter.close(1)
+
+
+def answers(path: Path) -> bool:
+    """Whether a writer listens at `path`: asked to flush nothing, it answers."""
+    try:
+        return raw(path, b'{"op": "flush", "timeoutS": 0}')["ok"] is True
+    except OSError:
+        return False
 
 
 def raw(path: Path, data: bytes) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -103,13 +104,23 @@ def _handle(conn: socket.socket, reporter: StatusReporter, slots: threading.Sema
             conn.sendall(json.dumps(reply).encode() + b"\n")
 
 
+@contextlib.contextmanager
+def _removed_after(path: Path) -> Iterator[None]:
+    """A socket file outlives its socket: left behind, it would tell a client that a writer
+    listens where none does."""
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def serve(path: Path, reporter: StatusReporter, stop: threading.Event) -> None:
     """Answer requests on the socket at `path` until `stop` is set, each connection on a
     thread of its own (at most MAX_CONNECTIONS at once), so that one slow client holds up
     no other."""
     path.unlink(missing_ok=True)
     slots = threading.Semaphore(MAX_CONNECTIONS)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server, _removed_after(path):
         server.bind(str(path))
         server.listen(MAX_CONNECTIONS)
         server.settimeout(ACCEPT_TIMEOUT_S)
