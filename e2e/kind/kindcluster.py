@@ -80,6 +80,14 @@ class KindCluster:
     def start_node(self, node: str) -> None:
         run("podman", "start", node, timeout=120)
 
+    def cordon(self, node: str, cordoned: bool = True) -> None:
+        """Keep new pods off `node` (or let them on again); pods on it stay."""
+        self.kubectl("cordon" if cordoned else "uncordon", node)
+
+    def ready(self, node: str) -> bool:
+        conditions = self.get("node", node)["status"].get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
     def host_path(self, namespace: str, claim: str) -> Path:
         """Where the volume bound to `claim` lies on this machine: every node mounts the
         cluster's shared directory at /tmp/hostpath_pv (hack/kind-up), kind's provisioner

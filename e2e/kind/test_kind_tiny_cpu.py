@@ -3,9 +3,9 @@
 One job goes through the user's whole story: it starts, every Ray actor runs on the pod
 meant for it, only its status writer holds its API token (not the driver container, where
 hooks run), a pod of another namespace cannot use its engines or weight-sync store, it
-checkpoints, loses one of its two rollout pods without a restart (the engine started again
-in KubeRay's new pod with the current weights, each step once in the runtime's step log),
-loses a trainer pod and its driver pod, is
+checkpoints, loses one of its two rollout pods and then the node of the other without a
+restart (each time the engine started again in KubeRay's new pod with the current weights,
+each step once in the runtime's step log), loses a trainer pod and its driver pod, is
 suspended and resumed, and loses a whole worker node (each time resuming from its last
 verified checkpoint, as reported by the runtime that resumed), finishes with step, reward
 and checkpoint in `kubectl get rljobs`, and deleting it removes every child. Every fact
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "tiny"
 JOB = "tiny-cpu"
-TOTAL_STEPS = 125  # every fault lands before the end
+TOTAL_STEPS = 135  # every fault lands before the end (the lost node at step 91 of 150 once)
 START_S = 900      # images are local; Ray and the model start in a few minutes on 2 cores
 STEP_S = 900       # generous: 2 cores run the control plane, Ray and training together
 
@@ -196,7 +196,7 @@ def _engine_story(cluster: KindCluster, job: Job, name: str) -> Counter[str]:
 
 
 def _engine_lost_and_rejoined(cluster: KindCluster, job: Job, what: str,
-                              lose: Callable[[], object]) -> dict[str, Any]:
+                              lose: Callable[[], None]) -> dict[str, Any]:
     """`lose` takes one of the two engines away mid-run. What the runtime reports shows the
     rest: the engine lost, then serving again with the version every engine and the trainer
     serve, the job Running throughout with the same attempt (no restart, nothing resumed),
@@ -240,25 +240,64 @@ def _engine_lost_and_rejoined(cluster: KindCluster, job: Job, what: str,
     assert after["resumed"] == before["resumed"], (before["resumed"], after["resumed"])
     assert after["progress"]["rolloutStep"] > before["progress"]["rolloutStep"]
     assert _steps_once(cluster)[-1] >= after["progress"]["rolloutStep"] - 1
-    # This loss in the driver log and the operator's Events, told after the fault: lost (a
-    # replacement that fails to start is lost once more), then rejoined.
+    # Counted once: a replacement put on a node Ray had not yet found dead goes with the
+    # same loss (docs/operator.md), and the operators run on the control-plane node, so
+    # their Events are posted whichever worker stops.
+    (back,) = [e for e in after["engines"]["engines"] if e["name"] == gone["name"]]
+    assert back["restarts"] == rows[gone["name"]] + 1, after["engines"]
+
+    # This loss in the driver log and the operator's Events, told after the fault: once
+    # lost, once rejoined.
     def told() -> Counter[str] | None:
         now = _engine_story(cluster, job, gone["name"])
         now.subtract(before_told[gone["name"]])
-        done = now["rejoined"] == now["EngineRejoined"] == 1 and min(
-            now["lost"], now["EngineLost"]) >= 1
+        done = now["EngineRejoined"] >= 1 and now["EngineLost"] >= 1
         return now if done else None
 
-    print(f"{what}: {dict(job.wait(told, f'the log and Events to tell of {what}', 60))}")
+    story = job.wait(told, f"the log and Events to tell of {what}", 60)
+    print(f"{what}: {dict(story)}")
+    assert story == Counter(lost=1, rejoined=1, EngineLost=1, EngineRejoined=1), story
     return after  # type: ignore[no-any-return]
 
 
-def _rollout_pod_lost(cluster: KindCluster, job: Job) -> None:
-    """One of the two rollout pods is deleted mid-run; KubeRay makes a new one."""
+def _rollout_pod_and_node_lost(cluster: KindCluster, job: Job) -> None:
+    """Every pod of the job started on one worker (the others cordoned). One rollout pod is
+    deleted and KubeRay's new pod is let onto the other worker only; then that worker, which
+    holds no other pod of the job, is stopped: its pod is lost with the node, and the
+    engine comes back in a new pod on the first worker."""
+    (home,) = {p["spec"]["nodeName"] for c in ("trainer", "rollout", "head", "driver")
+               for p in job.pods(c)}
+    (away,) = [w for w in cluster.workers() if w != home]
     victim = job.pods("rollout")[0]["metadata"]["name"]
-    _engine_lost_and_rejoined(cluster, job, "its pod deleted", lambda: cluster.kubectl(
-        "delete", "pod", "-n", NAMESPACE, victim, "--wait=false"))
-    assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
+
+    def delete() -> None:
+        cluster.cordon(home)
+        cluster.cordon(away, False)
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, victim, "--wait=false")
+
+    def moved() -> list[dict[str, Any]]:
+        return [p for p in job.pods("rollout")
+                if p["metadata"]["name"] != victim and p["spec"].get("nodeName") == away]
+
+    try:
+        _engine_lost_and_rejoined(cluster, job, "its pod deleted", delete)
+        assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
+        (alone,) = job.wait(lambda: moved() or None, f"the new rollout pod to run on {away}")
+    finally:
+        cluster.cordon(home, False)
+    others = [p["metadata"]["name"] for c in ("trainer", "rollout", "head", "driver")
+              for p in job.pods(c) if p["spec"].get("nodeName") == away]
+    assert others == [alone["metadata"]["name"]], others
+
+    try:
+        _engine_lost_and_rejoined(cluster, job, f"its node {away} stopped",
+                                  lambda: cluster.stop_node(away))
+        for p in job.pods("rollout"):
+            assert p["spec"].get("nodeName") == home, p["spec"]
+    finally:
+        cluster.start_node(away)
+    wait_for(lambda: cluster.ready(away), timeout=300, interval=2,
+             what=f"{away} Ready again")
 
 
 def _assert_resumed_from(rec: dict[str, Any], checkpoint: dict[str, Any], reason: set[str]) -> None:
@@ -293,7 +332,21 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
     cluster.kubectl("create", "namespace", NAMESPACE)
-    cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
+    # Every pod of the job starts on one worker, so that the other can later hold a rollout
+    # pod alone (_rollout_pod_and_node_lost).
+    home, *others = cluster.workers()
+    for worker in (home, *others):  # as a run interrupted mid-story may have left them
+        cluster.cordon(worker, False)
+    try:
+        for worker in others:
+            cluster.cordon(worker)
+        cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
+        job.wait(lambda: len([p for c in ("trainer", "rollout", "head", "driver")
+                              for p in job.pods(c) if p["spec"].get("nodeName")]) == 5,
+                 "the job's 5 pods on " + home, START_S)
+    finally:
+        for worker in others:
+            cluster.cordon(worker, False)
     interval = doc["spec"]["checkpoint"]["interval"]
 
     # Started: the driver joined the job's Ray cluster, and every actor runs where it should.
@@ -339,9 +392,10 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     # without the job's peer key (and by the network where NetworkPolicies are enforced).
     assert_foreign_pod_refused(cluster, NAMESPACE, JOB, timeout=STEP_S)
 
-    # A rollout pod is deleted: the other engine generates on, KubeRay recreates the pod, the
-    # runtime starts the engine in it and installs the current weights; no restart.
-    _rollout_pod_lost(cluster, job)
+    # A rollout pod is deleted, then the node of its replacement is lost: each time the other
+    # engine generates on, KubeRay recreates the pod, the runtime starts the engine in it and
+    # installs the current weights; no restart.
+    _rollout_pod_and_node_lost(cluster, job)
 
     # A trainer pod is deleted: KubeRay replaces it, the driver restarts from the checkpoint.
     (trainer,) = job.pods("trainer")

@@ -26,6 +26,7 @@ class EngineGroup:
         self.slot_holders: list[list[Any]] = []
         self._urls: list[str] | None = None
         self._starting: dict[int, ray.ObjectRef[Any]] = {}  # a replacement's address
+        self._nodes: dict[int, str] = {}  # the Ray node each engine was last located on
 
     def start(self, count: int) -> None:
         """Engines 0..count-1; each is appended as it starts, so a failure part-way stops
@@ -49,6 +50,7 @@ class EngineGroup:
     def localities(self) -> list[Locality]:
         """Each engine's Ray node and visible devices, as it reports them itself."""
         where: list[Locality] = ray.get([e.locality.remote() for e in self.handles])
+        self._nodes.update((i, w.node_id) for i, w in enumerate(where))
         return where
 
     def replace(self, index: int) -> None:
@@ -82,7 +84,13 @@ class EngineGroup:
 
     def locality(self, index: int) -> Locality:
         where: Locality = ray.get(self.handles[index].locality.remote(), timeout=PING_TIMEOUT_S)
+        self._nodes[index] = where.node_id
         return where
+
+    def node(self, index: int) -> str:
+        """The Ray node engine `index` was last located on ("" before it was): a replacement
+        that never served is not located, so this stays the node its predecessor ran on."""
+        return self._nodes.get(index, "")
 
     def release(self) -> None:
         """The engines' weights and caches leave the GPUs."""

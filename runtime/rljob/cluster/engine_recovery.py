@@ -66,6 +66,8 @@ class Tracked:
     reason: str | None = None
     url: str = ""
     lost_at: float = 0.0  # clock() when it was last lost
+    lost_on: str = ""  # the Ray node it was last lost on
+    retried: bool = False  # its replacement was started again uncounted since that loss
 
 
 class EngineRecovery:
@@ -192,18 +194,45 @@ class EngineRecovery:
         self.losses.append(now)
         self._forget_old_losses()
         t.state, t.since, t.version, t.reason = EngineState.lost, timestamp(), None, why
-        t.lost_at = now
+        t.lost_at, t.lost_on, t.retried = now, self.engines.node(index), False
         if not self.ready():
             print(f"engines: {PAUSED}", file=sys.stderr, flush=True)
+        exhausted = len(self.losses) > self.recovery.max_engine_restarts
+        if not exhausted:
+            t.restarts += 1  # replaced right below: the report already says so
         self.report()
-        if len(self.losses) > self.recovery.max_engine_restarts:
+        if exhausted:
             message = (f"{len(self.losses)} rollout engines lost within "
                        f"{self.recovery.engine_restart_window_seconds}s, more than "
                        f"spec.recovery.maxEngineRestarts ({self.recovery.max_engine_restarts});"
                        f" the last: {name}: {why}")
             raise JobError(exits.ENGINES_EXHAUSTED, f"EngineRestartsExhausted: {message}")
-        t.restarts += 1
         self._start_again(index)
+
+    def _replacement_failed(self, index: int, why: str) -> None:
+        """A replacement that failed to start is one more loss, except once a loss when it
+        was never located elsewhere (so it was put in the engine's slots on the node the
+        engine was lost on) and Ray has since found that node dead. Losses are often seen
+        before Ray's verdict on the node (a request that failed, a health check that went
+        silent): such a replacement went with the same fault, and Ray now places the slots
+        elsewhere."""
+        t = self.tracked[index]
+        node = self.engines.node(index)
+        if t.retried or not t.lost_on or node != t.lost_on or self._alive(node):
+            self.lose(index, why)
+            return
+        t.retried = True
+        name = engine_name(index)
+        print(f"engines: {name}'s replacement went with node {node[:12]}, where {name} was "
+              f"lost ({why}); started again, counted with that loss", file=sys.stderr,
+              flush=True)
+        self.weight_sync.kill_sidecar(index)
+        self._start_again(index)
+
+    @staticmethod
+    def _alive(node: str) -> bool:
+        """Whether Ray counts `node` alive (a node it lost stays listed, not alive)."""
+        return any(n.get("NodeID") == node and n.get("Alive") for n in ray.nodes())
 
     def _start_again(self, index: int) -> None:
         """A replacement for engine `index` in its slots; one that could not even be asked
@@ -235,7 +264,8 @@ class EngineRecovery:
                     continue
                 self.weight_sync.replace_sidecar(i, url, self.engines.locality(i))
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as err:
-                self.lose(i, f"its replacement failed to start: {str(err).splitlines()[0]}")
+                self._replacement_failed(
+                    i, f"its replacement failed to start: {str(err).splitlines()[0]}")
                 continue
             t.url = url
             t.state, t.since = EngineState.rejoining, timestamp()
