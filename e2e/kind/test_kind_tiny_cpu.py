@@ -196,12 +196,12 @@ def _engine_story(cluster: KindCluster, job: Job, name: str) -> Counter[str]:
 
 
 def _engine_lost_and_rejoined(cluster: KindCluster, job: Job, what: str,
-                              lose: Callable[[], None]) -> dict[str, Any]:
+                              lose: Callable[[], None]) -> str:
     """`lose` takes one of the two engines away mid-run. What the runtime reports shows the
     rest: the engine lost, then serving again with the version every engine and the trainer
     serve, the job Running throughout with the same attempt (no restart, nothing resumed),
     progress moving on with each step once in the runtime's step log, and the operator's
-    EngineLost and EngineRejoined Events. Returns the status after the rejoin."""
+    EngineLost and EngineRejoined Events. Returns the name of the engine lost."""
     def both_serving() -> dict[str, Any] | None:
         status = job.status()
         engines = status.get("engines") or {}
@@ -271,45 +271,47 @@ def _engine_lost_and_rejoined(cluster: KindCluster, job: Job, what: str,
     story = job.wait(told, f"the log and Events to tell of {what}", 60)
     print(f"{what}: {dict(story)}")
     assert story == Counter(lost=1, rejoined=1, EngineLost=1, EngineRejoined=1), story
-    return after  # type: ignore[no-any-return]
+    return str(gone["name"])
 
 
 def _rollout_pod_and_node_lost(cluster: KindCluster, job: Job) -> None:
-    """Every pod of the job started on one worker (the others cordoned). One rollout pod is
-    deleted and KubeRay's new pod is let onto the other worker only; then that worker, which
-    holds no other pod of the job, is stopped: its pod is lost with the node, and the
-    engine comes back in a new pod on the first worker."""
-    (home,) = {p["spec"]["nodeName"] for c in ("trainer", "rollout", "head", "driver")
-               for p in job.pods(c)}
+    """Two rollout pods on two workers: one on `home` with every other pod of the job, the
+    other alone on `away`. The first is deleted (`away` cordoned, so KubeRay's new pod runs
+    on `home`); then `away`, the node of the other, is stopped: that pod is lost with the
+    node and comes back on `home`. Each time a different engine is lost."""
+    (home,) = {p["spec"]["nodeName"] for c in ("trainer", "head", "driver") for p in job.pods(c)}
     (away,) = [w for w in cluster.workers() if w != home]
-    victim = job.pods("rollout")[0]["metadata"]["name"]
+    (victim,) = [p["metadata"]["name"] for p in job.pods("rollout")
+                 if p["spec"].get("nodeName") == home]
+    alone = [p["metadata"]["name"] for c in ("trainer", "rollout", "head", "driver")
+             for p in job.pods(c) if p["spec"].get("nodeName") == away]
+    assert len(alone) == 1, alone
 
     def delete() -> None:
-        cluster.cordon(home)
-        cluster.cordon(away, False)
+        cluster.cordon(away)
         cluster.kubectl("delete", "pod", "-n", NAMESPACE, victim, "--wait=false")
 
-    def moved() -> list[dict[str, Any]]:
+    def back_home() -> list[dict[str, Any]]:
         return [p for p in job.pods("rollout")
-                if p["metadata"]["name"] != victim and p["spec"].get("nodeName") == away]
+                if p["metadata"]["name"] != victim and p["spec"].get("nodeName") == home]
 
     try:
-        _engine_lost_and_rejoined(cluster, job, "its pod deleted", delete)
+        first = _engine_lost_and_rejoined(cluster, job, "its pod deleted", delete)
         assert victim not in {p["metadata"]["name"] for p in job.pods("rollout")}
-        (alone,) = job.wait(lambda: moved() or None, f"the new rollout pod to run on {away}")
+        job.wait(lambda: back_home() or None, f"the new rollout pod to run on {home}")
     finally:
-        cluster.cordon(home, False)
-    others = [p["metadata"]["name"] for c in ("trainer", "rollout", "head", "driver")
-              for p in job.pods(c) if p["spec"].get("nodeName") == away]
-    assert others == [alone["metadata"]["name"]], others
+        cluster.cordon(away, False)
+    assert [p["metadata"]["name"] for p in job.pods("rollout")
+            if p["spec"].get("nodeName") == away] == alone
 
     try:
-        _engine_lost_and_rejoined(cluster, job, f"its node {away} stopped",
-                                  lambda: cluster.stop_node(away))
+        second = _engine_lost_and_rejoined(cluster, job, f"the other's node {away} stopped",
+                                           lambda: cluster.stop_node(away))
         for p in job.pods("rollout"):
             assert p["spec"].get("nodeName") == home, p["spec"]
     finally:
         cluster.start_node(away)
+    assert first != second, (first, second)  # the other engine
     wait_for(lambda: cluster.ready(away), timeout=300, interval=2,
              what=f"{away} Ready again")
 
@@ -346,20 +348,33 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
     cluster.kubectl("create", "namespace", NAMESPACE)
-    # Every pod of the job starts on one worker, so that the other can later hold a rollout
-    # pod alone (_rollout_pod_and_node_lost).
-    home, *others = cluster.workers()
-    for worker in (home, *others):  # as a run interrupted mid-story may have left them
+    # The two rollout pods run on two workers, one of them alone: every compute pod starts
+    # on the first worker, then one rollout pod moves to the second before the job starts
+    # its engines, and the driver joins the first (_rollout_pod_and_node_lost).
+    home, away = cluster.workers()
+
+    def on(node: str, *components: str) -> list[str]:
+        return [p["metadata"]["name"] for c in components for p in job.pods(c)
+                if p["spec"].get("nodeName") == node]
+
+    for worker in (home, away):  # as a run interrupted mid-story may have left them
         cluster.cordon(worker, False)
     try:
-        for worker in others:
-            cluster.cordon(worker)
+        cluster.cordon(away)
         cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
-        job.wait(lambda: len([p for c in ("trainer", "rollout", "head", "driver")
-                              for p in job.pods(c) if p["spec"].get("nodeName")]) == 5,
-                 "the job's 5 pods on " + home, START_S)
+        job.wait(lambda: len(on(home, "trainer", "rollout", "head")) == 4,
+                 f"the job's 4 compute pods on {home}", START_S)
+        moved = job.pods("rollout")[1]["metadata"]["name"]
+        cluster.cordon(home)
+        cluster.cordon(away, False)
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, moved, "--wait=false")
+        job.wait(lambda: [n for n in on(away, "rollout") if n != moved],
+                 f"a rollout pod on {away}", START_S)
+        cluster.cordon(away)
+        cluster.cordon(home, False)
+        job.wait(lambda: on(home, "driver"), f"the driver on {home}", START_S)
     finally:
-        for worker in others:
+        for worker in (home, away):
             cluster.cordon(worker, False)
     interval = doc["spec"]["checkpoint"]["interval"]
 

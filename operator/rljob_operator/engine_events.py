@@ -41,11 +41,16 @@ def engine_events(before: Seen | None, engines: dict[str, Any] | None) -> list[E
         was = last.get(name)
         if was is not None and was[:2] == (state, since):
             continue
-        if state == EngineState.lost.value:
+        missed = state == EngineState.rejoining.value and was is not None and (
+            was[0] == EngineState.serving.value or _restarts(e) > was[2])
+        if state == EngineState.lost.value or missed:
+            # A loss whose Lost report was overwritten before this operator read it (the
+            # runtime's reports coalesce) shows as Rejoining with more restarts.
             left = (f"the job goes on with {engines.get('ready')}/{engines.get('total')} "
                     "engines" if engines.get("ready") else "generation pauses")
+            when = "" if missed else f" at {since}"
             events.append(Event("Warning", "EngineLost", (
-                f"{name} lost at {since}: {e.get('reason') or 'no reason given'}; {left} "
+                f"{name} lost{when}: {e.get('reason') or 'no reason given'}; {left} "
                 "while it is started again")))
         elif state == EngineState.serving.value and was is not None and (
                 was[0] != EngineState.serving.value or _restarts(e) > was[2]):

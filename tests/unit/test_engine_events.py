@@ -66,3 +66,15 @@ def test_the_only_engine_lost_says_generation_pauses() -> None:
     [event] = engine_events(seen(first), report(("Lost", "t1", None)))
     assert "engine-0 lost at t1" in event.message and "generation pauses" in event.message
     assert "0/1 engines" not in event.message
+
+
+def test_a_loss_whose_lost_report_was_overwritten_still_gets_its_event() -> None:
+    """The runtime's reports coalesce: the operator may read Serving, then Rejoining with one
+    more restart, and never Lost."""
+    before = report(("Serving", "t0", 3), ("Serving", "t0", 3), restarts=0)
+    rejoining = report(("Serving", "t0", 3), ("Rejoining", "t2", None))
+    [event] = engine_events(seen(before), rejoining)
+    assert (event.type, event.reason) == ("Warning", "EngineLost")
+    assert event.message.startswith("engine-1 lost: Ray lost its process; the job goes on")
+    [event] = engine_events(seen(rejoining), report(("Serving", "t0", 4), ("Serving", "t3", 4)))
+    assert event.reason == "EngineRejoined"

@@ -166,6 +166,7 @@ class Cluster:
         self.rollout: Any = None  # the RolloutWorker actor
         self.weight_sync: WeightSyncActors | None = None
         self.placed: list[Placed] = []  # where this attempt's actors run, from Ray
+        self.spared: frozenset[str] = frozenset()  # roles whose lost pods end no attempt
 
     def start_ray(self, layout: Layout) -> None:
         runtime_env = {"env_vars": worker_env(local=not self.options.on_cluster)}
@@ -371,6 +372,10 @@ class Cluster:
             for (role, index, _), fact in zip(actors, facts, strict=True)
         ]
         self.placed = rows
+        # Engines lost under this attempt are replaced, not fatal: their pods never name what
+        # ended it (and a replaced engine's old node stays dead in Ray's table).
+        self.spared = (frozenset({whereabouts.ENGINE, whereabouts.SIDECAR})
+                       if spec.replaces_engines() else frozenset())
         print(whereabouts.table(rows), flush=True)
         print(whereabouts.json_line(rows), flush=True)
         wrong = [f"{r.role}-{r.index} on {r.host} ({r.group or 'no rljob pod'}), meant for "
@@ -390,7 +395,8 @@ class Cluster:
         while True:
             left = deadline - time.monotonic()
             nodes = _ray_nodes(max(1.0, min(10.0, left)))
-            dead = whereabouts.dead_hosts(self.placed, nodes or [])
+            dead = whereabouts.dead_hosts(
+                [p for p in self.placed if p.role not in self.spared], nodes or [])
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(1.0)

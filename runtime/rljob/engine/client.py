@@ -16,6 +16,7 @@ request types and deserializers (tests/unit/test_sglang_contract.py).
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -43,11 +44,13 @@ GENERATE_TIMEOUT_S = 600.0
 
 
 class EngineError(RuntimeError):
-    """An engine call that failed; `url` and `call` say which."""
+    """An engine call that failed; `url` and `call` say which. `answered`: the engine sent
+    an answer (an HTTP status, a body) rather than the connection failing or timing out."""
 
-    def __init__(self, url: str, call: str, detail: str) -> None:
+    def __init__(self, url: str, call: str, detail: str, answered: bool = False) -> None:
         self.url = url
         self.call = call
+        self.answered = answered
         super().__init__(f"engine {url} {call}: {detail}")
 
 
@@ -286,16 +289,27 @@ class EngineClient:
                 text = await resp.text()
         except (TimeoutError, aiohttp.ClientError) as err:
             raise EngineError(self.base_url, call, f"{type(err).__name__}: {err}") from None
+        except asyncio.CancelledError:
+            # Closing a lost engine's session cancels the requests still waiting for one of
+            # its connections; only the task's own cancellation is passed on as such.
+            task = asyncio.current_task()
+            if self.retired and task is not None and not task.cancelling():
+                raise EngineError(self.base_url, call,
+                                  "the engine was lost (its session closed)") from None
+            raise
         if resp.status != 200:
-            raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}")
+            raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}",
+                              answered=True)
         try:
             out = json.loads(text)
         except ValueError:
-            raise EngineError(self.base_url, call, f"not JSON: {text[:200]}") from None
+            raise EngineError(self.base_url, call, f"not JSON: {text[:200]}",
+                              answered=True) from None
         if isinstance(out, list) and out:
             out = out[0]
         if not isinstance(out, dict) or "output_ids" not in out or "meta_info" not in out:
-            raise EngineError(self.base_url, call, f"unexpected response {str(out)[:200]}")
+            raise EngineError(self.base_url, call, f"unexpected response {str(out)[:200]}",
+                              answered=True)
         return out
 
     async def abort_all(self) -> None:

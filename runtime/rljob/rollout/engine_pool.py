@@ -26,6 +26,10 @@ WAIT_FOR_ENGINE_S = 900.0
 # An engine is taken as lost when a request to it failed and its /health does not answer
 # within this many tries, one a second (a loaded engine may be slow to answer one).
 HEALTH_TRIES = 3
+# A request whose connection failed (no answer at all) on an engine that still answers its
+# /health is sent again up to this many times: its pod may be stopping, or the connection
+# was cut under it. An engine's own answer (an HTTP error, a malformed body) is not retried.
+UNANSWERED_TRIES = 3
 
 
 class NoEngineServing(RuntimeError):
@@ -121,14 +125,18 @@ class EnginePool:
 
     async def run(self, request: Callable[[], Awaitable[T]]) -> T:
         """`request()` (a generate hook call on `serving`), sent again while the engine it
-        failed on turns out lost."""
+        failed on turns out lost, or while its connection failed without an answer (at most
+        UNANSWERED_TRIES times)."""
+        unanswered = 0
         while True:
             await self._wait_serving()
             try:
                 return await request()
             except EngineError as err:
                 if not await self._lost_in(err):
-                    raise
+                    if err.answered or unanswered >= UNANSWERED_TRIES:
+                        raise
+                    unanswered += 1
                 self.reissued += 1
 
     async def abort_all(self) -> None:
