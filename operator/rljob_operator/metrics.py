@@ -3,8 +3,9 @@ in one test process without clashing on the global registry)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -34,7 +35,18 @@ class Metrics:
         self.time_to_running = Histogram(
             "rljob_time_to_running_seconds", "Seconds from an RLJob's creation to Running.",
             registry=r, buckets=(5, 15, 30, 60, 120, 300, 600, 1800, 3600))
+        self.engines_ready = Gauge("rljob_engines_ready",
+                                   "Rollout engines serving requests, by job (as its runtime "
+                                   "reports in status.engines).", ["namespace", "job"],
+                                   registry=r)
+        self.engines_total = Gauge("rljob_engines_total", "Rollout engines of the job.",
+                                   ["namespace", "job"], registry=r)
+        self.engine_weight_version = Gauge(
+            "rljob_engine_weight_version",
+            "The weight version each rollout engine serves (absent while it is lost).",
+            ["namespace", "job", "engine"], registry=r)
         self._phases: dict[Key, str] = {}
+        self._engines: dict[Key, set[str]] = {}  # engines with a version gauge, by job
         self._lock = threading.Lock()
 
     def set_phase(self, key: Key, phase: str | None) -> None:
@@ -47,6 +59,28 @@ class Metrics:
                 self.jobs.labels(phase=p.value).set(
                     sum(1 for v in self._phases.values() if v == p.value))
 
+    def set_engines(self, key: Key, engines: Mapping[str, Any] | None) -> None:
+        """The job's `status.engines` as gauges; None (a job without engines, or gone)
+        removes its series."""
+        namespace, job = key
+        with self._lock:
+            for name in self._engines.pop(key, set()):
+                self.engine_weight_version.remove(namespace, job, name)
+            if not engines:
+                for gauge in (self.engines_ready, self.engines_total):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(namespace, job)
+                return
+            self.engines_ready.labels(namespace, job).set(_count(engines.get("ready")))
+            self.engines_total.labels(namespace, job).set(_count(engines.get("total")))
+            serving = {str(e.get("name")): e.get("weightVersion")
+                       for e in engines.get("engines") or []
+                       if isinstance(e, Mapping) and e.get("state") == "Serving"}
+            for name, version in serving.items():
+                if isinstance(version, int) and not isinstance(version, bool):
+                    self.engine_weight_version.labels(namespace, job, name).set(version)
+                    self._engines.setdefault(key, set()).add(name)
+
     def remembered(self, sizes: Callable[[], dict[str, int]]) -> None:
         """`rljob_operator_remembered{what}`: what the operator holds per job (cached
         objects, failure hints, per-job state, tracked jobs), counted at each scrape, so a
@@ -57,6 +91,10 @@ class Metrics:
         """Start the /metrics HTTP server; returns it so it can be shut down."""
         server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         return server
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class _Remembered(Collector):

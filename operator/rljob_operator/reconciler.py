@@ -201,6 +201,7 @@ class Reconciler:
         was last read fresh, for a job still there, being deleted (else each reconcile of it
         would read it fresh, as a first sight)."""
         self.metrics.set_phase((namespace, name), None)
+        self.metrics.set_engines((namespace, name), None)
         self.memory.forget((namespace, name), keep_reads=not reads)
 
     def reconcile(self, namespace: str, name: str) -> float | Gone | None:
@@ -273,6 +274,7 @@ class Reconciler:
                      decision.event.message)
             self.kube.post_event(body, decision.event)
         self._engine_events(body, job.status.get("engines"))
+        self.metrics.set_engines((namespace, name), job.status.get("engines"))
         if decision.restart is not None:
             self.metrics.restarts.labels(reason=decision.restart.kind).inc()
         try:

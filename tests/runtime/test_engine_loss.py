@@ -85,6 +85,7 @@ def test_a_killed_engine_costs_no_step_and_rejoins_with_the_current_weights(
     # metrics.jsonl tells the same: steps trained on one engine, then on both again.
     ready = [int(r["engines_ready"]) for r in rows]
     assert ready[:2] == [2, 2] and 1 in ready and ready[-1] == 2, ready
+    assert {int(r["engines_total"]) for r in rows} == {2}
     assert _serving_nowhere(killed)
 
 

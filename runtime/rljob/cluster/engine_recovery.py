@@ -223,9 +223,9 @@ class EngineRecovery:
             return
         t.retried = True
         name = engine_name(index)
-        print(f"engines: {name}'s replacement went with node {node[:12]}, where {name} was "
-              f"lost ({why}); started again, counted with that loss", file=sys.stderr,
-              flush=True)
+        print(f"engines: {name}'s replacement failed on node {node[:12]}, where {name} was "
+              f"lost and which Ray now counts dead ({why}); started again within that loss",
+              file=sys.stderr, flush=True)
         self.weight_sync.kill_sidecar(index)
         self._start_again(index)
 
