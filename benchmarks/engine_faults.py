@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,8 +86,8 @@ def run(doc: dict[str, Any], kill_every: int | None) -> dict[str, Any]:
             raise SystemExit(f"rljob run exited {proc.returncode}:\n{tail}")
     loop_s = sum(float(r["step_seconds"]) for r in rows)
     steps = [int(r["step"]) for r in rows]
-    lost = [(t, text) for t, text in lines if text.startswith("engines: ") and " lost" in text]
-    back = [(t, text) for t, text in lines if " rejoined, " in text]
+    lost = [(t, text) for t, text in lines if re.match(r"engines: engine-\d+ lost: ", text)]
+    back = [(t, text) for t, text in lines if re.match(r"engines: engine-\d+ rejoined, ", text)]
     down_s = sum(b[0] - a[0] for a, b in zip(lost, back, strict=False))
     return {"kills": kills, "steps": len(set(steps)), "rows": len(rows),
             "redone": len(steps) - len(set(steps)),
