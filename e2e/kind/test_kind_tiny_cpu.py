@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "tiny"
 JOB = "tiny-cpu"
-TOTAL_STEPS = 120  # every fault lands before the end (the lost node at step 80 of 135 once)
+TOTAL_STEPS = 140  # every fault lands well before the end (the lost node at step 95 of 120 once)
 START_S = 900      # images are local; Ray and the model start in a few minutes on 2 cores
 STEP_S = 900       # generous: 2 cores run the control plane, Ray and training together
 
@@ -456,7 +456,17 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     stop = job.wait(stopped, "the suspended job's runtime to report its stop, and its pods gone")
     assert stop["signal"] == "SIGTERM" and stop["exitCode"] == 143, stop
     assert stop["aborted"] is False and stop["checkpointStep"] == stop["step"], stop
-    _suspend(cluster, False)
+    # Unsuspended with one worker cordoned, so that every pod starts on the other and the
+    # node lost below takes the driver with the trainer (the driver names that loss itself).
+    home, away = cluster.workers()
+    try:
+        cluster.cordon(away)
+        _suspend(cluster, False)
+        job.wait(lambda: len([p for c in ("trainer", "rollout", "head", "driver")
+                              for p in job.pods(c) if p["spec"].get("nodeName") == home]) == 5,
+                 f"the job's 5 pods on {home}", START_S)
+    finally:
+        cluster.cordon(away, False)
 
     def resumed() -> dict[str, Any] | None:
         status = job.status()
