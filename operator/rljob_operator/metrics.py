@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rljob_api.status import Phase
+from rljob_api.status import EngineState, Phase
 
 Key = tuple[str, str]
 
@@ -75,7 +75,7 @@ class Metrics:
             self.engines_total.labels(namespace, job).set(_count(engines.get("total")))
             serving = {str(e.get("name")): e.get("weightVersion")
                        for e in engines.get("engines") or []
-                       if isinstance(e, Mapping) and e.get("state") == "Serving"}
+                       if isinstance(e, Mapping) and e.get("state") == EngineState.serving.value}
             for name, version in serving.items():
                 if isinstance(version, int) and not isinstance(version, bool):
                     self.engine_weight_version.labels(namespace, job, name).set(version)

@@ -97,6 +97,10 @@ class EngineRecovery:
         """Engines serving requests now."""
         return sum(1 for t in self.tracked.values() if t.state == EngineState.serving)
 
+    def total(self) -> int:
+        """Engines of the job, serving or not."""
+        return len(self.tracked)
+
     def awaiting_weights(self) -> bool:
         """No engine serves, and a replacement waits for weights with its sidecar
         registered (a delivery reaches it): nothing generates until one is sent."""
@@ -226,7 +230,6 @@ class EngineRecovery:
         print(f"engines: {name}'s replacement failed on node {node[:12]}, where {name} was "
               f"lost and which Ray now counts dead ({why}); started again within that loss",
               file=sys.stderr, flush=True)
-        self.weight_sync.kill_sidecar(index)
         self._start_again(index)
 
     @staticmethod
@@ -298,8 +301,7 @@ class EngineRecovery:
 
     def report(self) -> None:
         self._forget_old_losses()
-        ready = self.ready()
-        total = len(self.tracked)
+        ready, total = self.ready(), self.total()
         self.reporter.engines(EnginesStatus(
             attempt=self.attempt, ready=ready, total=total, summary=f"{ready}/{total}",
             restarts=len(self.losses),

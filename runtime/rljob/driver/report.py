@@ -38,7 +38,7 @@ def step_row(job: Job, metrics: TrainMetrics, batch: RolloutBatch, staleness: St
         row["stale_samples"] = float(staleness.over_bound)
     if job.recovery is not None:
         row["engines_ready"] = float(job.recovery.ready())
-        row["engines_total"] = float(len(job.recovery.tracked))
+        row["engines_total"] = float(job.recovery.total())
     row.update({
         "train_seconds": times.train,
         "step_seconds": times.step,
