@@ -5,10 +5,15 @@
 
 Runs `rljob run` twice on this machine with N engines: once untouched (the anchor, measured
 in this same run), once killing one engine process (SIGKILL, chosen in turn) every K steps.
+A kill waits until every engine serves (the run's own `lost`/`rejoined` lines), so each
+fault is one engine of N down, the case the target speaks of; a kill that would land while
+a replacement is still starting is put off, and the kills made are printed.
 Prints for each run the steps/s of the loop, the steps redone (metrics.jsonl rows beyond one
 per step, and attempts resumed), the requests sent again, the engines lost and rejoined,
-and how long engines were down. The target: 0 steps redone, and a throughput loss no larger
-than the lost engines' share of the generation while they were down (printed beside it).
+and how long engines were down: from each loss to its engine's rejoin, or to the end of the
+run for an engine that never rejoined. The target: 0 steps redone, and a throughput loss no
+larger than the lost engines' share of the generation while they were down (printed beside
+it as the bound).
 """
 
 from __future__ import annotations
@@ -51,6 +56,33 @@ def engine_processes(root: int) -> list[psutil.Process]:
     return out
 
 
+LOST = re.compile(r"engines: (engine-\d+) lost: ")
+REJOINED = re.compile(r"engines: (engine-\d+) rejoined, ")
+
+
+def engines_down(lines: list[tuple[float, str]]) -> dict[str, float]:
+    """The engines lost and not rejoined yet, with when each was lost (by the run's log)."""
+    down: dict[str, float] = {}
+    for t, text in lines:
+        if lost := LOST.match(text):
+            down.setdefault(lost.group(1), t)
+        elif back := REJOINED.match(text):
+            down.pop(back.group(1), None)
+    return down
+
+
+def down_seconds(lines: list[tuple[float, str]], end: float) -> float:
+    """Seconds engines were down, summed over engines: each loss to that engine's rejoin, or
+    to `end` for an engine still down then."""
+    total, down = 0.0, dict[str, float]()
+    for t, text in lines:
+        if lost := LOST.match(text):
+            down.setdefault(lost.group(1), t)
+        elif (back := REJOINED.match(text)) and back.group(1) in down:
+            total += t - down.pop(back.group(1))
+    return total + sum(end - t for t in down.values())
+
+
 def run(doc: dict[str, Any], kill_every: int | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path, workdir = Path(tmp) / "job.yaml", Path(tmp) / "w"
@@ -73,28 +105,29 @@ def run(doc: dict[str, Any], kill_every: int | None) -> dict[str, Any]:
             time.sleep(0.2)
             if next_kill is None or not metrics.exists():
                 continue
-            if len(metrics_log.read(metrics)) >= next_kill:
+            done = len(metrics_log.read(metrics))
+            if done >= next_kill and not engines_down(list(lines)):
                 engines = engine_processes(proc.pid)
                 if engines:
                     os.kill(engines[turn % len(engines)].pid, signal.SIGKILL)
                     kills, turn = kills + 1, turn + 1
-                next_kill += kill_every or 0
+                next_kill = done + (kill_every or 0)  # K steps after this kill, not the plan
         reader.join(timeout=10)
+        end = time.monotonic()
         rows = metrics_log.read(metrics)
         if proc.returncode != 0:
             tail = "\n".join(text for _, text in lines[-40:])
             raise SystemExit(f"rljob run exited {proc.returncode}:\n{tail}")
     loop_s = sum(float(r["step_seconds"]) for r in rows)
     steps = [int(r["step"]) for r in rows]
-    lost = [(t, text) for t, text in lines if re.match(r"engines: engine-\d+ lost: ", text)]
-    back = [(t, text) for t, text in lines if re.match(r"engines: engine-\d+ rejoined, ", text)]
-    down_s = sum(b[0] - a[0] for a, b in zip(lost, back, strict=False))
+    lost = sum(1 for _, text in lines if LOST.match(text))
+    back = sum(1 for _, text in lines if REJOINED.match(text))
     return {"kills": kills, "steps": len(set(steps)), "rows": len(rows),
             "redone": len(steps) - len(set(steps)),
             "resumed": sum(1 for _, text in lines if text.startswith("resumed from")),
             "loop_seconds": loop_s, "steps_per_second": len(rows) / loop_s,
             "reissued": sum(float(r.get("reissued_requests", 0)) for r in rows),
-            "lost": len(lost), "rejoined": len(back), "engine_down_seconds": down_s}
+            "lost": lost, "rejoined": back, "engine_down_seconds": down_seconds(lines, end)}
 
 
 def main() -> None:
