@@ -1,7 +1,7 @@
 """Rollout engines lost mid-run: the same job with and without faults, in one run.
 
     .venv/bin/python benchmarks/engine_faults.py [examples/tiny-cpu.yaml] [--engines N]
-        [--steps S] [--kill-every K] [--json FILE]
+        [--steps S] [--kill-every K] [--json FILE] [--logs DIR]
 
 Runs `rljob run` twice on this machine with N engines: once untouched (the anchor, measured
 in this same run), once killing one engine process (SIGKILL, chosen in turn) every K steps.
@@ -83,7 +83,7 @@ def down_seconds(lines: list[tuple[float, str]], end: float) -> float:
     return total + sum(end - t for t in down.values())
 
 
-def run(doc: dict[str, Any], kill_every: int | None) -> dict[str, Any]:
+def run(doc: dict[str, Any], kill_every: int | None, log: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path, workdir = Path(tmp) / "job.yaml", Path(tmp) / "w"
         path.write_text(yaml.safe_dump(doc))
@@ -114,6 +114,9 @@ def run(doc: dict[str, Any], kill_every: int | None) -> dict[str, Any]:
                 next_kill = done + (kill_every or 0)  # K steps after this kill, not the plan
         reader.join(timeout=10)
         end = time.monotonic()
+        if log is not None:  # each line with the seconds since the run started
+            start = lines[0][0] if lines else end
+            log.write_text("".join(f"{t - start:8.2f} {text}\n" for t, text in lines))
         rows = metrics_log.read(metrics)
         if proc.returncode != 0:
             tail = "\n".join(text for _, text in lines[-40:])
@@ -137,14 +140,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kill-every", type=int, default=15)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="write each run's output here, timed")
     args = parser.parse_args()
     doc = yaml.safe_load(Path(args.job).read_text())
     doc["spec"]["rollout"]["engines"] = args.engines
     doc["spec"]["algorithm"]["totalSteps"] = args.steps
     doc["spec"]["checkpoint"]["interval"] = args.steps  # a redone step would show
-    results = {"no faults": run(copy.deepcopy(doc), None),
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    results = {"no faults": run(copy.deepcopy(doc), None,
+                                args.logs / "no-faults.log" if args.logs else None),
                f"kill 1 of {args.engines} every {args.kill_every} steps":
-                   run(copy.deepcopy(doc), args.kill_every)}
+                   run(copy.deepcopy(doc), args.kill_every,
+                       args.logs / "faults.log" if args.logs else None)}
     anchor = results["no faults"]["steps_per_second"]
     print(f"{args.steps} steps, {args.engines} engines, this machine ({os.cpu_count()} CPUs)")
     print(f"{'run':<32}{'kills':>6}{'steps/s':>9}{'vs anchor':>10}{'redone':>8}"
