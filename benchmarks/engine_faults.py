@@ -56,6 +56,7 @@ def engine_processes(root: int) -> list[psutil.Process]:
     return out
 
 
+# Searched, not matched: a line may follow the progress bar's last redraw.
 LOST = re.compile(r"engines: (engine-\d+) lost: ")
 REJOINED = re.compile(r"engines: (engine-\d+) rejoined, ")
 
@@ -64,9 +65,9 @@ def engines_down(lines: list[tuple[float, str]]) -> dict[str, float]:
     """The engines lost and not rejoined yet, with when each was lost (by the run's log)."""
     down: dict[str, float] = {}
     for t, text in lines:
-        if lost := LOST.match(text):
+        if lost := LOST.search(text):
             down.setdefault(lost.group(1), t)
-        elif back := REJOINED.match(text):
+        elif back := REJOINED.search(text):
             down.pop(back.group(1), None)
     return down
 
@@ -76,9 +77,9 @@ def down_seconds(lines: list[tuple[float, str]], end: float) -> float:
     to `end` for an engine still down then."""
     total, down = 0.0, dict[str, float]()
     for t, text in lines:
-        if lost := LOST.match(text):
+        if lost := LOST.search(text):
             down.setdefault(lost.group(1), t)
-        elif (back := REJOINED.match(text)) and back.group(1) in down:
+        elif (back := REJOINED.search(text)) and back.group(1) in down:
             total += t - down.pop(back.group(1))
     return total + sum(end - t for t in down.values())
 
@@ -123,8 +124,8 @@ def run(doc: dict[str, Any], kill_every: int | None, log: Path | None = None) ->
             raise SystemExit(f"rljob run exited {proc.returncode}:\n{tail}")
     loop_s = sum(float(r["step_seconds"]) for r in rows)
     steps = [int(r["step"]) for r in rows]
-    lost = sum(1 for _, text in lines if LOST.match(text))
-    back = sum(1 for _, text in lines if REJOINED.match(text))
+    lost = sum(1 for _, text in lines if LOST.search(text))
+    back = sum(1 for _, text in lines if REJOINED.search(text))
     return {"kills": kills, "steps": len(set(steps)), "rows": len(rows),
             "redone": len(steps) - len(set(steps)),
             "resumed": sum(1 for _, text in lines if text.startswith("resumed from")),

@@ -41,6 +41,10 @@ from rljob_api.status import EngineReport, EnginesStatus, EngineState, timestamp
 
 # How often the driver looks at the engines while it waits for a batch.
 TEND_INTERVAL_S = 2.0
+# How long a check waits for the engines' answers before it lets the driver go on: a serving
+# engine answers at once, and a question still open is read at the next check (an engine
+# busy installing weights must not hold the training loop for PING_TIMEOUT_S).
+ANSWER_WAIT_S = 0.5
 # Checks in a row an engine whose actor lives may fail (no answer, /health silent) before it
 # counts as lost: a loaded engine can be slow to answer one. An actor Ray lost, or a server
 # process that exited, counts at once.
@@ -88,6 +92,8 @@ class EngineRecovery:
                         for i, url in enumerate(engines.urls)}
         self.losses: deque[float] = deque()  # when each loss in the window was seen
         self.strikes: dict[int, int] = {}  # failed checks in a row, by engine
+        # The `serving` question open to each engine, and when it was asked.
+        self.asked: dict[int, tuple[ray.ObjectRef[Any], float]] = {}
         self.last_tend = 0.0
         self.last_resync = -RESYNC_INTERVAL_S
 
@@ -142,11 +148,21 @@ class EngineRecovery:
         if not watched:
             return
         suspects: dict[int, str] = ray.get(self.rollout.engines_lost.remote())
-        refs = {i: self.engines.handles[i].serving.remote() for i in watched}
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
-        for i, ref in refs.items():
+        for i in watched:
+            if i not in self.asked:
+                self.asked[i] = (self.engines.handles[i].serving.remote(), self.clock())
+        # An engine a delivery just failed to reach gets the whole PING_TIMEOUT_S at once.
+        refs = [self.asked[i][0] for i in watched]
+        ray.wait(refs, num_returns=len(refs),
+                 timeout=PING_TIMEOUT_S if stale else ANSWER_WAIT_S)
+        for i in watched:
+            ref, asked_at = self.asked[i]
+            answered, why, certain = self._lost(ref)
+            if not answered and self.clock() - asked_at < PING_TIMEOUT_S \
+                    and engine_name(i) not in stale:
+                continue  # no verdict yet: read again at the next check
+            del self.asked[i]
             t = self.tracked[i]
-            why, certain = self._lost(ref)
             if t.state == EngineState.rejoining:
                 # Its replacement died before it served, or never got the weights.
                 if why is not None and certain:
@@ -168,28 +184,29 @@ class EngineRecovery:
                 self.lose(i, suspects.get(i) or why)
 
     @staticmethod
-    def _lost(ref: ray.ObjectRef[Any]) -> tuple[str | None, bool]:
-        """Why the engine of this `serving` call looks lost (None: it serves), and whether
-        that is certain (Ray lost the actor, its server process exited) or may pass (it
-        did not answer in time)."""
+    def _lost(ref: ray.ObjectRef[Any]) -> tuple[bool, str | None, bool]:
+        """Whether the engine of this `serving` question answered; why it looks lost (None:
+        it serves); and whether that is certain (Ray lost the actor, its server process
+        exited) or may pass (no answer in time, a silent /health)."""
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
-            return f"it did not answer within {PING_TIMEOUT_S:.0f}s", False
+            return False, f"it did not answer within {PING_TIMEOUT_S:.0f}s", False
         try:
             state = ray.get(ref)
         except ray.exceptions.RayError as err:
-            return f"Ray lost its process: {str(err).splitlines()[0][:300]}", True
+            return True, f"Ray lost its process: {str(err).splitlines()[0][:300]}", True
         if state == SERVING:
-            return None, False
+            return True, None, False
         if state == EXITED:
-            return "its server process exited", True
-        return "its server did not answer /health", False
+            return True, "its server process exited", True
+        return True, "its server did not answer /health", False
 
     def lose(self, index: int, why: str) -> None:
         """Take engine `index` out (requests, weight sync) and start it again, or fail the
         job when the window's bound is spent."""
         t = self.tracked[index]
         name = engine_name(index)
+        self.asked.pop(index, None)  # a question to what is gone; its replacement is asked anew
         print(f"engines: {name} lost: {why}", file=sys.stderr, flush=True)
         ray.get(self.rollout.engine_lost.remote(index, why))
         self.trainers.forget_engine(name)

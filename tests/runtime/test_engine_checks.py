@@ -1,0 +1,160 @@
+"""How the driver's engine checks judge engines whose actor lives, asked through real Ray
+actors that answer `serving` as an engine in that state would: an engine slow to answer
+does not hold the driver (its question is read again at the next check) and is lost only
+after PING_TIMEOUT_S unanswered, three checks in a row; an engine whose /health is silent
+is lost on the third check, one whose server exited at once; a serving engine is never
+touched."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+
+from rljob.cluster.cluster import worker_env
+from rljob.cluster.engine_group import PING_TIMEOUT_S
+from rljob.cluster.engine_recovery import STRIKES, EngineRecovery
+from rljob.engine.launcher import EXITED, SERVING, SILENT
+from rljob_api.spec import RecoverySpec
+from rljob_api.status import EngineState
+
+pytestmark = pytest.mark.runtime
+
+HANG_S = 120.0  # an unanswered question outlives the test
+
+
+@pytest.fixture(scope="module")
+def ray_once() -> Iterator[None]:
+    """One Ray for the module: each test makes actors of its own."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": worker_env()})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Answers:
+    """An engine actor as far as `serving` goes: answers `state`, or nothing until `HANG_S`
+    passed, or until `answer` is called."""
+
+    def __init__(self, state: str) -> None:
+        self.state = state
+        self.released = threading.Event()
+
+    def set(self, state: str) -> None:
+        self.state = state
+        self.released.set()
+
+    def serving(self) -> str:
+        if self.state == "hang":
+            self.released.wait(HANG_S)
+        return self.state
+
+
+@ray.remote(num_cpus=0)
+class Rollout:
+    """The rollout worker's side of a loss: which engines it was told were lost."""
+
+    def __init__(self) -> None:
+        self.lost: list[int] = []
+
+    def engines_lost(self) -> dict[int, str]:
+        return {}
+
+    def engine_lost(self, index: int, why: str) -> None:
+        self.lost.append(index)
+
+    def engine_joined(self, index: int, url: str) -> None:
+        pass
+
+    def told(self) -> list[int]:
+        return self.lost
+
+
+def _recovery(states: list[str], clock: list[float]) -> tuple[EngineRecovery, list[int], Any]:
+    replaced: list[int] = []
+    handles = [Answers.remote(s) for s in states]  # type: ignore[attr-defined]
+    engines = SimpleNamespace(urls=[f"http://e{i}" for i in range(len(states))],
+                              handles=handles, replace=replaced.append, node=lambda i: "n",
+                              replacing=lambda i: True, started=lambda i: None)
+    rollout = Rollout.remote()  # type: ignore[attr-defined]
+    recovery = EngineRecovery(
+        engines,  # type: ignore[arg-type]
+        SimpleNamespace(kill_sidecar=lambda i: None),  # type: ignore[arg-type]
+        SimpleNamespace(forget_engine=lambda name: None),  # type: ignore[arg-type]
+        rollout, SimpleNamespace(engines=lambda report: None),  # type: ignore[arg-type]
+        RecoverySpec(max_engine_restarts=5, engine_restart_window_seconds=600), attempt=0,
+        clock=lambda: clock[0])
+    return recovery, replaced, (handles, rollout)
+
+
+def _states(recovery: EngineRecovery) -> list[EngineState]:
+    return [t.state for _, t in sorted(recovery.tracked.items())]
+
+
+def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswered_checks(
+        ray_once: None) -> None:
+    clock = [0.0]
+    recovery, replaced, (_, rollout) = _recovery([SERVING, "hang"], clock)
+    for strike in range(1, STRIKES + 1):
+        # Checks before the question is PING_TIMEOUT_S old: no verdict, and none waits for it.
+        for _ in range(3):
+            started = time.monotonic()
+            recovery.check()
+            assert time.monotonic() - started < HANG_S / 4, "a check waited for a silent engine"
+            assert _states(recovery) == [EngineState.serving] * 2
+            assert recovery.strikes.get(1, 0) == strike - 1
+            clock[0] += PING_TIMEOUT_S / 4
+        clock[0] += PING_TIMEOUT_S  # now the open question is overdue: one more strike
+        recovery.check()
+        if strike < STRIKES:
+            assert recovery.strikes[1] == strike and _states(recovery)[1] == EngineState.serving
+    assert _states(recovery) == [EngineState.serving, EngineState.lost]
+    assert recovery.tracked[1].reason == f"it did not answer within {PING_TIMEOUT_S:.0f}s"
+    assert replaced == [1] and ray.get(rollout.told.remote()) == [1]
+    assert 0 not in recovery.strikes
+
+
+def test_an_engine_that_answers_again_loses_its_strikes(ray_once: None) -> None:
+    clock = [0.0]
+    recovery, replaced, (handles, _) = _recovery(["hang"], clock)
+    recovery.check()
+    clock[0] += PING_TIMEOUT_S + 1
+    recovery.check()
+    assert recovery.strikes == {0: 1}
+    ray.get(handles[0].set.remote(SERVING))
+    deadline = time.monotonic() + 60
+    while recovery.strikes and time.monotonic() < deadline:
+        recovery.check()
+    assert not recovery.strikes and not replaced
+    assert _states(recovery) == [EngineState.serving]
+
+
+def test_a_silent_health_is_lost_on_the_third_check_an_exited_server_at_once(
+        ray_once: None) -> None:
+    clock = [0.0]
+    recovery, replaced, _ = _recovery([SILENT, EXITED, SERVING], clock)
+
+    def settled() -> None:
+        """Checks until every question asked was answered (each answers at once)."""
+        deadline = time.monotonic() + 60
+        recovery.check()
+        while recovery.asked and time.monotonic() < deadline:
+            recovery.check()
+
+    settled()
+    assert _states(recovery) == [EngineState.serving, EngineState.lost, EngineState.serving]
+    assert recovery.tracked[1].reason == "its server process exited" and replaced == [1]
+    settled()
+    assert recovery.strikes == {0: 2}
+    settled()
+    assert _states(recovery)[0] == EngineState.lost
+    assert recovery.tracked[0].reason == "its server did not answer /health"
+    assert replaced == [1, 0] and _states(recovery)[2] == EngineState.serving
