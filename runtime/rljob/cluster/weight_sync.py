@@ -56,6 +56,8 @@ STOP_TIMEOUT_S = 30.0
 # spec.recovery.maxRestarts, so a sidecar that keeps dying cannot loop.
 SIDECAR_MAX_RESTARTS = 3
 HEALTH_TIMEOUT_S = 10.0
+# How long `acked` waits for an answer: a running sidecar answers within it.
+ACK_ANSWER_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,9 @@ class WeightSyncActors:
         self.store: Any = None
         self.sidecars: list[Any] = []
         self.incarnations: dict[int, str] = {}  # by engine index, as last checked
+        # `health` questions a replacement's sidecar has not answered yet (its process still
+        # starts): read at the next `acked`, never waited for.
+        self.asked: dict[int, ray.ObjectRef[Any]] = {}
 
     def start_store(self) -> tuple[str, int]:
         """Start the store on the Ray head node; returns the address the trainer joins."""
@@ -243,18 +248,26 @@ class WeightSyncActors:
             ray.kill(self.sidecars[i])
         self.sidecars[i] = self._start_sidecar(i, url, loc)
         self.incarnations.pop(i, None)
+        self.asked.pop(i, None)
 
     def kill_sidecar(self, i: int) -> None:
         """The sidecar of a lost engine: it has nothing left to install into."""
         with contextlib.suppress(ray.exceptions.RayError):
             ray.kill(self.sidecars[i])
+        self.asked.pop(i, None)
 
     def acked(self, i: int) -> int | None:
         """The version engine `i`'s sidecar last installed and acknowledged, once it has
-        registered; None while it starts or before its first install."""
+        registered; None while it starts or before its first install. The driver asks this
+        between steps, so it never waits: a question not answered yet is read next time."""
+        ref = self.asked.pop(i, None) or self.sidecars[i].health.remote()
+        ready, _ = ray.wait([ref], timeout=ACK_ANSWER_WAIT_S)
+        if not ready:
+            self.asked[i] = ref
+            return None
         try:
-            health = ray.get(self.sidecars[i].health.remote(), timeout=HEALTH_TIMEOUT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            health = ray.get(ref)
+        except ray.exceptions.RayError:
             return None
         if health["state"] in ("starting", "disconnected"):
             return None
