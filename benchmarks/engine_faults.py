@@ -101,13 +101,15 @@ def run(doc: dict[str, Any], kill_every: int | None, log: Path | None = None) ->
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         kills, turn, next_kill = 0, 0, kill_every
+        total = int(doc["spec"]["algorithm"]["totalSteps"])
         metrics = workdir / metrics_log.METRICS_FILE
         while proc.poll() is None:
             time.sleep(0.2)
             if next_kill is None or not metrics.exists():
                 continue
             done = len(metrics_log.read(metrics))
-            if done >= next_kill and not engines_down(list(lines)):
+            # No kill once the last step is done: it would land on a run that is ending.
+            if next_kill <= done < total and not engines_down(list(lines)):
                 engines = engine_processes(proc.pid)
                 if engines:
                     os.kill(engines[turn % len(engines)].pid, signal.SIGKILL)
