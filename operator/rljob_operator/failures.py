@@ -6,7 +6,9 @@ Pure: (observed children, what the runtime reported in `status.runtimeFailure`) 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from rljob_api import exits
@@ -118,6 +120,13 @@ def detect_failure(driver: PodView, obs: Observed, runtime: Obj | None) -> Failu
         message = driver.failure.message
         if runtime:
             message = f"{runtime.get('reason')}: {runtime.get('message', '')}; {message}"
+        stranded = _on_a_node_out(obs, driver.recorded_compute)
+        if stranded is not None:
+            # Ray's head went with its node: the runtime could not ask a dead GCS which pods
+            # were lost, and the driver failed on what Ray said. The node names the cause.
+            lost = _node_lost(stranded.node, stranded.name, obs)
+            return Failure(lost.kind, f"{lost.message}; the driver failed first: "
+                                      f"{message}"[:MESSAGE_MAX], stranded.name)
         return Failure(kind, message, driver.name)
     recorded = driver.recorded_compute
     for pod in obs.compute:
@@ -190,20 +199,46 @@ def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure 
                                                       "Ray lost the pod's node"), lost[0])
 
 
+def _on_a_node_out(obs: Observed, names: Collection[str] | None = None) -> PodView | None:
+    """The first compute pod (of `names`, when given) on a node that is not Ready."""
+    return next((p for p in obs.compute if p.node in obs.outages
+                 and (names is None or p.name in names)), None)
+
+
+# A node outage explains a driver failure seen this close to when the node stopped being
+# Ready: Kubernetes marks a node NotReady about 40 s after it went, Ray fails sooner.
+OUTAGE_EXPLAINS_S = 300.0
+
+
+def _near(since: datetime | None, seen: datetime | None) -> bool:
+    return since is None or seen is None or abs((since - seen).total_seconds()) <= OUTAGE_EXPLAINS_S
+
+
 def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStatus:
-    """A `WorkerLost` failure (Ray lost a pod's node before Kubernetes noticed) renamed
-    `NodeLost` once the pod's node is seen not Ready, before the next attempt starts (which
-    waits for that pod's replacement): the reason then says what happened, the message what
-    Ray saw first."""
+    """A failure Kubernetes explains only later, renamed `NodeLost` once it does, before the
+    next attempt starts (which waits for the pods' replacements): a `WorkerLost` (Ray lost a
+    pod's node before Kubernetes noticed) once that pod's node is seen not Ready, and a
+    retryable `DriverFailed` once a compute pod's node is (Ray's head went with its node, and
+    the driver failed on what Ray said). The reason then says what happened, the message
+    what was seen first."""
     last = recovery.last_failure
-    if last is None or last.reason != FailureKind.worker_lost.value:
+    if last is None:
         return recovery
-    pod = next((p for p in obs.compute if p.name == last.pod), None)
+    if last.reason == FailureKind.worker_lost.value:
+        pod = next((p for p in obs.compute if p.name == last.pod), None)
+        first = "Ray saw it first"
+    elif last.reason == FailureKind.driver_failed.value:
+        pod = next((p for p in obs.compute if p.node in obs.outages and _near(
+            obs.outages[str(p.node)].since, parse_timestamp(last.time))), None)
+        first = "the driver failed first"
+    else:
+        return recovery
     if pod is None or pod.node not in obs.outages:
         return recovery
     outage = obs.outages[str(pod.node)]
-    message = f"{outage.describe(str(pod.node))}; Ray saw it first: {last.message}"[:MESSAGE_MAX]
-    refined = last.model_copy(update={"reason": FailureKind.node_lost.value, "message": message})
+    message = f"{outage.describe(str(pod.node))}; {first}: {last.message}"[:MESSAGE_MAX]
+    refined = last.model_copy(update={"reason": FailureKind.node_lost.value, "message": message,
+                                      "pod": pod.name})
     return recovery.model_copy(update={"last_failure": refined})
 
 

@@ -495,6 +495,41 @@ def test_worker_lost_reads_node_lost_once_kubernetes_sees_the_node_go() -> None:
     assert "rl-trainer-worker-a" in later.actions.delete_pods  # stranded: force-deleted
 
 
+def node_not_ready(name: str, since: datetime) -> Obj:
+    return {"metadata": {"name": name}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "lastTransitionTime": iso(since)}]}}
+
+
+def test_a_driver_that_failed_with_the_heads_node_reads_node_lost() -> None:
+    # The runtime could not ask a dead GCS which pods went: no lostPods, only what Ray said.
+    report = {"reason": "WorkerFailed", "message": "actor unavailable", "retryable": True,
+              "time": iso(T0 + timedelta(seconds=20))}
+    status = {**RUNNING, "runtimeFailure": report}
+    pods = [pod(n, c, node="n2" if c == "head" else "n1") for n, c in COMPUTE]
+    # The head's node is already NotReady when the driver's failure is seen: NodeLost.
+    d = run(job(status), [*pods, exited(1)],
+            nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=10))])
+    last = d.status["recovery"]["lastFailure"]
+    assert (last["reason"], last["pod"]) == ("NodeLost", "rl-head-a"), last
+    assert "actor unavailable" in last["message"] and "n2" in last["message"]
+    # Kubernetes has not noticed yet: DriverFailed, renamed once the node is seen NotReady,
+    # the same failure (no second restart).
+    ready_n2 = {**READY_NODE, "metadata": {"name": "n2"}}
+    first = run(job(status), [*pods, exited(1)], nodes=[READY_NODE, ready_n2])
+    assert first.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
+    body = applied(job(status), first)
+    later = run(body, pods, now=T0 + timedelta(seconds=50),
+                nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=45))])
+    rec = later.status["recovery"]
+    assert rec["restarts"] == 1 and later.restart is None
+    assert (rec["lastFailure"]["reason"], rec["lastFailure"]["pod"]) == ("NodeLost", "rl-head-a")
+    assert "the driver failed first" in rec["lastFailure"]["message"]
+    # A node that went long after the failure does not explain it.
+    much_later = run(body, pods, now=T0 + timedelta(minutes=8),
+                     nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(minutes=7))])
+    assert much_later.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
+
+
 def test_invalid_spec_and_overlong_name_fail_naming_the_field() -> None:
     bad = {**SPEC, "rollout": {"gpus": 3, "gpusPerEngine": 2}}
     d = run(job(spec=bad), [])
