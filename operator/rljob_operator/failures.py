@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from rljob_api import exits
+from rljob_api.layout import ROLLOUT
 from rljob_api.spec import FailureKind, RLJobSpec
 from rljob_api.status import MESSAGE_MAX, RecoveryStatus, parse_timestamp
 from rljob_operator import names
@@ -214,13 +215,15 @@ def _near(since: datetime | None, seen: datetime | None) -> bool:
     return since is None or seen is None or abs((since - seen).total_seconds()) <= OUTAGE_EXPLAINS_S
 
 
-def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStatus:
+def refine_last_failure(recovery: RecoveryStatus, obs: Observed,
+                        engines_replaced: bool = False) -> RecoveryStatus:
     """A failure Kubernetes explains only later, renamed `NodeLost` once it does, before the
     next attempt starts (which waits for the pods' replacements): a `WorkerLost` (Ray lost a
     pod's node before Kubernetes noticed) once that pod's node is seen not Ready, and a
     retryable `DriverFailed` once a compute pod's node is (Ray's head went with its node, and
     the driver failed on what Ray said). The reason then says what happened, the message
-    what was seen first."""
+    what was seen first. A rollout pod never explains a driver failure where engines are
+    replaced (`engines_replaced`): its loss costs no attempt."""
     last = recovery.last_failure
     if last is None:
         return recovery
@@ -228,8 +231,10 @@ def refine_last_failure(recovery: RecoveryStatus, obs: Observed) -> RecoveryStat
         pod = next((p for p in obs.compute if p.name == last.pod), None)
         first = "Ray saw it first"
     elif last.reason == FailureKind.driver_failed.value:
-        pod = next((p for p in obs.compute if p.node in obs.outages and _near(
-            obs.outages[str(p.node)].since, parse_timestamp(last.time))), None)
+        pod = next((p for p in obs.compute if p.node in obs.outages
+                    and not (engines_replaced and p.component == ROLLOUT)
+                    and _near(obs.outages[str(p.node)].since, parse_timestamp(last.time))),
+                   None)
         first = "the driver failed first"
     else:
         return recovery

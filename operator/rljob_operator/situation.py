@@ -99,7 +99,8 @@ class Situation:
         phase = job.status.get("phase")
         recovery = stored_recovery(job.status, obs)
         if phase == Phase.recovering.value:
-            recovery = refine_last_failure(recovery, obs)
+            recovery = refine_last_failure(
+                recovery, obs, job.spec is not None and job.spec.replaces_engines())
         observed = job.status.get("observedGeneration")
         want = None
         if job.spec is not None:

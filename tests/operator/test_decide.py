@@ -524,6 +524,11 @@ def test_a_driver_that_failed_with_the_heads_node_reads_node_lost() -> None:
     assert rec["restarts"] == 1 and later.restart is None
     assert (rec["lastFailure"]["reason"], rec["lastFailure"]["pod"]) == ("NodeLost", "rl-head-a")
     assert "the driver failed first" in rec["lastFailure"]["message"]
+    # Only a rollout pod's node went, and engines are replaced: its loss is not the cause.
+    spread = [pod(n, c, node="n2" if c == "rollout" else "n1") for n, c in COMPUTE]
+    rollout_only = run(body, spread, now=T0 + timedelta(seconds=50),
+                       nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=45))])
+    assert rollout_only.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
     # A node that went long after the failure does not explain it.
     much_later = run(body, pods, now=T0 + timedelta(minutes=8),
                      nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(minutes=7))])
