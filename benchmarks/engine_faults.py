@@ -73,15 +73,15 @@ def engines_down(lines: list[tuple[float, str]]) -> dict[str, float]:
 
 
 def down_seconds(lines: list[tuple[float, str]], end: float) -> float:
-    """Seconds engines were down, summed over engines: each loss to that engine's rejoin, or
-    to `end` for an engine still down then."""
+    """Seconds engines were down before `end` (the last step's end), summed over engines:
+    each loss to that engine's rejoin, or to `end` for an engine still down then."""
     total, down = 0.0, dict[str, float]()
     for t, text in lines:
         if lost := LOST.search(text):
             down.setdefault(lost.group(1), t)
         elif (back := REJOINED.search(text)) and back.group(1) in down:
-            total += t - down.pop(back.group(1))
-    return total + sum(end - t for t in down.values())
+            total += max(0.0, min(t, end) - down.pop(back.group(1)))
+    return total + sum(max(0.0, end - t) for t in down.values())
 
 
 def run(doc: dict[str, Any], kill_every: int | None, log: Path | None = None) -> dict[str, Any]:
@@ -102,21 +102,25 @@ def run(doc: dict[str, Any], kill_every: int | None, log: Path | None = None) ->
         reader.start()
         kills, turn, next_kill = 0, 0, kill_every
         total = int(doc["spec"]["algorithm"]["totalSteps"])
+        loop_end: float | None = None
         metrics = workdir / metrics_log.METRICS_FILE
         while proc.poll() is None:
             time.sleep(0.2)
-            if next_kill is None or not metrics.exists():
+            if not metrics.exists():
                 continue
-            done = len(metrics_log.read(metrics))
+            done = len({int(r["step"]) for r in metrics_log.read(metrics)})
+            if done >= total and loop_end is None:
+                loop_end = time.monotonic()  # downtime counts to the last step, not the exit
             # No kill once the last step is done: it would land on a run that is ending.
-            if next_kill <= done < total and not engines_down(list(lines)):
+            if next_kill is not None and next_kill <= done < total \
+                    and not engines_down(list(lines)):
                 engines = engine_processes(proc.pid)
                 if engines:
                     os.kill(engines[turn % len(engines)].pid, signal.SIGKILL)
                     kills, turn = kills + 1, turn + 1
                 next_kill = done + (kill_every or 0)  # K steps after this kill, not the plan
         reader.join(timeout=10)
-        end = time.monotonic()
+        end = loop_end or time.monotonic()
         if log is not None:  # each line with the seconds since the run started
             start = lines[0][0] if lines else end
             log.write_text("".join(f"{t - start:8.2f} {text}\n" for t, text in lines))

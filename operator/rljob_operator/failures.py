@@ -121,8 +121,11 @@ def detect_failure(driver: PodView, obs: Observed, runtime: Obj | None) -> Failu
         message = driver.failure.message
         if runtime:
             message = f"{runtime.get('reason')}: {runtime.get('message', '')}; {message}"
+        reported = attempt_failure(driver, runtime)
         stranded = _on_a_node_out(obs, driver.recorded_compute)
-        if stranded is not None:
+        if stranded is not None and reported.get("reason") == exits.WORKER_FAILED and \
+                _explains(obs.outages[str(stranded.node)].since,
+                          parse_timestamp(reported.get("time"))):
             # Ray's head went with its node: the runtime could not ask a dead GCS which pods
             # were lost, and the driver failed on what Ray said. The node names the cause.
             lost = _node_lost(stranded.node, stranded.name, obs)
@@ -177,7 +180,7 @@ def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure 
     """The driver failed because Ray lost the node of pods its runtime names
     (`runtimeFailure.lostPods`): the failure is named after what Kubernetes knows of those
     pods (a node that is not Ready, a deletion, a failure). Ray usually notices first (a
-    node's NotReady takes Kubernetes about 40 s), so until Kubernetes agrees it is
+    node's NotReady takes Kubernetes about 50 s by default), so until Kubernetes agrees it is
     `WorkerLost`, renamed while the job recovers (`refine_last_failure`)."""
     reported = attempt_failure(driver, runtime)
     lost = [str(p) for p in reported.get("lostPods") or []]
@@ -200,19 +203,25 @@ def lost_worker(driver: PodView, obs: Observed, runtime: Obj | None) -> Failure 
                                                       "Ray lost the pod's node"), lost[0])
 
 
-def _on_a_node_out(obs: Observed, names: Collection[str] | None = None) -> PodView | None:
-    """The first compute pod (of `names`, when given) on a node that is not Ready."""
-    return next((p for p in obs.compute if p.node in obs.outages
-                 and (names is None or p.name in names)), None)
+def _on_a_node_out(obs: Observed, names: Collection[str]) -> PodView | None:
+    """The first compute pod of `names` on a node that is not Ready."""
+    return next((p for p in obs.compute if p.node in obs.outages and p.name in names), None)
 
 
-# A node outage explains a driver failure seen this close to when the node stopped being
-# Ready: Kubernetes marks a node NotReady about 40 s after it went, Ray fails sooner.
-OUTAGE_EXPLAINS_S = 300.0
+# How long before and after a worker failure a node's outage may begin to explain it: Ray
+# fails on a lost node within seconds, Kubernetes marks the node NotReady only after its
+# node-monitor grace (50 s by default), and an outage that began earlier may have been the
+# cause all along.
+OUTAGE_BEFORE_S = 300.0
+OUTAGE_AFTER_S = 120.0
 
 
-def _near(since: datetime | None, seen: datetime | None) -> bool:
-    return since is None or seen is None or abs((since - seen).total_seconds()) <= OUTAGE_EXPLAINS_S
+def _explains(since: datetime | None, failed: datetime | None) -> bool:
+    """Whether a node outage that began at `since` (None: the node is gone) can be why a
+    worker failed at `failed`."""
+    if since is None or failed is None:
+        return True
+    return -OUTAGE_BEFORE_S <= (since - failed).total_seconds() <= OUTAGE_AFTER_S
 
 
 def refine_last_failure(recovery: RecoveryStatus, obs: Observed,
@@ -220,8 +229,9 @@ def refine_last_failure(recovery: RecoveryStatus, obs: Observed,
     """A failure Kubernetes explains only later, renamed `NodeLost` once it does, before the
     next attempt starts (which waits for the pods' replacements): a `WorkerLost` (Ray lost a
     pod's node before Kubernetes noticed) once that pod's node is seen not Ready, and a
-    retryable `DriverFailed` once a compute pod's node is (Ray's head went with its node, and
-    the driver failed on what Ray said). The reason then says what happened, the message
+    `DriverFailed` on the runtime's `WorkerFailed` once a compute pod's node stopped being
+    Ready close enough to the failure (Ray's head went with its node, and the driver failed
+    on what Ray said). The reason then says what happened, the message
     what was seen first. A rollout pod never explains a driver failure where engines are
     replaced (`engines_replaced`): its loss costs no attempt."""
     last = recovery.last_failure
@@ -230,10 +240,11 @@ def refine_last_failure(recovery: RecoveryStatus, obs: Observed,
     if last.reason == FailureKind.worker_lost.value:
         pod = next((p for p in obs.compute if p.name == last.pod), None)
         first = "Ray saw it first"
-    elif last.reason == FailureKind.driver_failed.value:
+    elif last.reason == FailureKind.driver_failed.value and \
+            last.message.startswith(f"{exits.WORKER_FAILED}:"):
         pod = next((p for p in obs.compute if p.node in obs.outages
                     and not (engines_replaced and p.component == ROLLOUT)
-                    and _near(obs.outages[str(p.node)].since, parse_timestamp(last.time))),
+                    and _explains(obs.outages[str(p.node)].since, parse_timestamp(last.time))),
                    None)
         first = "the driver failed first"
     else:

@@ -29,6 +29,11 @@ TERMINAL_REASONS: dict[int, str] = {
     ENGINES_EXHAUSTED: "EngineRestartsExhausted",
 }
 
+# The runtime's reason (`status.runtimeFailure.reason`) for a worker or engine that died or
+# raised when Ray could not say which pods went (Ray's head went with its node, say): the
+# operator looks for a node that is not Ready behind it.
+WORKER_FAILED = "WorkerFailed"
+
 TERMINAL_MEANING: dict[int, str] = {
     INVALID: "the job is invalid (spec, dataset, model source or hooks)",
     NONFINITE: "the runtime stopped on non-finite loss, gradients or weights",

@@ -529,9 +529,21 @@ def test_a_driver_that_failed_with_the_heads_node_reads_node_lost() -> None:
     rollout_only = run(body, spread, now=T0 + timedelta(seconds=50),
                        nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=45))])
     assert rollout_only.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
+    # Another runtime failure is not Ray's: a node that is not Ready names neither.
+    storage = {**report, "reason": "StorageError", "message": "the workdir is full"}
+    d = run(job({**RUNNING, "runtimeFailure": storage}), [*pods, exited(1)],
+            nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=10))])
+    assert d.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
+    assert not d.actions.replace_pods
+    first = run(job({**RUNNING, "runtimeFailure": storage}), [*pods, exited(1)],
+                nodes=[READY_NODE, ready_n2])
+    later = run(applied(job({**RUNNING, "runtimeFailure": storage}), first), pods,
+                now=T0 + timedelta(seconds=50),
+                nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(seconds=45))])
+    assert later.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
     # A node that went long after the failure does not explain it.
-    much_later = run(body, pods, now=T0 + timedelta(minutes=8),
-                     nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(minutes=7))])
+    much_later = run(body, pods, now=T0 + timedelta(minutes=4),
+                     nodes=[READY_NODE, node_not_ready("n2", T0 + timedelta(minutes=3))])
     assert much_later.status["recovery"]["lastFailure"]["reason"] == "DriverFailed"
 
 

@@ -51,6 +51,9 @@ class Answers:
         self.state = state
         self.released.set()
 
+    def up(self) -> bool:
+        return True
+
     def serving(self) -> str:
         if self.state == "hang":
             self.released.wait(HANG_S)
@@ -62,9 +65,14 @@ class Rollout:
 
     def __init__(self) -> None:
         self.lost: list[int] = []
+        self.suspects: dict[int, str] = {}
+
+    def suspect(self, index: int, why: str) -> None:
+        """A request failed on engine `index` (the worker took it out of the pool)."""
+        self.suspects[index] = why
 
     def engines_lost(self) -> dict[int, str]:
-        return {}
+        return dict(self.suspects)
 
     def engine_lost(self, index: int, why: str) -> None:
         self.lost.append(index)
@@ -80,11 +88,13 @@ def _recovery(states: list[str], clock: list[float]) -> tuple[EngineRecovery, li
     replaced: list[int] = []
     # Questions left unanswered pile up on an actor: room for each.
     answers = ray.remote(Answers).options(num_cpus=0, max_concurrency=2 * STRIKES + 2)
-    handles = [answers.remote(s) for s in states]
+    handles: list[Any] = [answers.remote(s) for s in states]
+    ray.get([h.up.remote() for h in handles])  # started: a check measures answers, not starts
     engines = SimpleNamespace(urls=[f"http://e{i}" for i in range(len(states))],
                               handles=handles, replace=replaced.append, node=lambda i: "n",
                               replacing=lambda i: True, started=lambda i: None)
     rollout = ray.remote(Rollout).options(num_cpus=0).remote()
+    ray.get(rollout.told.remote())
     recovery = EngineRecovery(
         engines,  # type: ignore[arg-type]
         SimpleNamespace(kill_sidecar=lambda i: None),  # type: ignore[arg-type]
@@ -108,7 +118,8 @@ def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswer
         for _ in range(3):
             started = time.monotonic()
             recovery.check()
-            assert time.monotonic() - started < HANG_S / 4, "a check waited for a silent engine"
+            assert time.monotonic() - started < PING_TIMEOUT_S / 2, \
+                "a check waited for a silent engine"
             assert _states(recovery) == [EngineState.serving] * 2
             assert recovery.strikes.get(1, 0) == strike - 1
             clock[0] += PING_TIMEOUT_S / 4
@@ -158,3 +169,35 @@ def test_a_silent_health_is_lost_on_the_third_check_an_exited_server_at_once(
     assert recovery.tracked[0].reason == "its server did not answer /health"
     assert recovery.tracked[1].reason == "its server process exited"
     assert sorted(replaced) == [0, 1] and _states(recovery)[2] == EngineState.serving
+
+
+def _answered_before(recovery: EngineRecovery, index: int, handles: list[Any]) -> None:
+    """Engine `index` answered a question that no check read yet (it came after the check's
+    short wait)."""
+    ref = handles[index].serving.remote()
+    ray.get(ref)
+    recovery.asked[index] = (ref, 0.0)
+
+
+def test_an_answer_from_before_a_failed_delivery_does_not_keep_the_engine(
+        ray_once: None) -> None:
+    clock = [0.0]
+    recovery, replaced, (handles, _) = _recovery([SERVING, SERVING], clock)
+    _answered_before(recovery, 1, handles)
+    ray.get(handles[1].set.remote(EXITED))  # then its server died; a delivery failed on it
+    recovery.check(stale={"engine-1"})
+    assert _states(recovery) == [EngineState.serving, EngineState.lost]
+    assert recovery.tracked[1].reason == "its server process exited" and replaced == [1]
+
+
+def test_an_answer_from_before_a_failed_request_does_not_return_the_engine(
+        ray_once: None) -> None:
+    clock = [0.0]
+    recovery, replaced, (handles, rollout) = _recovery([SERVING, SERVING], clock)
+    _answered_before(recovery, 0, handles)
+    ray.get(handles[0].set.remote(SILENT))
+    ray.get(rollout.suspect.remote(0, "a request failed: connection reset"))
+    recovery.check()
+    assert _states(recovery) == [EngineState.lost, EngineState.serving]
+    assert recovery.tracked[0].reason == "a request failed: connection reset"
+    assert replaced == [0] and ray.get(rollout.told.remote()) == [0]

@@ -148,13 +148,18 @@ class EngineRecovery:
         if not watched:
             return
         suspects: dict[int, str] = ray.get(self.rollout.engines_lost.remote())
+        urgent = [i for i in watched if engine_name(i) in stale or i in suspects]
         for i in watched:
-            if i not in self.asked:
+            # An answer to a question asked before a delivery or a request failed on the
+            # engine says nothing of it now: those engines are asked again.
+            if i not in self.asked or i in urgent:
                 self.asked[i] = (self.engines.handles[i].serving.remote(), self.clock())
-        # An engine a delivery just failed to reach gets the whole PING_TIMEOUT_S at once.
+        # An engine a delivery just failed to reach gets the whole PING_TIMEOUT_S at once;
+        # the others only a moment, as at every check.
+        if stale_refs := [self.asked[i][0] for i in urgent if engine_name(i) in stale]:
+            ray.wait(stale_refs, num_returns=len(stale_refs), timeout=PING_TIMEOUT_S)
         refs = [self.asked[i][0] for i in watched]
-        ray.wait(refs, num_returns=len(refs),
-                 timeout=PING_TIMEOUT_S if stale else ANSWER_WAIT_S)
+        ray.wait(refs, num_returns=len(refs), timeout=ANSWER_WAIT_S)
         for i in watched:
             ref, asked_at = self.asked[i]
             answered, why, certain = self._lost(ref)

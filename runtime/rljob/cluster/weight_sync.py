@@ -191,8 +191,10 @@ class WeightSyncActors:
         self.sidecars: list[Any] = []
         self.incarnations: dict[int, str] = {}  # by engine index, as last checked
         # `health` questions a replacement's sidecar has not answered yet (its process still
-        # starts): read at the next `acked`, never waited for.
+        # starts): read at the next `acked`, never waited for; and each sidecar's last answer,
+        # which `acked` gives while a newer question is open.
         self.asked: dict[int, ray.ObjectRef[Any]] = {}
+        self.answered: dict[int, int | None] = {}
 
     def start_store(self) -> tuple[str, int]:
         """Start the store on the Ray head node; returns the address the trainer joins."""
@@ -249,31 +251,37 @@ class WeightSyncActors:
         self.sidecars[i] = self._start_sidecar(i, url, loc)
         self.incarnations.pop(i, None)
         self.asked.pop(i, None)
+        self.answered.pop(i, None)
 
     def kill_sidecar(self, i: int) -> None:
         """The sidecar of a lost engine: it has nothing left to install into."""
         with contextlib.suppress(ray.exceptions.RayError):
             ray.kill(self.sidecars[i])
         self.asked.pop(i, None)
+        self.answered.pop(i, None)
 
     def acked(self, i: int) -> int | None:
         """The version engine `i`'s sidecar last installed and acknowledged, once it has
-        registered; None while it starts or before its first install. The driver asks this
-        between steps, so it never waits: a question not answered yet is read next time."""
+        registered; None while it starts. The driver asks this between steps, so it never
+        waits: while a question is open (its sidecar's process may still start), the last
+        answer stands."""
         ref = self.asked.pop(i, None) or self.sidecars[i].health.remote()
         ready, _ = ray.wait([ref], timeout=ACK_ANSWER_WAIT_S)
         if not ready:
             self.asked[i] = ref
-            return None
+            return self.answered.get(i)
         try:
             health = ray.get(ref)
         except ray.exceptions.RayError:
+            self.answered.pop(i, None)
             return None
         if health["state"] in ("starting", "disconnected"):
+            self.answered.pop(i, None)
             return None
         self.incarnations[i] = health["incarnation"]
         version = health.get("last_acked_version")
-        return int(version) if version is not None else -1
+        self.answered[i] = int(version) if version is not None else -1
+        return self.answered[i]
 
     def health(self) -> list[dict[str, Any]]:
         """Each sidecar's `/health` answer, by engine index."""

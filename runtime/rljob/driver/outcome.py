@@ -83,7 +83,7 @@ def _worker_failed(attempt: Attempt, err: ray.exceptions.RayError) -> None:
         attempt.fail("WorkerLost", f"Ray lost the node of {pods}; first error: {str(err)[:3000]}",
                      retryable=True, lost_pods=sorted(lost))
     else:
-        attempt.fail("WorkerFailed", str(err)[:4000], retryable=True)
+        attempt.fail(exits.WORKER_FAILED, str(err)[:4000], retryable=True)
 
 
 def _io_failed(attempt: Attempt, err: OSError) -> None:
