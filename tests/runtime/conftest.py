@@ -1,7 +1,9 @@
-"""Ray for the runtime tests: started per test with 2 CPU slots, always shut down."""
+"""Ray for the runtime tests: started per test (or per module) with 2 CPU slots, always shut
+down."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,14 +21,27 @@ from rljob_api.status import (
 )
 
 
-@pytest.fixture
-def ray_local() -> Iterator[None]:
+@contextlib.contextmanager
+def _local_ray() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": worker_env()})
     try:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_local() -> Iterator[None]:
+    with _local_ray():
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_module() -> Iterator[None]:
+    """One Ray for a module whose tests each make actors of their own."""
+    with _local_ray():
+        yield
 
 
 class RecordingReporter:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import ray
 
-from rljob.cluster.cluster import worker_env
 from rljob.cluster.engine_group import PING_TIMEOUT_S
 from rljob.cluster.engine_recovery import STRIKES, EngineRecovery
 from rljob.engine.launcher import EXITED, SERVING, SILENT
@@ -28,20 +26,9 @@ pytestmark = pytest.mark.runtime
 HANG_S = 120.0  # an unanswered question outlives the test
 
 
-@pytest.fixture(scope="module")
-def ray_once() -> Iterator[None]:
-    """One Ray for the module: each test makes actors of its own."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": worker_env()})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 class Answers:
     """An engine actor as far as `serving` goes: answers `state`, or nothing until `HANG_S`
-    passed, or until `answer` is called."""
+    passed, or until `set` is called."""
 
     def __init__(self, state: str) -> None:
         self.state = state
@@ -93,7 +80,7 @@ def _recovery(states: list[str], clock: list[float]) -> tuple[EngineRecovery, li
     engines = SimpleNamespace(urls=[f"http://e{i}" for i in range(len(states))],
                               handles=handles, replace=replaced.append, node=lambda i: "n",
                               replacing=lambda i: True, started=lambda i: None)
-    rollout = ray.remote(Rollout).options(num_cpus=0).remote()
+    rollout: Any = ray.remote(Rollout).options(num_cpus=0).remote()
     ray.get(rollout.told.remote())
     recovery = EngineRecovery(
         engines,  # type: ignore[arg-type]
@@ -110,7 +97,7 @@ def _states(recovery: EngineRecovery) -> list[EngineState]:
 
 
 def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswered_checks(
-        ray_once: None) -> None:
+        ray_module: None) -> None:
     clock = [0.0]
     recovery, replaced, (_, rollout) = _recovery([SERVING, "hang"], clock)
     for strike in range(1, STRIKES + 1):
@@ -133,7 +120,7 @@ def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswer
     assert 0 not in recovery.strikes
 
 
-def test_an_engine_that_answers_again_loses_its_strikes(ray_once: None) -> None:
+def test_an_engine_that_answers_again_loses_its_strikes(ray_module: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, _) = _recovery(["hang"], clock)
     recovery.check()
@@ -149,7 +136,7 @@ def test_an_engine_that_answers_again_loses_its_strikes(ray_once: None) -> None:
 
 
 def test_a_silent_health_is_lost_on_the_third_check_an_exited_server_at_once(
-        ray_once: None) -> None:
+        ray_module: None) -> None:
     clock = [0.0]
     recovery, replaced, _ = _recovery([SILENT, EXITED, SERVING], clock)
 
@@ -180,7 +167,7 @@ def _answered_before(recovery: EngineRecovery, index: int, handles: list[Any]) -
 
 
 def test_an_answer_from_before_a_failed_delivery_does_not_keep_the_engine(
-        ray_once: None) -> None:
+        ray_module: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, _) = _recovery([SERVING, SERVING], clock)
     _answered_before(recovery, 1, handles)
@@ -191,7 +178,7 @@ def test_an_answer_from_before_a_failed_delivery_does_not_keep_the_engine(
 
 
 def test_an_answer_from_before_a_failed_request_does_not_return_the_engine(
-        ray_once: None) -> None:
+        ray_module: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, rollout) = _recovery([SERVING, SERVING], clock)
     _answered_before(recovery, 0, handles)
