@@ -546,6 +546,46 @@ class ControlPlane:
             describe=proc.tail,
         )
 
+    def start_kueue(self) -> None:
+        """Kueue's controller manager (out of cluster) with its CRDs, managing RLJobs as an
+        external framework, as a cluster would run it for the operator's `--kueue`. No
+        webhook configuration is installed (nothing calls its webhooks), so its serving and
+        metrics certificates only have to exist: throwaway ones, the metrics pair at the
+        path Kueue reads it from without a setting."""
+        self.install_crds(self.bins / "kueue-crds", timeout=120)
+        self.kubectl("create", "namespace", "kueue-system", check=False)
+        certs = self.root / "kueue-certs"
+        certs.mkdir(exist_ok=True)
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                 "-subj", "/CN=kueue", "-keyout", "tls.key", "-out", "tls.crt", cwd=certs)
+        metrics = Path("/etc/kueue/metrics/certs")
+        if not (metrics / "tls.crt").exists():
+            metrics.mkdir(parents=True, exist_ok=True)
+            shutil.copy(certs / "tls.crt", metrics / "tls.crt")
+            shutil.copy(certs / "tls.key", metrics / "tls.key")
+        config = self.root / "kueue-config.yaml"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+            "kind": "Configuration",
+            "namespace": "kueue-system",
+            "leaderElection": {"leaderElect": False},
+            "metrics": {"bindAddress": "0"},
+            "health": {"healthProbeBindAddress": "0"},
+            "webhook": {"port": free_port(), "host": "127.0.0.1", "certDir": str(certs)},
+            "internalCertManagement": {"enable": False},
+            "manageJobsWithoutQueueName": False,
+            "integrations": {"frameworks": ["batch/job"],
+                             "externalFrameworks": ["RLJob.v1alpha1.rljob.io"]},
+            "featureGates": {"VisibilityOnDemand": False},
+        }))
+        proc = self._spawn("kueue", [str(self.bins / "kueue"), f"--config={config}",
+                                     f"--kubeconfig={self.kubeconfig}"],
+                           env={"KUBECONFIG": str(self.kubeconfig)})
+        wait_for(
+            lambda: (self._alive(proc)
+                     and "Starting workers" in proc.log.read_text(errors="replace")),
+            timeout=90, what="Kueue to start its workers", describe=proc.tail)
+
 
 def fake_node(name: str, gpus: int, labels: dict[str, str] | None = None) -> dict[str, Any]:
     """A Node object kwok will keep Ready, advertising `gpus` nvidia.com/gpu, and CPU,

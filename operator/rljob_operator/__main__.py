@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     assert handlers.rljob_event is not None  # importing `handlers` registers them with kopf
+    if cfg.kueue:
+        from rljob_operator import kueue_handlers  # registers the Workload watch
+        assert kueue_handlers.workload_event is not None
     kopf.run(
         standalone=True,
         clusterwide=not cfg.namespaces,

@@ -31,6 +31,7 @@ class OperatorConfig:
     liveness: str | None = "http://0.0.0.0:8080/healthz"
     verbose: bool = False
     node_lost_after: float = NODE_LOST_AFTER_SECONDS  # 0: a node not Ready is lost at once
+    kueue: bool = False  # queue jobs that name a LocalQueue as Kueue Workloads
 
 
 def _env_float(name: str, default: float) -> float:
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                                       OperatorConfig.node_lost_after),
                    help="seconds a node must be NotReady before its job pods are force-deleted "
                         "and their jobs restarted; 0: at once ($RLJOB_OPERATOR_NODE_LOST_AFTER)")
+    p.add_argument("--kueue", action="store_true",
+                   default=os.environ.get("RLJOB_OPERATOR_KUEUE", "") in ("1", "true"),
+                   help="queue RLJobs that name a Kueue LocalQueue (label "
+                        "kueue.x-k8s.io/queue-name or spec.scheduling.queue) as Kueue "
+                        "Workloads; needs Kueue's CRDs and RBAC for them "
+                        "($RLJOB_OPERATOR_KUEUE=true)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -97,4 +104,5 @@ def parse_args(argv: list[str] | None = None) -> OperatorConfig:
         liveness=args.liveness or None,
         verbose=args.verbose,
         node_lost_after=args.node_lost_after,
+        kueue=args.kueue,
     )

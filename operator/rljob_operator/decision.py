@@ -21,6 +21,7 @@ class Actions:
     create_driver: tuple[str, ...] | None = None  # compute pods the new driver starts with
     delete_driver: bool = False
     delete_pods: tuple[str, ...] = ()  # force-deleted: failed, or stranded on a lost node
+    workload: str | None = None  # the change to the job's Kueue Workload (admission.WorkloadStep)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from rljob_operator.memory import Memory
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import pod_failure
 from rljob_operator.reconciler import Reconciler
+from rljob_operator.workloads import Workloads
 
 STALL_SECONDS = 60.0  # the liveness probe fails when the scheduler loop stalls this long
 
@@ -73,12 +74,14 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # no end marker, so a job's first reconcile reads the API server (it must not take a pod
     # it has not been told of yet for a lost one); later ones read the store.
     store = Store()
-    kube = Kube(client.ApiClient(load_configuration(cfg.kubeconfig)), store)
+    api_client = client.ApiClient(load_configuration(cfg.kubeconfig))
+    kube = Kube(api_client, store)
     # Nodes: listed for all jobs at once, every 3 resync intervals (30 s in production).
     nodes = NodeCache(kube.list_nodes, ttl=min(30.0, max(1.5, 3 * cfg.interval)),
                       min_age=min(2.0, cfg.interval))
     reconciler = Reconciler(kube, metrics, memory, store=store, nodes=nodes, resync=cfg.resync,
-                            node_lost_after=cfg.node_lost_after)
+                            node_lost_after=cfg.node_lost_after,
+                            workloads=Workloads(api_client) if cfg.kueue else None)
     controller = Controller(reconciler.reconcile, cfg.interval, cfg.workers)
 
     def remembered() -> dict[str, int]:

@@ -16,6 +16,7 @@ from rljob_api.layout import DRIVER, HEAD
 from rljob_api.spec import FailureKind
 from rljob_api.status import parse_timestamp, timestamp
 from rljob_operator import names
+from rljob_operator.kueue import QueueState
 
 Obj = dict[str, Any]
 ClusterState = Literal["absent", "present", "deleting"]  # the job's RayCluster
@@ -131,6 +132,8 @@ class Observed:
     # The RayCluster's worker groups as they are: group → (replicas, minReplicas,
     # maxReplicas); a hand edit of them shows here, not in the revision annotation.
     cluster_groups: Mapping[str, tuple[object, object, object]] = field(default_factory=dict)
+    # The job's place in Kueue; None for a job that names no queue.
+    queue: QueueState | None = None
 
     def pending_losses(self) -> dict[str, NodeOutage]:
         """Nodes that are not Ready but do not count as lost yet: they may come back."""

@@ -26,6 +26,7 @@ from rljob_api.status import (
 )
 from rljob_api.status import Failure as LastFailure
 from rljob_operator import names
+from rljob_operator.admission import admitted_condition, gate, workload_step
 from rljob_operator.builders import worker_groups
 from rljob_operator.decision import Actions, Decision, Event
 from rljob_operator.failures import (
@@ -57,12 +58,15 @@ Obj = dict[str, Any]
 
 def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
     """The operator's status fields and next actions for one job."""
-    decision = _decide_phase(job, obs, now)
+    s = Situation.of(job, obs, now)
+    decision = admitted_condition(s, _decide_phase(s, job, obs))
+    step = workload_step(s, decision)
+    if step is not None:
+        decision = replace(decision, actions=replace(decision.actions, workload=step.value))
     return replace(decision, hold_step=held_step(job.status, decision.restarts))
 
 
-def _decide_phase(job: JobView, obs: Observed, now: datetime) -> Decision:
-    s = Situation.of(job, obs, now)
+def _decide_phase(s: Situation, job: JobView, obs: Observed) -> Decision:
     if s.phase in TERMINAL_PHASES:
         if finished(s.stored):
             return _terminal(s)
@@ -95,6 +99,9 @@ def _decide(s: Situation, job: JobView, obs: Observed) -> Decision:
                      str(runtime.get("message") or "the runtime stopped the job"))
     if job.spec.scheduling.suspend:
         return _suspended(s)
+    queued = gate(s)
+    if queued is not None:
+        return queued
     if obs.in_the_way is not None:
         return _blocked(s, obs.in_the_way)
     modes = obs.checkpoint_modes

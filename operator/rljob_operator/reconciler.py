@@ -10,21 +10,23 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rljob_api.status import parse_timestamp
+from rljob_api.status import Phase, parse_timestamp, timestamp
 from rljob_operator import builders, names
+from rljob_operator.admission import WorkloadStep
 from rljob_operator.builders import JobRef, Obj
 from rljob_operator.cache import POD, RAYCLUSTER, RLJOB, NodeCache, Store, pod_unready
 from rljob_operator.config import NODE_LOST_AFTER_SECONDS
 from rljob_operator.controller import GONE, Gone
-from rljob_operator.decision import Actions, Event
+from rljob_operator.decision import Actions, Decision, Event
 from rljob_operator.engine_events import engine_events, seen
 from rljob_operator.kube import Kube, NamespaceTerminating, ObjectInTheWay
+from rljob_operator.kueue import Flavored, QueueState, place_driver, place_raycluster
 from rljob_operator.memory import ClaimModes, Ensured, Memory, SupportCheck
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import Relabel, label_repairs, observe, owned_by
@@ -37,6 +39,7 @@ from rljob_operator.support import (
     Support,
     spec_version,
 )
+from rljob_operator.workloads import Workloads
 
 log = logging.getLogger("rljob_operator")
 SAFETY_RESYNC_SECONDS = 600.0
@@ -61,7 +64,8 @@ class Reconciler:
                  nodes: NodeCache | None = None,
                  resync: float = SAFETY_RESYNC_SECONDS,
                  monotonic: Callable[[], float] = time.monotonic,
-                 node_lost_after: float = NODE_LOST_AFTER_SECONDS) -> None:
+                 node_lost_after: float = NODE_LOST_AFTER_SECONDS,
+                 workloads: Workloads | None = None) -> None:
         self.kube = kube
         self.metrics = metrics
         self.memory = memory
@@ -71,6 +75,7 @@ class Reconciler:
         self.resync = resync
         self.monotonic = monotonic
         self.node_lost_after = node_lost_after
+        self.workloads = workloads  # None: the Kueue integration is off
         # For the support objects' creates, which go out together.
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rljob-support")
 
@@ -258,6 +263,10 @@ class Reconciler:
         if job.spec is not None and job.spec.checkpoint.pvc:
             observed = replace(observed, checkpoint_modes=self._claim_modes(
                 namespace, name, job.spec.checkpoint.pvc))
+        if job.spec is not None and job.queue is not None:
+            queue = QueueState(job.queue, False) if self.workloads is None \
+                else self.workloads.state(ref, body, job.queue, job.spec)
+            observed = replace(observed, queue=queue)
         decision = decide(job, observed, now)
         if decision.hold_step is not None:
             self.kube.hold_step(namespace, name, decision.hold_step,
@@ -273,6 +282,9 @@ class Reconciler:
             log.info("%s/%s: %s: %s", namespace, name, decision.event.reason,
                      decision.event.message)
             self.kube.post_event(body, decision.event)
+        if decision.actions.workload is not None and observed.queue is not None \
+                and self.workloads is not None:
+            self._workload(ref, job, observed.queue, decision, now)
         self._engine_events(body, job.status.get("engines"))
         self.metrics.set_engines((namespace, name), job.status.get("engines"))
         if decision.restart is not None:
@@ -287,8 +299,10 @@ class Reconciler:
             due = self._support_due(ref, generation, waiting)
             support = Support(self.kube, ref, body, job.spec, self._pool) \
                 if job.spec is not None else None
+            placement = observed.queue.placement if observed.queue is not None else {}
             again = self._act(ref, body, job, decision.actions, decision.restarts, support,
-                              check=due, cluster_present=observed.cluster == "present")
+                              check=due, cluster_present=observed.cluster == "present",
+                              placement=placement)
             if support is not None and support.ran:
                 with self.memory.job((namespace, name)) as held:
                     held.ensured = Ensured(spec_version(ref, generation), self.monotonic())
@@ -304,6 +318,20 @@ class Reconciler:
             return 0.0
         self.metrics.set_phase((namespace, name), decision.phase)
         return decision.requeue_after
+
+    def _workload(self, ref: JobRef, job: JobView, queue: QueueState, decision: Decision,
+                  now: datetime) -> None:
+        """The decision's change to the job's Kueue Workload; a finished job's says how it
+        ended."""
+        assert self.workloads is not None and decision.actions.workload is not None
+        step = WorkloadStep(decision.actions.workload)
+        phase = decision.phase
+        ended: Obj = next((c for c in decision.status.get("conditions") or []
+                      if c.get("type") == phase and c.get("status") == "True"), {})
+        log.info("%s/%s: Kueue workload: %s", ref.namespace, ref.name, step.value)
+        self.workloads.apply(step, queue, ref, timestamp(now), job.generation,
+                             message=str(ended.get("message") or ""),
+                             succeeded=phase == Phase.succeeded.value)
 
     def _engine_events(self, body: Obj, engines: Any) -> None:
         """An Event for each rollout engine lost or rejoined since the last reconcile."""
@@ -392,7 +420,8 @@ class Reconciler:
         self.kube.delete_raycluster(ref.namespace, names.raycluster_name(ref.name))
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions, restarts: int,
-             support: Support | None, check: bool, cluster_present: bool) -> bool:
+             support: Support | None, check: bool, cluster_present: bool,
+             placement: Mapping[str, Flavored]) -> bool:
         """Carry out `actions`: deletions first, then (when `check`) the support objects'
         check, then patches and creates. Returns whether the job is to be looked at again at
         once (its Ray token was replaced)."""
@@ -416,17 +445,19 @@ class Reconciler:
         if actions.patch_cluster:
             # Patched before its outdated pods go, so KubeRay remakes them from the new spec
             # (one made from a stale cache is outdated too, and goes at the next reconcile).
-            self.kube.patch_raycluster(builders.build_raycluster(ref, job.spec))
+            self.kube.patch_raycluster(place_raycluster(
+                builders.build_raycluster(ref, job.spec), placement))
         for pod in actions.replace_pods:
             self.kube.delete_pod(ns, pod)
         if actions.create_cluster:
             if not self._ensured_lately(ref, generation):
                 support.ensure()
-            self.kube.create(builders.build_raycluster(ref, job.spec), ref.uid)
+            self.kube.create(place_raycluster(builders.build_raycluster(ref, job.spec),
+                                              placement), ref.uid)
         if actions.create_driver is not None:
             if not self._ensured_lately(ref, generation) and support.ensure():
                 self._token_replaced(ref, body)
                 return True
-            self.kube.create(builders.build_driver(ref, job.spec, restarts,
-                                                   list(actions.create_driver)), ref.uid)
+            self.kube.create(place_driver(builders.build_driver(
+                ref, job.spec, restarts, list(actions.create_driver)), placement), ref.uid)
         return False

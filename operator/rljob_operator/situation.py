@@ -18,6 +18,7 @@ from rljob_api.status import Phase, RecoveryStatus, parse_timestamp, timestamp
 from rljob_api.validate import name_problems, spec_problems
 from rljob_operator.builders import JobRef, Revisions, revisions, worker_groups
 from rljob_operator.failures import refine_last_failure
+from rljob_operator.kueue import queue_of
 from rljob_operator.observe import Observed, PodView
 
 Obj = dict[str, Any]
@@ -34,6 +35,7 @@ class JobView:
     status: Obj
     namespace: str = ""
     uid: str = ""
+    queue: str | None = None  # the Kueue LocalQueue it is queued in (`kueue.queue_of`)
 
 
 def parse_job(body: Obj) -> JobView:
@@ -44,11 +46,18 @@ def parse_job(body: Obj) -> JobView:
     # The same checks as admission (rljob_api.rules), for a job stored before they were
     # there: it fails naming the field instead of making children that can never run.
     errors = [str(p) for p in (*name_problems(meta), *spec_problems(raw))]
+    labels = dict(meta.get("labels") or {})
+    queue: str | None = None
     if not errors:
         try:
             spec = RLJobSpec.model_validate(raw)
         except ValidationError as err:
             errors.append(str(err))
+    if spec is not None:
+        queue, problem = queue_of(labels, spec)
+        if problem is not None:
+            errors.append(problem)
+            spec = None
     return JobView(
         name=name,
         generation=int(meta.get("generation") or 0),
@@ -57,6 +66,7 @@ def parse_job(body: Obj) -> JobView:
         status=dict(body.get("status") or {}),
         namespace=str(meta.get("namespace") or ""),
         uid=str(meta.get("uid") or ""),
+        queue=queue,
     )
 
 

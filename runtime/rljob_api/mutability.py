@@ -132,8 +132,7 @@ FIELD_EFFECTS: tuple[FieldEffect, ...] = (
     FieldEffect("scheduling.tolerations", Effect.compute, "every pod replaced"),
     FieldEffect("scheduling.priorityClassName", Effect.compute, "every pod replaced"),
     FieldEffect("scheduling.queue", Effect.immutable,
-                "a job's queue is chosen at creation; the operator does not submit jobs to "
-                "Kueue yet"),
+                "a job's queue is chosen at creation (Kueue holds its Workload there)"),
     FieldEffect("scheduling.suspend", Effect.operator,
                 "set to true, deletes the driver (it saves), then the RayCluster; false "
                 "builds them again"),

@@ -725,8 +725,11 @@ class SchedulingSpec(ApiModel):
     queue: ShortText | None = Field(
         None,
         description=(
-            "Kueue LocalQueue name, reserved: recorded on the job but not acted on yet (the "
-            "operator does not submit jobs to Kueue)."
+            "Kueue LocalQueue the job waits in (the same as its label "
+            "kueue.x-k8s.io/queue-name; if both are set they must name the same queue). "
+            "Nothing of the job runs until Kueue admits its Workload; an eviction stops it "
+            "like suspend. Needs the operator's Kueue integration (chart value "
+            "kueue.enabled)."
         ),
     )
     suspend: bool = Field(False, description="Tear compute down, keep checkpoints; false resumes.")

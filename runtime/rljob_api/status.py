@@ -68,6 +68,8 @@ def apply_status(api: Any, namespace: str, name: str, status: dict[str, Any], ma
 
 class Phase(str, Enum):
     pending = "Pending"
+    queued = "Queued"  # waiting for Kueue to admit it (spec.scheduling.queue)
+    preempted = "Preempted"  # evicted by Kueue: stopping, then queued again
     initializing = "Initializing"
     running = "Running"
     recovering = "Recovering"

@@ -38,6 +38,9 @@ COMBINATIONS: dict[str, dict[str, str]] = {
         "imagePullSecrets[0].name": "regcred", "priorityClassName": "system-cluster-critical",
     },
     "service-monitor": {"metrics.serviceMonitor.enabled": "true"},
+    "kueue": {"kueue.enabled": "true"},
+    "kueue-namespace-scope": {"kueue.enabled": "true", "rbac.scope": "namespace",
+                              "watchNamespace": "team-a"},
 }
 
 
@@ -82,7 +85,8 @@ def _rules(manifests: list[Manifest]) -> list[dict[str, Any]]:
             for r in m["rules"]]
 
 
-@pytest.mark.parametrize("combo", ["defaults", "namespace-scope"])
+@pytest.mark.parametrize("combo", ["defaults", "namespace-scope", "kueue",
+                                   "kueue-namespace-scope"])
 def test_rbac_has_no_wildcards_and_never_reads_secrets(k8s_bins: Path, combo: str) -> None:
     rules = _rules(render(k8s_bins, _values(COMBINATIONS[combo])))
     assert rules
@@ -115,6 +119,37 @@ def test_namespace_scope_grants_namespaced_rights_only_in_the_watched_namespace(
     assert cluster["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
     args = one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert [a for a in args if a.startswith("--namespace")] == ["--namespace=team-a"]
+
+
+def test_kueue_rights_come_only_with_the_integration(k8s_bins: Path) -> None:
+    """kueue.enabled: the operator may write Workloads and read flavors and priorities, runs
+    with --kueue, and Kueue's ServiceAccount may read RLJobs; without it, none of that."""
+    def granted(manifests: list[Manifest]) -> set[tuple[str, str, str]]:
+        return {(g, r, v) for rule in _rules(manifests) for g in rule["apiGroups"]
+                for r in rule["resources"] for v in rule["verbs"]}
+
+    def args(manifests: list[Manifest]) -> list[str]:
+        return list(one(manifests, "Deployment")["spec"]["template"]["spec"]["containers"][0][
+            "args"])
+
+    for combo in ("defaults", "namespace-scope"):
+        plain = render(k8s_bins, _values(COMBINATIONS[combo]))
+        assert not {g for g, _, _ in granted(plain)} & {"kueue.x-k8s.io", "scheduling.k8s.io"}
+        assert "--kueue" not in args(plain)
+    for combo in ("kueue", "kueue-namespace-scope"):
+        manifests = render(k8s_bins, _values(COMBINATIONS[combo]))
+        rights = granted(manifests)
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+            assert ("kueue.x-k8s.io", "workloads", verb) in rights
+        assert ("kueue.x-k8s.io", "workloads/status", "patch") in rights
+        assert ("kueue.x-k8s.io", "resourceflavors", "get") in rights
+        assert ("rljob.io", "rljobs/finalizers", "update") in rights
+        assert "--kueue" in args(manifests)
+        reader = [b for b in by_kind(manifests, "ClusterRoleBinding")
+                  if b["metadata"]["name"].endswith("kueue-reads-rljobs")]
+        assert [b["subjects"] for b in reader] == [[{
+            "kind": "ServiceAccount", "name": "kueue-controller-manager",
+            "namespace": "kueue-system"}]]
 
 
 def test_deployment_is_restricted_probed_and_pinned(k8s_bins: Path) -> None:

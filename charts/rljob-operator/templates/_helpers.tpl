@@ -89,6 +89,20 @@ weight-sync store, Ray). `get`: to tell, after a conflict, whether one is the jo
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.kueue.enabled }}
+{{- /* Kueue: each queued job's Workload, written as Kueue's job integrations write theirs;
+the finalizers subresource of RLJobs because a Workload is owned by its job with
+blockOwnerDeletion. */}}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+- apiGroups: ["rljob.io"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
+{{- end }}
 {{- end -}}
 
 {{/* Nodes are cluster-scoped: listing them (lost-node detection) needs a ClusterRole. */}}
@@ -96,6 +110,16 @@ weight-sync store, Ray). `get`: to tell, after a conflict, whether one is the jo
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list"]
+{{- if .Values.kueue.enabled }}
+{{- /* Cluster-scoped too: the admitted flavors' node labels and tolerations, and the
+priority a job's Workload carries. */}}
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors", "workloadpriorityclasses"]
+  verbs: ["get"]
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["get"]
+{{- end }}
 {{- end -}}
 
 {{/* Cluster-wide kopf discovers resources by watching CRDs (scanning is off per namespace). */}}
@@ -116,6 +140,9 @@ weight-sync store, Ray). `get`: to tell, after a conflict, whether one is the jo
 - --workers={{ .Values.operator.workers }}
 {{- if .Values.operator.verbose }}
 - --verbose
+{{- end }}
+{{- if .Values.kueue.enabled }}
+- --kueue
 {{- end }}
 {{- with .Values.operator.extraArgs }}
 {{ toYaml . }}

@@ -1,0 +1,157 @@
+"""Kueue admission as phases: a queued job runs only while its Workload is admitted; until
+then, and after an eviction, it stops the way `spec.suspend` stops it (the driver saves the
+step in progress on SIGTERM, then compute is released), and the operator keeps the Workload
+in step with the job (`workload_step`). Pure: (situation, decision) → decision."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from enum import Enum
+
+from rljob_api.status import TERMINAL_PHASES, Phase
+from rljob_operator.decision import Actions, Decision, Event
+from rljob_operator.kueue import out_of_step
+from rljob_operator.situation import Situation
+from rljob_operator.status import build_status, condition, recovery_status
+
+
+class WorkloadStep(str, Enum):
+    """The one change to the job's Workload a reconcile makes."""
+
+    create = "create"
+    update = "update"  # pod sets, queue or priority, on a workload that holds no quota
+    activate = "activate"  # spec.active follows spec.scheduling.suspend
+    release = "release"  # evicted and the pods are gone: the quota goes back to Kueue
+    finish = "finish"  # the job ended: Finished=True frees the quota
+    unhold = "unhold"  # Kueue's finalizer removed: the workload ended or is being deleted
+    drop = "drop"  # the job changed what it queues while admitted: replaced by a new one
+
+
+def inactive(s: Situation) -> bool:
+    """Nothing of the job that takes quota exists: no driver pod, no RayCluster, no pods."""
+    return s.obs.driver is None and s.obs.cluster == "absent" and not s.obs.compute
+
+
+def stopped(s: Situation, phase: str, reason: str, message: str, queued: bool) -> Decision:
+    """The job stops as for `spec.suspend`: the driver goes first (on SIGTERM its runtime
+    finishes the step and saves, which needs the trainers and engines), the RayCluster only
+    once the driver pod is gone; checkpoints are kept."""
+    driver = s.obs.driver
+    if driver is not None and driver.name in s.stranded_pods():
+        driver = None  # no kubelet will stop it: force-deleted, as stranded
+    if driver is not None:
+        message += ("; the driver stops (it saves the step in progress), then compute is "
+                    "released")
+    conds = [condition(s, "Ready", "False", reason, message),
+             condition(s, "Scheduled", "False", reason, message)]
+    if queued:
+        conds.append(condition(s, "Queued", "True", reason, message))
+        conds.append(condition(s, "Suspended", "False", "NotSuspended", ""))
+    else:
+        conds.append(condition(s, "Suspended", "True", "Suspended", message))
+    if phase == Phase.preempted.value:
+        conds.append(condition(s, "Preempted", "True", reason, message))
+    status = build_status(s, phase, conds, recovery_status(s, None))
+    actions = Actions(
+        delete_cluster=s.obs.cluster == "present" and driver is None,
+        delete_driver=driver is not None and not driver.deleting,
+        delete_pods=s.stranded_pods(),
+    )
+    stored: dict[str, object] = next(
+        (c for c in s.stored.get("conditions") or [] if c.get("type") == "Ready"), {})
+    event = None
+    if phase != s.phase or stored.get("reason") != reason:
+        event = Event("Warning" if phase == Phase.preempted.value else "Normal", phase,
+                      message)
+    return Decision(status, actions, event)
+
+
+def gate(s: Situation) -> Decision | None:
+    """The decision of a job queued in Kueue that may not run now; None once its Workload
+    is admitted (it then runs, on the flavors Kueue assigned)."""
+    queue = s.obs.queue
+    if queue is None:
+        return None
+    wl = queue.workload
+    cq = f"LocalQueue {queue.name}"
+    if not queue.enabled:
+        return stopped(s, Phase.queued.value, "KueueIntegrationOff",
+                       f"the job names {cq}, but this operator does not manage Kueue "
+                       "workloads: install the chart with kueue.enabled=true (operator flag "
+                       "--kueue), or remove the queue from the job", queued=True)
+    if wl is None:
+        return stopped(s, Phase.queued.value, "WorkloadPending",
+                       f"queued in {cq}: its Workload is made once nothing of the job runs",
+                       queued=True)
+    if wl.deleting:
+        return stopped(s, Phase.queued.value, "WorkloadDeleted",
+                       f"Workload {wl.name} is being deleted; the job is queued again with a "
+                       "new one once its pods are gone", queued=True)
+    if wl.reserved and queue.want is not None and out_of_step(wl, queue.want):
+        return stopped(s, Phase.queued.value, "SpecChanged",
+                       f"the spec changed what Workload {wl.name} queues (pods, resources, "
+                       "queue or priority) while it was admitted: the job stops and is queued "
+                       "again as it is now", queued=True)
+    if wl.evicted is not None:
+        preempted = wl.evicted.reason == "Preempted"
+        why = wl.preempted.words() if preempted and wl.preempted else wl.evicted.words()
+        phase = Phase.preempted.value if preempted else Phase.queued.value
+        if not wl.reserved:
+            phase = Phase.queued.value
+        return stopped(s, phase, wl.evicted.reason or "Evicted",
+                       f"Kueue evicted Workload {wl.name} ({why}); it is queued again once the "
+                       "job's pods are gone, and resumes from its latest checkpoint when "
+                       "admitted", queued=True)
+    if wl.admitted:
+        return None
+    if wl.reserved:
+        return stopped(s, Phase.queued.value, "AwaitingAdmissionChecks",
+                       f"Workload {wl.name} holds quota in ClusterQueue {wl.cluster_queue} and "
+                       "waits for its admission checks", queued=True)
+    pending = wl.pending.message if wl.pending and wl.pending.message \
+        else "waiting for Kueue to reserve quota"
+    reason = wl.pending.reason if wl.pending and wl.pending.reason else "Pending"
+    return stopped(s, Phase.queued.value, reason,
+                   f"Workload {wl.name} waits in {cq}: {pending}", queued=True)
+
+
+def workload_step(s: Situation, decision: Decision) -> WorkloadStep | None:
+    """What to change on the job's Workload after `decision`."""
+    queue = s.obs.queue
+    if queue is None or not queue.enabled or queue.want is None:
+        return None
+    wl = queue.workload
+    terminal = decision.phase in TERMINAL_PHASES
+    idle = inactive(s)
+    if wl is None:
+        return WorkloadStep.create if not terminal and idle else None
+    if wl.deleting:
+        return WorkloadStep.unhold if wl.held and (idle or terminal) else None
+    if terminal:
+        if not wl.finished:
+            return WorkloadStep.finish
+        return WorkloadStep.unhold if wl.held else None
+    if wl.evicted is not None and wl.reserved:
+        return WorkloadStep.release if idle else None
+    suspended = s.job.spec is not None and s.job.spec.scheduling.suspend
+    if wl.active == suspended:
+        return WorkloadStep.activate
+    if out_of_step(wl, queue.want):
+        if not wl.reserved:
+            return WorkloadStep.update
+        return WorkloadStep.drop if idle else None
+    return None
+
+
+def admitted_condition(s: Situation, decision: Decision) -> Decision:
+    """A running queued job's status says which ClusterQueue admitted it."""
+    queue = s.obs.queue
+    if queue is None or queue.workload is None or not queue.workload.admitted \
+            or decision.phase in TERMINAL_PHASES:
+        return decision
+    wl = queue.workload
+    cond = condition(s, "Admitted", "True", "Admitted",
+                     f"Workload {wl.name} is admitted by ClusterQueue {wl.cluster_queue}")
+    status = dict(decision.status)
+    status["conditions"] = [*status.get("conditions", []), cond.model_dump(by_alias=True)]
+    return replace(decision, status=status)

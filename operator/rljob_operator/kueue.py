@@ -1,0 +1,359 @@
+"""RLJob ↔ Kueue, pure: the Workload an RLJob is queued as, what a stored Workload says, and
+the patches the operator sends Kueue.
+
+The operator integrates the way Kueue's external frameworks do (AppWrapper's controller, the
+jobframework reconciler): it owns one `kueue.x-k8s.io/v1beta2` Workload per queued RLJob,
+creates nothing that takes quota before Kueue admits that Workload, applies the admitted
+flavors to the pods, stops the job on eviction and hands the quota back once its pods are
+gone. Gating the RayCluster through Kueue's own RayCluster integration would leave out the
+driver pod and would admit the RayCluster as one workload of its own, while the driver,
+which must start only once every compute pod runs, still took quota unqueued.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rljob_api import KIND
+from rljob_api.layout import DRIVER, HEAD
+from rljob_api.spec import RLJobSpec
+from rljob_operator import builders
+
+Obj = dict[str, Any]
+
+GROUP = "kueue.x-k8s.io"
+VERSION = "v1beta2"
+API = f"{GROUP}/{VERSION}"
+WORKLOADS = "workloads"
+RESOURCE_FLAVORS = "resourceflavors"
+WORKLOAD_PRIORITY_CLASSES = "workloadpriorityclasses"
+LABEL_QUEUE = f"{GROUP}/queue-name"
+LABEL_PRIORITY_CLASS = f"{GROUP}/priority-class"
+LABEL_JOB_UID = f"{GROUP}/job-uid"
+LABEL_PODSET = f"{GROUP}/podset"
+FINALIZER = f"{GROUP}/resource-in-use"
+# The operator's own: a digest of the pod sets, to tell that the spec changed what is queued.
+ANNOTATION_PODSETS = "rljob.io/podsets"
+# Status fields Kueue's admission owns (server-side apply, field manager "kueue-admission").
+ADMISSION_MANAGER = "kueue-admission"
+# Kueue's eviction reasons after which the workload is queued again at once (Requeued=True);
+# after any other (a deactivation, a stopped queue) Kueue itself requeues it later, if ever.
+REQUEUE_AT_ONCE = frozenset({"Preempted", "NodeFailures"})
+
+
+def workload_name(job: str, uid: str) -> str:
+    """`rljob-<job>-<5 hex>`: Kueue's own naming for a job's workload (kind, job name and a
+    digest of kind, group, name and UID), so that a job deleted and made again under its
+    name gets a new one."""
+    digest = hashlib.sha1(f"{KIND}\nrljob.io\n{job}\n{uid}".encode()).hexdigest()[:5]
+    return f"{KIND.lower()}-{job}"[:253 - 6] + f"-{digest}"
+
+
+def queue_of(labels: Mapping[str, str], spec: RLJobSpec) -> tuple[str | None, str | None]:
+    """The LocalQueue the job is queued in, from Kueue's own label or
+    `spec.scheduling.queue`, and a problem when both are set and disagree."""
+    label = labels.get(LABEL_QUEUE) or None
+    field_ = spec.scheduling.queue or None
+    if label and field_ and label != field_:
+        return None, (f"metadata.labels[{LABEL_QUEUE}] is {label!r} but "
+                      f"spec.scheduling.queue is {field_!r}: name one LocalQueue (drop one "
+                      "of them or make them equal)")
+    return label or field_, None
+
+
+@dataclass(frozen=True)
+class Priority:
+    """What the workload's priority comes from (Kueue's order: the WorkloadPriorityClass of
+    the job's `kueue.x-k8s.io/priority-class` label, else the pods' PriorityClass)."""
+
+    kind: str  # WorkloadPriorityClass | PriorityClass
+    name: str
+    value: int
+
+    def ref(self) -> Obj:
+        group = GROUP if self.kind == "WorkloadPriorityClass" else "scheduling.k8s.io"
+        return {"group": group, "kind": self.kind, "name": self.name}
+
+
+def _slim_template(template: Obj) -> Obj:
+    """A pod template as Kueue needs it: what requests quota and what picks a flavor
+    (containers' resources, init containers, node selector, tolerations, affinity, priority
+    class). Kueue reads nothing else of it, and the full templates would make every
+    Workload several times larger."""
+    spec = template["spec"]
+
+    def container(c: Obj) -> Obj:
+        out: Obj = {"name": c["name"], "image": c.get("image", "")}
+        for key in ("resources", "restartPolicy"):
+            if key in c:
+                out[key] = c[key]
+        return out
+
+    slim: Obj = {"containers": [container(c) for c in spec["containers"]]}
+    if spec.get("initContainers"):
+        slim["initContainers"] = [container(c) for c in spec["initContainers"]]
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName",
+                "restartPolicy"):
+        if key in spec:
+            slim[key] = spec[key]
+    labels = dict((template.get("metadata") or {}).get("labels") or {})
+    return {"metadata": {"labels": labels}, "spec": slim}
+
+
+def pod_sets(job: builders.JobRef, spec: RLJobSpec) -> list[Obj]:
+    """Every pod the job runs, as Kueue pod sets: the Ray head, one set per worker group
+    (trainer and rollout, or colocated) and the driver, each with the requests its pods
+    really make (GPUs, the sidecars' memory, the status writer), built by the same
+    builders that make the pods."""
+    rc = builders.build_raycluster(job, spec)
+    sets = [{"name": HEAD, "count": 1,
+             "template": _slim_template(rc["spec"]["headGroupSpec"]["template"])}]
+    for group in rc["spec"]["workerGroupSpecs"]:
+        sets.append({"name": group["groupName"], "count": int(group["replicas"]),
+                     "template": _slim_template(group["template"])})
+    driver = builders.build_driver(job, spec, 0, [])
+    sets.append({"name": DRIVER, "count": 1, "template": _slim_template(
+        {"metadata": driver["metadata"], "spec": driver["spec"]})})
+    return sets
+
+
+def _digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_workload(job: builders.JobRef, spec: RLJobSpec, queue: str,
+                   priority: Priority | None) -> Obj:
+    """The Workload an RLJob is queued as. Owned by the job (garbage-collected with it) and
+    held by Kueue's finalizer, which the operator removes once the job's pods are gone."""
+    sets = pod_sets(job, spec)
+    body: Obj = {"queueName": queue, "podSets": sets}
+    if priority is not None:
+        body["priorityClassRef"] = priority.ref()
+        body["priority"] = priority.value
+    return {
+        "apiVersion": API,
+        "kind": "Workload",
+        "metadata": {
+            "name": workload_name(job.name, job.uid),
+            "namespace": job.namespace,
+            "labels": {LABEL_JOB_UID: job.uid},
+            "annotations": {ANNOTATION_PODSETS: _digest(sets)},
+            "finalizers": [FINALIZER],
+            "ownerReferences": [builders.owner_reference(job)],
+        },
+        "spec": body,
+    }
+
+
+@dataclass(frozen=True)
+class Said:
+    """One of Kueue's conditions on the workload: its reason and message."""
+
+    reason: str
+    message: str
+
+    def words(self) -> str:
+        return f"{self.reason}: {self.message}" if self.message else self.reason
+
+
+@dataclass(frozen=True)
+class Flavored:
+    """What admission adds to one pod set's pods: the assigned flavors' node labels and
+    tolerations."""
+
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Obj, ...] = ()
+
+
+@dataclass(frozen=True)
+class WorkloadView:
+    """A stored Workload as far as the operator acts on it."""
+
+    name: str
+    resource_version: str
+    deleting: bool
+    held: bool  # carries Kueue's resource-in-use finalizer
+    podsets_digest: str | None
+    queue: str
+    priority: int | None
+    active: bool
+    reserved: bool  # QuotaReserved=True: it holds quota
+    admitted: bool  # Admitted=True
+    finished: bool
+    evicted: Said | None
+    preempted: Said | None
+    pending: Said | None  # QuotaReserved=False: why it waits
+    cluster_queue: str | None
+    assignments: Mapping[str, tuple[str, ...]]  # pod set → flavor names, as admitted
+    conditions: tuple[Obj, ...] = ()
+    finalizers: tuple[str, ...] = ()
+
+
+def _conditions(status: Obj) -> dict[str, Obj]:
+    return {str(c.get("type")): c for c in status.get("conditions") or []}
+
+
+def _said(cond: Obj | None, want: str = "True") -> Said | None:
+    if cond is None or cond.get("status") != want:
+        return None
+    return Said(str(cond.get("reason") or ""), str(cond.get("message") or ""))
+
+
+def parse_workload(obj: Obj) -> WorkloadView:
+    meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
+    conds = _conditions(status)
+    admission = status.get("admission") or {}
+    assignments = {
+        str(a.get("name")): tuple(sorted(set((a.get("flavors") or {}).values())))
+        for a in admission.get("podSetAssignments") or []}
+    return WorkloadView(
+        name=meta["name"],
+        resource_version=str(meta.get("resourceVersion") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+        held=FINALIZER in (meta.get("finalizers") or []),
+        podsets_digest=(meta.get("annotations") or {}).get(ANNOTATION_PODSETS),
+        queue=str(spec.get("queueName") or ""),
+        priority=spec.get("priority"),
+        active=spec.get("active", True) is not False,
+        reserved=_said(conds.get("QuotaReserved")) is not None,
+        admitted=_said(conds.get("Admitted")) is not None,
+        finished=_said(conds.get("Finished")) is not None,
+        evicted=_said(conds.get("Evicted")),
+        preempted=_said(conds.get("Preempted")),
+        pending=_said(conds.get("QuotaReserved"), "False"),
+        cluster_queue=admission.get("clusterQueue"),
+        assignments=assignments,
+        conditions=tuple(status.get("conditions") or ()),
+        finalizers=tuple(meta.get("finalizers") or ()),
+    )
+
+
+def flavored(view: WorkloadView, flavors: Mapping[str, Obj]) -> dict[str, Flavored]:
+    """Pod set → what its assigned flavors add (`flavors`: ResourceFlavor name → object):
+    their nodeLabels into the node selector and their tolerations, as Kueue's own
+    integrations apply them."""
+    out = {}
+    for podset, names_ in view.assignments.items():
+        selector: dict[str, str] = {}
+        tolerations: list[Obj] = []
+        for name in names_:
+            spec = (flavors.get(name) or {}).get("spec") or {}
+            selector.update(spec.get("nodeLabels") or {})
+            tolerations.extend(t for t in spec.get("tolerations") or [] if t not in tolerations)
+        out[podset] = Flavored(selector, tuple(tolerations))
+    return out
+
+
+def apply_flavors(pod_spec: Obj, flavor: Flavored | None, labels: Obj | None = None,
+                  podset: str | None = None) -> None:
+    """Adds a pod set's flavors to a pod spec (and its pod set's label to `labels`)."""
+    if flavor is not None:
+        if flavor.node_selector:
+            pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}),
+                                        **flavor.node_selector}
+        if flavor.tolerations:
+            have = list(pod_spec.get("tolerations") or [])
+            pod_spec["tolerations"] = have + [t for t in flavor.tolerations if t not in have]
+    if labels is not None and podset is not None:
+        labels[LABEL_PODSET] = podset
+
+
+def place_raycluster(rc: Obj, placement: Mapping[str, Flavored]) -> Obj:
+    """The RayCluster with each group's admitted flavors applied to its pods."""
+    head = rc["spec"]["headGroupSpec"]["template"]
+    apply_flavors(head["spec"], placement.get(HEAD), head["metadata"].setdefault("labels", {}),
+                  HEAD)
+    for group in rc["spec"]["workerGroupSpecs"]:
+        t = group["template"]
+        apply_flavors(t["spec"], placement.get(group["groupName"]),
+                      t["metadata"].setdefault("labels", {}), group["groupName"])
+    return rc
+
+
+def place_driver(pod: Obj, placement: Mapping[str, Flavored]) -> Obj:
+    apply_flavors(pod["spec"], placement.get(DRIVER), pod["metadata"].setdefault("labels", {}),
+                  DRIVER)
+    return pod
+
+
+def _condition(type_: str, status: str, reason: str, message: str, now: str,
+               generation: int | None) -> Obj:
+    cond: Obj = {"type": type_, "status": status, "reason": reason,
+                 "message": message[:32768], "lastTransitionTime": now}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _with(conditions: tuple[Obj, ...], *new: Obj) -> list[Obj]:
+    """Conditions with `new` set; a condition whose status is unchanged keeps its time."""
+    out = {str(c.get("type")): dict(c) for c in conditions}
+    for cond in new:
+        old = out.get(cond["type"])
+        if old is not None and old.get("status") == cond["status"]:
+            cond = {**cond, "lastTransitionTime": old.get("lastTransitionTime",
+                                                          cond["lastTransitionTime"])}
+        out[cond["type"]] = cond
+    return list(out.values())
+
+
+def release_patch(view: WorkloadView, now: str, generation: int | None) -> Obj:
+    """The status patch that gives an evicted workload's quota back once the job's pods are
+    gone (what Kueue's job reconciler does for its own integrations): no admission,
+    QuotaReserved=False (Pending), Admitted=False (NoReservation), and Requeued, True when
+    Kueue queues it again at once (a preemption), else False until Kueue itself does."""
+    evicted = view.evicted or Said("Evicted", "")
+    requeued = "True" if evicted.reason in REQUEUE_AT_ONCE else "False"
+    conds = _with(
+        view.conditions,
+        _condition("Requeued", requeued, evicted.reason or "Evicted", evicted.message, now,
+                   generation),
+        _condition("QuotaReserved", "False", "Pending", evicted.message, now, generation),
+        _condition("Admitted", "False", "NoReservation", "The workload has no reservation",
+                   now, generation),
+    )
+    return {"metadata": {"resourceVersion": view.resource_version},
+            "status": {"admission": None, "conditions": conds}}
+
+
+def finish_patch(view: WorkloadView, succeeded: bool, message: str, now: str,
+                 generation: int | None) -> Obj:
+    """Finished=True: Kueue frees the quota of a job that ended."""
+    cond = _condition("Finished", "True", "Succeeded" if succeeded else "Failed",
+                      message or ("the job succeeded" if succeeded else "the job failed"),
+                      now, generation)
+    return {"metadata": {"resourceVersion": view.resource_version},
+            "status": {"conditions": _with(view.conditions, cond)}}
+
+
+def spec_patch(desired: Obj) -> Obj:
+    """What the operator keeps in step on a workload that holds no quota: its pod sets (and
+    their digest), queue and priority."""
+    spec = desired["spec"]
+    return {"metadata": {"annotations": dict(desired["metadata"]["annotations"])},
+            "spec": {"queueName": spec["queueName"], "podSets": spec["podSets"],
+                     "priorityClassRef": spec.get("priorityClassRef"),
+                     "priority": spec.get("priority")}}
+
+
+def out_of_step(view: WorkloadView, desired: Obj) -> bool:
+    """Whether a stored workload no longer matches what the job would queue now."""
+    spec = desired["spec"]
+    return bool(view.podsets_digest != desired["metadata"]["annotations"][ANNOTATION_PODSETS]
+            or view.queue != spec["queueName"] or view.priority != spec.get("priority"))
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """What a reconcile knows of a queued job's place in Kueue."""
+
+    name: str  # the LocalQueue
+    enabled: bool  # this operator manages Kueue workloads (`--kueue`)
+    workload: WorkloadView | None = None
+    want: Obj | None = None  # the Workload the job would queue now
+    placement: Mapping[str, Flavored] = field(default_factory=dict)  # when admitted

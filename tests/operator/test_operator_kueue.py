@@ -1,0 +1,272 @@
+"""RLJobs queued in Kueue, on the real control plane with a real Kueue controller (built
+from its pinned Go module by hack/k8s-bins) and kwok GPU nodes: a ClusterQueue of 16 GPUs,
+three 8-GPU jobs (two admitted, one queued), a higher-priority job that preempts one, which
+a real `rljob run` playing its driver saves on SIGTERM and resumes from once Kueue admits it
+again; the GPUs the queued jobs' pods request never exceed the quota (sampled all along); a
+queued job deleted leaves no Workload."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rljob_api import env
+from rljob_operator import kueue
+from tests.controlplane import GPU, REPO, ControlPlane
+from tests.operator.harness import job_manifest
+from tests.operator.jobs import pods, status, wait_phase
+from tests.operator_process import POOL_LABEL, Operator
+from tests.polling import wait_for
+from tests.processes import reap
+from tests.runtime.jobs import job_file
+
+pytestmark = pytest.mark.controlplane
+Obj = dict[str, Any]
+QUOTA_GPUS = 16
+TAINT = "rljob.io/kueue-test"
+EXIT_TERMINATED = 143
+
+
+@pytest.fixture
+def kueue_operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Operator]:
+    if "kueue" not in cluster.processes:
+        cluster.start_kueue()
+    op = Operator(cluster, namespace, tmp_path / "operator.log", extra_args=("--kueue",))
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+def _queues(cp: ControlPlane, ns: str) -> None:
+    """A flavor that puts pods on this test's tainted pool, a ClusterQueue of 16 GPUs for this
+    namespace that preempts lower priorities, a LocalQueue, and three priorities."""
+    cp.apply([
+        {"apiVersion": kueue.API, "kind": "ResourceFlavor", "metadata": {"name": f"gpu-{ns}"},
+         "spec": {"nodeLabels": {POOL_LABEL: ns},
+                  "tolerations": [{"key": TAINT, "operator": "Equal", "value": ns,
+                                   "effect": "NoSchedule"}]}},
+        {"apiVersion": kueue.API, "kind": "ClusterQueue", "metadata": {"name": f"cq-{ns}"},
+         "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{
+                      "coveredResources": ["cpu", "memory", GPU],
+                      "flavors": [{"name": f"gpu-{ns}", "resources": [
+                          {"name": "cpu", "nominalQuota": "200"},
+                          {"name": "memory", "nominalQuota": "2000Gi"},
+                          {"name": GPU, "nominalQuota": str(QUOTA_GPUS)}]}]}]}},
+        {"apiVersion": kueue.API, "kind": "LocalQueue",
+         "metadata": {"name": "team", "namespace": ns},
+         "spec": {"clusterQueue": f"cq-{ns}"}},
+        *({"apiVersion": kueue.API, "kind": "WorkloadPriorityClass",
+           "metadata": {"name": f"{level}-{ns}"}, "value": value}
+          for level, value in (("lowest", 50), ("low", 100), ("mid", 500), ("high", 1000))),
+    ])
+
+
+def _queued_job(name: str, ns: str, priority: str) -> Obj:
+    """8 GPUs: one trainer pod with 4, four engines with 1 each; placed by the flavor alone."""
+    body = job_manifest(name, ns, trainer={"backend": "megatron", "replicas": 1,
+                                           "gpusPerReplica": 4},
+                        rollout={"backend": "sglang", "engines": 4, "gpusPerEngine": 1},
+                        scheduling={})
+    body["metadata"]["labels"] = {kueue.LABEL_QUEUE: "team",
+                                  kueue.LABEL_PRIORITY_CLASS: f"{priority}-{ns}"}
+    return body
+
+
+def _gpus(pod: Obj) -> int:
+    return sum(int((c.get("resources") or {}).get("requests", {}).get(GPU, 0))
+               for c in pod["spec"]["containers"])
+
+
+class QuotaSampler:
+    """Sums the GPUs the queued jobs' live pods request, every half second, from a thread."""
+
+    def __init__(self, cp: ControlPlane, ns: str, jobs: set[str]) -> None:
+        self.cp, self.ns, self.jobs = cp, ns, jobs
+        self.samples: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            items = self.cp.get_json("pods", "-n", self.ns)["items"]
+            self.samples.append(sum(
+                _gpus(p) for p in items
+                if (p["metadata"].get("labels") or {}).get("rljob.io/job") in self.jobs
+                and p["status"].get("phase") not in ("Succeeded", "Failed")))
+            self.stop.wait(0.5)
+
+    def __enter__(self) -> QuotaSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+def _workload(cp: ControlPlane, ns: str, name: str) -> Obj | None:
+    uid = cp.get_json("rljob", name, "-n", ns)["metadata"]["uid"]
+    found = cp.kubectl("get", "workloads.kueue.x-k8s.io", kueue.workload_name(name, uid),
+                       "-n", ns, "-o", "json", check=False)
+    return json.loads(found.stdout) if found.returncode == 0 else None
+
+
+def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log: Path,
+             *args: str) -> subprocess.Popen[bytes]:
+    """A real `rljob run` playing the job's driver pod: its identity and attempt from the
+    driver pod the operator made; it reports through the API server."""
+    (driver,) = pods(cp, ns, name, "driver")
+    pod_env = {e["name"]: e["value"] for e in driver["spec"]["containers"][0]["env"]
+               if "value" in e}
+    identity = {k: pod_env[k] for k in (env.JOB_NAME, env.JOB_NAMESPACE, env.RESTARTS)}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir), *args],
+            env={**os.environ, **identity, "KUBECONFIG": str(cp.kubeconfig),
+                 "PYTHONPATH": f"{REPO}:{REPO / 'runtime'}"},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _events(cp: ControlPlane, ns: str, name: str, reason: str) -> list[str]:
+    items = cp.get_json("events", "-n", ns, "--field-selector",
+                        f"involvedObject.name={name}")["items"]
+    return [e["message"] for e in items if e["reason"] == reason]
+
+
+def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
+        cluster: ControlPlane, namespace: str, kueue_operator: Operator,
+        gpu_pool: Callable[..., list[str]], tmp_path: Path) -> None:
+    ns = namespace
+    nodes = gpu_pool(4, 8)
+    for node in nodes:
+        cluster.kubectl("taint", "node", node, f"{TAINT}={ns}:NoSchedule")
+    _queues(cluster, ns)
+    jobs = {"low", "mid", "lowest", "high"}
+    describe = lambda: kueue_operator.tail(40)  # noqa: E731
+
+    def phase_is(name: str, phase: str, timeout: float = 120) -> Obj:
+        try:
+            return wait_phase(cluster, ns, name, phase, timeout=timeout)
+        except AssertionError:
+            print(describe())
+            raise
+
+    def queued(name: str, reason: str) -> Obj:
+        """The job's Queued condition once it reads Queued for `reason`."""
+        def probe() -> Obj | None:
+            st = status(cluster, ns, name)
+            found = {c["type"]: c for c in st.get("conditions") or []}.get("Queued") or {}
+            return found if st.get("phase") == "Queued" and found.get("reason") == reason \
+                else None
+
+        return wait_for(probe, timeout=120, what=f"{name} Queued ({reason})",
+                        describe=lambda: json.dumps(status(cluster, ns, name))[-2000:]
+                        + "\n" + describe())
+
+    with QuotaSampler(cluster, ns, jobs) as quota:
+        cluster.apply(_queued_job("low", ns, "low"), "-n", ns)
+        phase_is("low", "Running")
+        # Kueue saw the whole job: head, trainer and rollout groups and the driver, with
+        # their real requests.
+        wl = _workload(cluster, ns, "low")
+        assert wl is not None
+        sets = {s["name"]: s for s in wl["spec"]["podSets"]}
+        assert {k: s["count"] for k, s in sets.items()} == {
+            "head": 1, "trainer": 1, "rollout": 4, "driver": 1}
+        assert sum(s["count"] * _gpus({"spec": s["template"]["spec"]})
+                   for s in sets.values()) == 8
+        assert wl["spec"]["priority"] == 100
+        # Placed by the flavor alone: its node label and toleration are on every pod.
+        placed = pods(cluster, ns, "low")
+        assert len(placed) == 7
+        for pod in placed:
+            assert pod["spec"]["nodeSelector"][POOL_LABEL] == ns
+            assert any(t.get("key") == TAINT for t in pod["spec"].get("tolerations") or [])
+            assert pod["metadata"]["labels"][kueue.LABEL_PODSET] in sets
+            assert pod["spec"]["nodeName"] in nodes
+
+        # A real runtime plays low's driver: it trains until it is stopped.
+        job = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
+                                  "checkpoint": {"interval": 1000}}, name="runtime")
+        workdir, log = tmp_path / "w", tmp_path / "runtime.log"
+        first = _runtime(cluster, ns, "low", job, workdir, log)
+        try:
+            wait_for(lambda: (status(cluster, ns, "low").get("progress") or {}).get(
+                "rolloutStep", 0) >= 2, timeout=300, what="low's runtime to report 2 steps",
+                describe=lambda: log.read_text(errors="replace")[-3000:])
+
+            cluster.apply(_queued_job("mid", ns, "mid"), "-n", ns)
+            phase_is("mid", "Running")
+            cluster.apply(_queued_job("lowest", ns, "lowest"), "-n", ns)
+            cond = queued("lowest", "Pending")
+            print(f"\nQueued: {cond['reason']}: {cond['message']}")
+            assert "insufficient" in cond["message"] or "quota" in cond["message"], cond
+            assert pods(cluster, ns, "lowest") == []  # nothing that takes quota before admission
+            out = cluster.kubectl("get", "rljobs", "-n", ns).stdout
+            print(out)
+            assert "Queued" in out
+
+            # A higher priority comes: Kueue preempts the lowest admitted job, low.
+            cluster.apply(_queued_job("high", ns, "high"), "-n", ns)
+            wait_for(lambda: not pods(cluster, ns, "low", "driver")
+                     or pods(cluster, ns, "low", "driver")[0]["metadata"].get(
+                         "deletionTimestamp"), timeout=120,
+                     what="low's driver pod to be deleted", describe=describe)
+            first.send_signal(signal.SIGTERM)  # what the kubelet does to a deleted pod
+            assert first.wait(timeout=300) == EXIT_TERMINATED, \
+                log.read_text(errors="replace")[-3000:]
+        finally:
+            reap(first)
+        stopped = status(cluster, ns, "low")["stopped"]
+        saved = stopped["checkpointStep"]
+        assert stopped["signal"] == "SIGTERM" and saved >= 2, stopped
+        assert _events(cluster, ns, "low", "Preempted"), "no Preempted event for low"
+        cond = queued("low", "Preempted")
+        assert "Kueue evicted" in cond["message"], cond
+        phase_is("high", "Running")
+        assert status(cluster, ns, "lowest")["phase"] == "Queued"
+
+        # The preemptor goes: Kueue admits low again (above lowest), and it resumes from the
+        # very checkpoint its runtime saved when it stopped.
+        cluster.kubectl("delete", "rljob", "high", "-n", ns)
+        phase_is("low", "Running", timeout=180)
+        assert status(cluster, ns, "lowest")["phase"] == "Queued"
+        second = _runtime(cluster, ns, "low", job, workdir, log, "--max-steps", "1")
+        try:
+            def resumed() -> Obj | None:
+                found = status(cluster, ns, "low").get("resumed") or {}
+                return found if found.get("found") else None
+
+            report = wait_for(resumed, timeout=300, what="low's resumed runtime to report",
+                              describe=lambda: log.read_text(errors="replace")[-3000:])
+        finally:
+            reap(second)
+        assert report["step"] == saved, report
+        assert report["path"].endswith(f"step_{saved:08d}"), report
+        assert status(cluster, ns, "low")["recovery"]["restarts"] == 0
+
+        # A queued job deleted leaves no Workload behind.
+        uid = cluster.get_json("rljob", "lowest", "-n", ns)["metadata"]["uid"]
+        assert _workload(cluster, ns, "lowest") is not None
+        cluster.kubectl("delete", "rljob", "lowest", "-n", ns)
+        wait_for(lambda: cluster.kubectl(
+            "get", "workloads.kueue.x-k8s.io", kueue.workload_name("lowest", uid), "-n", ns,
+            check=False).returncode != 0, timeout=60, what="lowest's Workload to be gone",
+            describe=describe)
+    print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
+    assert len(quota.samples) > 50
+    assert max(quota.samples) <= QUOTA_GPUS, quota.samples
+    assert max(quota.samples) == QUOTA_GPUS  # two 8-GPU jobs did run at once
