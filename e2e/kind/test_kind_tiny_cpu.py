@@ -6,8 +6,10 @@ hooks run), a pod of another namespace cannot use its engines or weight-sync sto
 checkpoints, loses one of its two rollout pods and then the node of the other without a
 restart (each time the engine started again in KubeRay's new pod with the current weights,
 each step once in the runtime's step log), loses a trainer pod and its driver pod, is
-suspended and resumed, and loses a whole worker node (each time resuming from its last
-verified checkpoint, as reported by the runtime that resumed), finishes with step, reward
+preempted by a higher-priority job in its Kueue queue and resumed once Kueue admits it again
+(it waited in that queue before it first started too), and loses a whole worker node
+(each time resuming from its last verified checkpoint, as reported by the runtime that
+resumed), finishes with step, reward
 and checkpoint in `kubectl get rljobs`, and deleting it removes every child. Every fact
 asserted about progress, placement and recovery comes from the real runtime's processes
 (their status reports and logs), never from the test.
@@ -27,6 +29,9 @@ import yaml
 from e2e.kind.foreign_peer import assert_foreign_pod_refused
 from e2e.kind.kindcluster import EXAMPLE, KindCluster
 from rljob.reporting.metrics_log import METRICS_FILE
+from rljob_api.spec import RLJobSpec
+from rljob_operator import kueue
+from rljob_operator.builders import JobRef
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -166,9 +171,51 @@ def _api_access(cluster: KindCluster, container: str, *how: str) -> dict[str, An
     return found
 
 
-def _suspend(cluster: KindCluster, flag: bool) -> None:
-    cluster.kubectl("patch", "rljob", JOB, "-n", NAMESPACE, "--type=merge", "-p",
-                    json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
+QUEUE = "tiny"  # the LocalQueue of the story's namespace
+LOW, HIGH = "rljob-e2e-low", "rljob-e2e-high"  # WorkloadPriorityClasses
+PREEMPTOR_CPU_M = 200
+
+
+def _kueue_queues(cluster: KindCluster, job_cpu_m: int) -> None:
+    """A ClusterQueue for the story's namespace with CPU quota for the job and 100m more: a
+    200m Job of higher priority in the same queue only fits by preempting it."""
+    kq = f"{kueue.GROUP}/{kueue.VERSION}"
+    docs = [
+        {"apiVersion": kq, "kind": "WorkloadPriorityClass", "metadata": {"name": LOW},
+         "value": 100},
+        {"apiVersion": kq, "kind": "WorkloadPriorityClass", "metadata": {"name": HIGH},
+         "value": 1000},
+        {"apiVersion": kq, "kind": "ResourceFlavor", "metadata": {"name": "rljob-e2e"}},
+        {"apiVersion": kq, "kind": "ClusterQueue", "metadata": {"name": "rljob-e2e"},
+         "spec": {"namespaceSelector": {"matchLabels": {
+             "kubernetes.io/metadata.name": NAMESPACE}},
+                  "preemption": {"withinClusterQueue": "LowerPriority"},
+                  "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{
+                      "name": "rljob-e2e", "resources": [
+                          {"name": "cpu", "nominalQuota": f"{job_cpu_m + 100}m"},
+                          {"name": "memory", "nominalQuota": "1000Gi"}]}]}]}},
+        {"apiVersion": kq, "kind": "LocalQueue",
+         "metadata": {"name": QUEUE, "namespace": NAMESPACE},
+         "spec": {"clusterQueue": "rljob-e2e"}},
+    ]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def _preemptor(image: str) -> dict[str, Any]:
+    """A batch Job of higher priority in the job's queue (Kueue's own batch/job integration
+    admits it and unsuspends it): 20 s of sleep."""
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "preemptor", "namespace": NAMESPACE,
+                         "labels": {kueue.LABEL_QUEUE: QUEUE, kueue.LABEL_PRIORITY_CLASS: HIGH}},
+            "spec": {"suspend": True, "backoffLimit": 0, "template": {"spec": {
+                "restartPolicy": "Never", "containers": [{
+                    "name": "sleep", "image": image, "command": ["sleep", "20"],
+                    "resources": {"requests": {"cpu": f"{PREEMPTOR_CPU_M}m",
+                                               "memory": "16Mi"}}}]}}}}
+
+
+def _cpu_m(value: str) -> int:
+    return int(value[:-1]) if value.endswith("m") else int(float(value) * 1000)
 
 
 def _steps_once(cluster: KindCluster) -> list[int]:
@@ -348,6 +395,15 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
     cluster.kubectl("create", "namespace", NAMESPACE)
+    # Queued in Kueue: nothing of it runs before its Workload is admitted.
+    spec = RLJobSpec.model_validate(doc["spec"])
+    sets = kueue.pod_sets(JobRef(JOB, NAMESPACE, "uid"), spec)
+    job_cpu_m = sum(s["count"] * _cpu_m(c["resources"]["requests"]["cpu"])
+                    for s in sets for c in [*s["template"]["spec"]["containers"],
+                                            *s["template"]["spec"].get("initContainers", [])]
+                    if "cpu" in c.get("resources", {}).get("requests", {}))
+    _kueue_queues(cluster, job_cpu_m)
+    doc["metadata"]["labels"] = {kueue.LABEL_QUEUE: QUEUE, kueue.LABEL_PRIORITY_CLASS: LOW}
     # The two rollout pods run on two workers, one of them alone: every compute pod starts
     # on the first worker, then one rollout pod moves to the second before the job starts
     # its engines, and the driver joins the first (_rollout_pod_and_node_lost).
@@ -380,6 +436,12 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
 
     # Started: the driver joined the job's Ray cluster, and every actor runs where it should.
     job.wait(lambda: job.status().get("phase") == "Running", "phase Running", START_S)
+    # It waited in its queue first, and runs because Kueue admitted its Workload.
+    said = {e["reason"] for e in cluster.get("events", "-n", NAMESPACE, "--field-selector",
+                                             f"involvedObject.name={JOB}")["items"]}
+    assert "Queued" in said, said
+    admitted = {c["type"]: c for c in job.status()["conditions"]}["Admitted"]
+    assert admitted["status"] == "True" and "ClusterQueue rljob-e2e" in admitted["message"]
     first = job.checkpoint_after(0)
     assert first["step"] % interval == 0, first
     placement = _placement(job.driver_log())
@@ -439,29 +501,40 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     rec = job.resumed_after(rec["restarts"])
     _assert_resumed_from(rec, second, {"PodDeleted", "PodFailed", "DriverFailed"})
 
-    # Suspended: the driver stops on SIGTERM (it finishes the step, saves and says so), the
-    # compute goes, the checkpoints stay; unsuspended, the next runtime resumes from the very
-    # checkpoint its predecessor said it stopped at. Neither is a restart.
+    # Preempted: a higher-priority Job comes to the job's Kueue queue, which has no room
+    # for both. Kueue evicts the RLJob's Workload; its driver stops on SIGTERM (it finishes
+    # the step, saves and says so), the compute goes, the checkpoints stay, and the quota
+    # goes back to Kueue. Once the preemptor is done, Kueue admits the job again and the next
+    # runtime resumes from the very checkpoint its predecessor said it stopped at. Neither
+    # is a restart.
     restarts = rec["restarts"]
     job.checkpoint_after(rec["resumed"]["step"])
-    _suspend(cluster, True)
+    trainer_image = doc["spec"]["trainer"]["image"]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(_preemptor(trainer_image)))
 
     def stopped() -> dict[str, Any] | None:
         status = job.status()
         stop = status.get("stopped") or {}
-        done = status.get("phase") == "Suspended" and not job.pods("driver") and all(
-            not job.pods(c) for c in ("trainer", "rollout", "head"))
+        done = status.get("phase") in {"Preempted", "Queued"} and not job.pods("driver") \
+            and all(not job.pods(c) for c in ("trainer", "rollout", "head"))
         return stop if done and stop.get("attempt") == restarts else None
 
-    stop = job.wait(stopped, "the suspended job's runtime to report its stop, and its pods gone")
-    assert stop["signal"] == "SIGTERM" and stop["exitCode"] == 143, stop
-    assert stop["aborted"] is False and stop["checkpointStep"] == stop["step"], stop
-    # Unsuspended with one worker cordoned, so that every pod starts on the other and the
-    # node lost below takes the driver with the trainer (the driver names that loss itself).
     home, away = cluster.workers()
     try:
+        # Admitted again with one worker cordoned, so that every pod starts on the other and
+        # the node lost below takes the driver with the trainer (the driver names that loss
+        # itself).
         cluster.cordon(away)
-        _suspend(cluster, False)
+        stop = job.wait(stopped, "the preempted job's runtime to report its stop, and its "
+                        "pods gone")
+        assert stop["signal"] == "SIGTERM" and stop["exitCode"] == 143, stop
+        assert stop["aborted"] is False and stop["checkpointStep"] == stop["step"], stop
+        events = cluster.get("events", "-n", NAMESPACE, "--field-selector",
+                             f"involvedObject.name={JOB}")["items"]
+        assert [e for e in events if e["reason"] == "Preempted"], events
+        print(cluster.kubectl("get", "rljobs", "-n", NAMESPACE).stdout)
+        job.wait(lambda: cluster.get("job", "preemptor", "-n", NAMESPACE)["status"].get(
+            "succeeded"), "the preemptor to run and finish", START_S)
         job.wait(lambda: len([p for c in ("trainer", "rollout", "head", "driver")
                               for p in job.pods(c) if p["spec"].get("nodeName") == home]) == 5,
                  f"the job's 5 pods on {home}", START_S)
@@ -474,7 +547,7 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
         return status if loaded.get("at", "") >= stop["time"] and loaded.get(
             "attempt") == restarts and status.get("phase") == "Running" else None
 
-    status = job.wait(resumed, "the unsuspended job's runtime to report what it resumed from")
+    status = job.wait(resumed, "the readmitted job's runtime to report what it resumed from")
     assert status["resumed"]["found"] is True, status
     assert status["resumed"]["step"] == stop["checkpointStep"], (status, stop)
     assert status["recovery"]["restarts"] == restarts and "stopped" not in status, status
@@ -524,7 +597,8 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     def children() -> list[str]:
         left = []
         for kind in ("pods", "rayclusters", "configmaps", "secrets", "serviceaccounts",
-                     "roles", "rolebindings", "persistentvolumeclaims", "services"):
+                     "roles", "rolebindings", "persistentvolumeclaims", "services",
+                     "workloads.kueue.x-k8s.io"):
             for item in cluster.get(kind, "-n", NAMESPACE)["items"]:
                 owners = item["metadata"].get("ownerReferences") or []
                 labelled = item["metadata"].get("labels", {}).get("rljob.io/job") == JOB

@@ -12,12 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from rljob_api import env
 from rljob_operator import kueue
@@ -266,7 +268,48 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
             "get", "workloads.kueue.x-k8s.io", kueue.workload_name("lowest", uid), "-n", ns,
             check=False).returncode != 0, timeout=60, what="lowest's Workload to be gone",
             describe=describe)
+
+        # Suspending a queued job deactivates its Workload: Kueue evicts it, the job stops
+        # and gives the quota back; resumed, Kueue admits it again.
+        def suspend(flag: bool) -> None:
+            cluster.kubectl("patch", "rljob", "mid", "-n", ns, "--type=merge", "-p",
+                            json.dumps({"spec": {"scheduling": {"suspend": flag}}}))
+
+        suspend(True)
+        phase_is("mid", "Suspended")
+
+        def released() -> Obj | None:
+            wl = _workload(cluster, ns, "mid") or {}
+            conds = {c["type"]: c for c in (wl.get("status") or {}).get("conditions") or []}
+            done = wl.get("spec", {}).get("active") is False and not pods(cluster, ns, "mid") \
+                and conds.get("QuotaReserved", {}).get("status") == "False"
+            return wl if done else None
+
+        wait_for(released, timeout=120, what="mid's Workload inactive and its quota back",
+                 describe=describe)
+        suspend(False)
+        phase_is("mid", "Running")
+        assert status(cluster, ns, "mid")["recovery"]["restarts"] == 0
     print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
     assert len(quota.samples) > 50
     assert max(quota.samples) <= QUOTA_GPUS, quota.samples
     assert max(quota.samples) == QUOTA_GPUS  # two 8-GPU jobs did run at once
+
+
+def test_the_install_guides_queues_are_accepted_by_kueues_api(
+        cluster: ControlPlane, namespace: str) -> None:
+    """docs/install.md's ResourceFlavor, ClusterQueue, LocalQueue and WorkloadPriorityClass,
+    for this test's namespace, pass the API server with Kueue's CRDs (a server-side dry
+    run)."""
+    if "kueue" not in cluster.processes:
+        cluster.start_kueue()
+    text = (REPO / "docs" / "install.md").read_text()
+    section = text.split("## Queueing in Kueue", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in section.split("```yaml")[1:]]
+    (queues,) = [b for b in blocks if "kind: ClusterQueue" in b]
+    docs = [d for d in yaml.safe_load_all(textwrap.dedent(queues)) if d]
+    assert [d["kind"] for d in docs] == ["ResourceFlavor", "ClusterQueue", "LocalQueue",
+                                         "WorkloadPriorityClass"]
+    out = cluster.apply(yaml.safe_dump_all(docs).replace("team-a", namespace),
+                        "--dry-run=server")
+    assert out.count("(server dry run)") == 4, out
