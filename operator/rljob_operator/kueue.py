@@ -21,6 +21,7 @@ from typing import Any
 from rljob_api import KIND
 from rljob_api.layout import DRIVER, HEAD
 from rljob_api.spec import RLJobSpec
+from rljob_api.validate import QUEUE_LABEL
 from rljob_operator import builders
 
 Obj = dict[str, Any]
@@ -31,7 +32,7 @@ API = f"{GROUP}/{VERSION}"
 WORKLOADS = "workloads"
 RESOURCE_FLAVORS = "resourceflavors"
 WORKLOAD_PRIORITY_CLASSES = "workloadpriorityclasses"
-LABEL_QUEUE = f"{GROUP}/queue-name"
+LABEL_QUEUE = QUEUE_LABEL
 LABEL_PRIORITY_CLASS = f"{GROUP}/priority-class"
 LABEL_JOB_UID = f"{GROUP}/job-uid"
 LABEL_PODSET = f"{GROUP}/podset"
@@ -51,18 +52,6 @@ def workload_name(job: str, uid: str) -> str:
     name gets a new one."""
     digest = hashlib.sha1(f"{KIND}\nrljob.io\n{job}\n{uid}".encode()).hexdigest()[:5]
     return f"{KIND.lower()}-{job}"[:253 - 6] + f"-{digest}"
-
-
-def queue_of(labels: Mapping[str, str], spec: RLJobSpec) -> tuple[str | None, str | None]:
-    """The LocalQueue the job is queued in, from Kueue's own label or
-    `spec.scheduling.queue`, and a problem when both are set and disagree."""
-    label = labels.get(LABEL_QUEUE) or None
-    field_ = spec.scheduling.queue or None
-    if label and field_ and label != field_:
-        return None, (f"metadata.labels[{LABEL_QUEUE}] is {label!r} but "
-                      f"spec.scheduling.queue is {field_!r}: name one LocalQueue (drop one "
-                      "of them or make them equal)")
-    return label or field_, None
 
 
 @dataclass(frozen=True)

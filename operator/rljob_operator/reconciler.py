@@ -421,11 +421,12 @@ class Reconciler:
 
     def _act(self, ref: JobRef, body: Obj, job: JobView, actions: Actions, restarts: int,
              support: Support | None, check: bool, cluster_present: bool,
-             placement: Mapping[str, Flavored]) -> bool:
+             placement: Mapping[str, Flavored] | None = None) -> bool:
         """Carry out `actions`: deletions first, then (when `check`) the support objects'
         check, then patches and creates. Returns whether the job is to be looked at again at
         once (its Ray token was replaced)."""
         ns = ref.namespace
+        placement = placement or {}
         for pod in actions.delete_pods:
             self.kube.delete_pod(ns, pod, force=True)
         if actions.delete_driver:

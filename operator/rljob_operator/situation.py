@@ -15,10 +15,9 @@ from pydantic import ValidationError
 from rljob_api.layout import HEAD
 from rljob_api.spec import RLJobSpec
 from rljob_api.status import Phase, RecoveryStatus, parse_timestamp, timestamp
-from rljob_api.validate import name_problems, spec_problems
+from rljob_api.validate import name_problems, queue_name, queue_problems, spec_problems
 from rljob_operator.builders import JobRef, Revisions, revisions, worker_groups
 from rljob_operator.failures import refine_last_failure
-from rljob_operator.kueue import queue_of
 from rljob_operator.observe import Observed, PodView
 
 Obj = dict[str, Any]
@@ -45,19 +44,13 @@ def parse_job(body: Obj) -> JobView:
     spec: RLJobSpec | None = None
     # The same checks as admission (rljob_api.rules), for a job stored before they were
     # there: it fails naming the field instead of making children that can never run.
-    errors = [str(p) for p in (*name_problems(meta), *spec_problems(raw))]
-    labels = dict(meta.get("labels") or {})
-    queue: str | None = None
+    errors = [str(p) for p in (*name_problems(meta), *queue_problems(meta, raw),
+                               *spec_problems(raw))]
     if not errors:
         try:
             spec = RLJobSpec.model_validate(raw)
         except ValidationError as err:
             errors.append(str(err))
-    if spec is not None:
-        queue, problem = queue_of(labels, spec)
-        if problem is not None:
-            errors.append(problem)
-            spec = None
     return JobView(
         name=name,
         generation=int(meta.get("generation") or 0),
@@ -66,7 +59,7 @@ def parse_job(body: Obj) -> JobView:
         status=dict(body.get("status") or {}),
         namespace=str(meta.get("namespace") or ""),
         uid=str(meta.get("uid") or ""),
-        queue=queue,
+        queue=queue_name(meta, raw) if spec is not None else None,
     )
 
 

@@ -214,7 +214,35 @@ def manifest_problems(doc: Any) -> list[Problem]:
         found, blocked = _spec_problems(doc["spec"])
         problems += found
     # The API server evaluates the name's rules only where it evaluates the spec's.
-    return [*name_problems(doc.get("metadata"), rules=not blocked), *problems]
+    return [*name_problems(doc.get("metadata"), rules=not blocked),
+            *queue_problems(doc.get("metadata"), doc.get("spec")), *problems]
+
+
+# Kueue's label naming the LocalQueue a job waits in.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def queue_name(meta: Any, spec: Any) -> str | None:
+    """The Kueue LocalQueue a job waits in: its `kueue.x-k8s.io/queue-name` label, else
+    `spec.scheduling.queue` (None: not queued)."""
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    label = labels.get(QUEUE_LABEL) if isinstance(labels, dict) else None
+    sched = spec.get("scheduling") if isinstance(spec, dict) else None
+    field = sched.get("queue") if isinstance(sched, dict) else None
+    return str(label or field) if (label or field) else None
+
+
+def queue_problems(meta: Any, spec: Any) -> list[Problem]:
+    """The label and the field name one queue, when both are set."""
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    label = labels.get(QUEUE_LABEL) if isinstance(labels, dict) else None
+    sched = spec.get("scheduling") if isinstance(spec, dict) else None
+    field = sched.get("queue") if isinstance(sched, dict) else None
+    if label and field and label != field:
+        return [Problem("spec.scheduling.queue",
+                        f"is {field!r} but the label {QUEUE_LABEL} is {label!r}: name one "
+                        "LocalQueue (drop one of them or make them equal)")]
+    return []
 
 
 _DNS_1123_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"

@@ -190,7 +190,7 @@ def test_a_deleted_workload_is_let_go_once_the_pods_are_gone() -> None:
 def test_a_queue_in_label_and_field_must_agree_and_the_integration_must_be_on() -> None:
     body = queued_job(spec={**SPEC, "scheduling": {"queue": "other"}})
     job = parse_job(body)
-    assert job.spec is None and "spec.scheduling.queue is 'other'" in str(job.spec_error)
+    assert job.spec is None and "spec.scheduling.queue: is 'other'" in str(job.spec_error)
     d = run(queued_job(), None, enabled=False)
     assert d.phase == "Queued" and d.actions.workload is None
     assert conditions(d)["Queued"]["reason"] == "KueueIntegrationOff"

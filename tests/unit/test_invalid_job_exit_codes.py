@@ -39,7 +39,22 @@ INVALID_FILES: dict[str, Any] = {
     "unknown-field": {**base_job(), "extra": 1},
     "not-yaml": "spec: [unclosed\n",
     "two-documents": yaml.safe_dump(base_job()) + "---\n" + yaml.safe_dump(base_job()),
+    "two-queues": {**base_job(), "metadata": {"name": "job", "labels": {
+        "kueue.x-k8s.io/queue-name": "team"}}, "spec": {**base_job()["spec"], "scheduling": {
+            "queue": "other"}}},
 }
+
+
+def test_a_queue_named_twice_must_be_one_queue() -> None:
+    """The Kueue label and spec.scheduling.queue name one LocalQueue, or the job is refused
+    naming the field (the operator fails such a stored job with the same message)."""
+    problems = [str(p) for p in manifest_problems(INVALID_FILES["two-queues"])]
+    assert problems == ["spec.scheduling.queue: is 'other' but the label "
+                        "kueue.x-k8s.io/queue-name is 'team': name one LocalQueue (drop one "
+                        "of them or make them equal)"], problems
+    same = INVALID_FILES["two-queues"]
+    same = {**same, "spec": {**same["spec"], "scheduling": {"queue": "team"}}}
+    assert manifest_problems(same) == []
 
 
 @pytest.mark.parametrize("case", sorted(INVALID_FILES))
