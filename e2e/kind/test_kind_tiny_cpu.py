@@ -203,13 +203,13 @@ def _kueue_queues(cluster: KindCluster, job_cpu_m: int) -> None:
 
 def _preemptor(image: str) -> dict[str, Any]:
     """A batch Job of higher priority in the job's queue (Kueue's own batch/job integration
-    admits it and unsuspends it): 20 s of sleep."""
+    admits it and unsuspends it): 5 s of sleep."""
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": "preemptor", "namespace": NAMESPACE,
                          "labels": {kueue.LABEL_QUEUE: QUEUE, kueue.LABEL_PRIORITY_CLASS: HIGH}},
             "spec": {"suspend": True, "backoffLimit": 0, "template": {"spec": {
                 "restartPolicy": "Never", "containers": [{
-                    "name": "sleep", "image": image, "command": ["sleep", "20"],
+                    "name": "sleep", "image": image, "command": ["sleep", "5"],
                     "resources": {"requests": {"cpu": f"{PREEMPTOR_CPU_M}m",
                                                "memory": "16Mi"}}}]}}}}
 
