@@ -10,7 +10,7 @@ from enum import Enum
 
 from rljob_api.status import TERMINAL_PHASES, Phase
 from rljob_operator.decision import Actions, Decision, Event
-from rljob_operator.kueue import out_of_step
+from rljob_operator.kueue import priority_changed, shape_changed
 from rljob_operator.situation import Situation
 from rljob_operator.status import build_status, condition, recovery_status
 
@@ -20,16 +20,20 @@ class WorkloadStep(str, Enum):
 
     create = "create"
     update = "update"  # pod sets, queue or priority, on a workload that holds no quota
-    activate = "activate"  # spec.active follows spec.scheduling.suspend
+    reprioritize = "reprioritize"  # a new priority, in place (also while admitted)
+    deactivate = "deactivate"  # spec.scheduling.suspend: Kueue evicts an inactive workload
+    activate = "activate"  # resumed: only a workload the operator itself deactivated
     release = "release"  # evicted and the pods are gone: the quota goes back to Kueue
-    finish = "finish"  # the job ended: Finished=True frees the quota
+    pods_ready = "pods-ready"  # the job runs: PodsReady=True (Kueue's waitForPodsReady)
+    finish = "finish"  # the job ended and its pods are gone: Finished=True frees the quota
     unhold = "unhold"  # Kueue's finalizer removed: the workload ended or is being deleted
     drop = "drop"  # the job changed what it queues while admitted: replaced by a new one
 
 
 def inactive(s: Situation) -> bool:
-    """Nothing of the job that takes quota exists: no driver pod, no RayCluster, no pods."""
-    return s.obs.driver is None and s.obs.cluster == "absent" and not s.obs.compute
+    """Nothing of the job that takes quota is left: no RayCluster, and no pod of the job
+    that has not ended (a deleted RayCluster's pods included, while they terminate)."""
+    return s.obs.cluster == "absent" and s.obs.pods_left == 0
 
 
 def stopped(s: Situation, phase: str, reason: str, message: str, queued: bool) -> Decision:
@@ -68,18 +72,22 @@ def stopped(s: Situation, phase: str, reason: str, message: str, queued: bool) -
 
 def gate(s: Situation) -> Decision | None:
     """The decision of a job queued in Kueue that may not run now; None once its Workload
-    is admitted (it then runs, on the flavors Kueue assigned)."""
+    is admitted (it then runs, on the flavors Kueue assigned), and for a job the
+    integration does not manage (`--kueue` off: it runs as without Kueue)."""
     queue = s.obs.queue
-    if queue is None:
+    if queue is None or not queue.enabled:
         return None
     wl = queue.workload
+    if queue.name is None:
+        if wl is None:
+            return None
+        return stopped(s, Phase.queued.value, "QueueRemoved",
+                       f"the job no longer names a LocalQueue: it stops, its Workload "
+                       f"{wl.name} goes, and then it runs outside Kueue", queued=True)
     cq = f"LocalQueue {queue.name}"
-    if not queue.enabled:
-        return stopped(s, Phase.queued.value, "KueueIntegrationOff",
-                       f"the job names {cq}, but this operator does not manage Kueue "
-                       "workloads: install the chart with kueue.enabled=true (operator flag "
-                       "--kueue), or remove the queue from the job", queued=True)
     if wl is None:
+        if queue.problem is not None:
+            return stopped(s, Phase.queued.value, *queue.problem, queued=True)
         return stopped(s, Phase.queued.value, "WorkloadPending",
                        f"queued in {cq}: its Workload is made once nothing of the job runs",
                        queued=True)
@@ -87,27 +95,31 @@ def gate(s: Situation) -> Decision | None:
         return stopped(s, Phase.queued.value, "WorkloadDeleted",
                        f"Workload {wl.name} is being deleted; the job is queued again with a "
                        "new one once its pods are gone", queued=True)
-    if wl.reserved and queue.want is not None and out_of_step(wl, queue.want):
+    if wl.reserved and queue.want is not None and shape_changed(wl, queue.want):
         return stopped(s, Phase.queued.value, "SpecChanged",
-                       f"the spec changed what Workload {wl.name} queues (pods, resources, "
-                       "queue or priority) while it was admitted: the job stops and is queued "
+                       f"the spec changed what Workload {wl.name} asks of Kueue (pods, "
+                       "requests or queue) while it held quota: the job stops and is queued "
                        "again as it is now", queued=True)
     if wl.evicted is not None:
         preempted = wl.evicted.reason == "Preempted"
         why = wl.preempted.words() if preempted and wl.preempted else wl.evicted.words()
-        phase = Phase.preempted.value if preempted else Phase.queued.value
-        if not wl.reserved:
-            phase = Phase.queued.value
+        phase = Phase.preempted.value if preempted and wl.reserved else Phase.queued.value
         return stopped(s, phase, wl.evicted.reason or "Evicted",
                        f"Kueue evicted Workload {wl.name} ({why}); it is queued again once the "
                        "job's pods are gone, and resumes from its latest checkpoint when "
                        "admitted", queued=True)
     if wl.admitted:
+        if queue.problem is not None:
+            return stopped(s, Phase.queued.value, *queue.problem, queued=True)
         return None
     if wl.reserved:
         return stopped(s, Phase.queued.value, "AwaitingAdmissionChecks",
                        f"Workload {wl.name} holds quota in ClusterQueue {wl.cluster_queue} and "
                        "waits for its admission checks", queued=True)
+    if not wl.active:
+        return stopped(s, Phase.queued.value, "Inactive",
+                       f"Workload {wl.name} is inactive (spec.active false, set by Kueue or "
+                       "by hand): Kueue admits it once it is active again", queued=True)
     pending = wl.pending.message if wl.pending and wl.pending.message \
         else "waiting for Kueue to reserve quota"
     reason = wl.pending.reason if wl.pending and wl.pending.reason else "Pending"
@@ -116,42 +128,64 @@ def gate(s: Situation) -> Decision | None:
 
 
 def workload_step(s: Situation, decision: Decision) -> WorkloadStep | None:
-    """What to change on the job's Workload after `decision`."""
+    """What to change on the job's Workload after `decision`. Quota goes back to Kueue
+    (release, finish, unhold, drop) only once no pod of the job is left."""
     queue = s.obs.queue
-    if queue is None or not queue.enabled or queue.want is None:
+    if queue is None or not queue.enabled:
         return None
     wl = queue.workload
     terminal = decision.phase in TERMINAL_PHASES
     idle = inactive(s)
     if wl is None:
-        return WorkloadStep.create if not terminal and idle else None
+        ready = queue.name is not None and queue.want is not None and queue.problem is None
+        return WorkloadStep.create if ready and not terminal and idle else None
     if wl.deleting:
-        return WorkloadStep.unhold if wl.held and (idle or terminal) else None
+        return WorkloadStep.unhold if wl.held and idle else None
     if terminal:
+        if not idle:
+            return None
         if not wl.finished:
             return WorkloadStep.finish
         return WorkloadStep.unhold if wl.held else None
+    if queue.name is None:
+        return WorkloadStep.drop if idle else None
     if wl.evicted is not None and wl.reserved:
         return WorkloadStep.release if idle else None
     suspended = s.job.spec is not None and s.job.spec.scheduling.suspend
-    if wl.active == suspended:
+    if suspended and wl.active:
+        return WorkloadStep.deactivate
+    if not suspended and not wl.active and wl.deactivated_by_us:
         return WorkloadStep.activate
-    if out_of_step(wl, queue.want):
+    want = queue.want
+    if want is not None and shape_changed(wl, want):
         if not wl.reserved:
             return WorkloadStep.update
         return WorkloadStep.drop if idle else None
+    if want is not None and priority_changed(wl, want):
+        return WorkloadStep.reprioritize
+    if wl.admitted and not wl.pods_ready and decision.phase == Phase.running.value:
+        return WorkloadStep.pods_ready
     return None
 
 
-def admitted_condition(s: Situation, decision: Decision) -> Decision:
-    """A running queued job's status says which ClusterQueue admitted it."""
+def queue_condition(s: Situation, decision: Decision) -> Decision:
+    """A running queued job's status says which ClusterQueue admitted it; a job that names
+    a queue the operator does not manage says so."""
     queue = s.obs.queue
-    if queue is None or queue.workload is None or not queue.workload.admitted \
-            or decision.phase in TERMINAL_PHASES:
+    if queue is None or decision.phase in TERMINAL_PHASES or decision.phase in (
+            Phase.queued.value, Phase.preempted.value, Phase.suspended.value):
         return decision
     wl = queue.workload
-    cond = condition(s, "Admitted", "True", "Admitted",
-                     f"Workload {wl.name} is admitted by ClusterQueue {wl.cluster_queue}")
+    if not queue.enabled:
+        cond = condition(s, "Queued", "False", "KueueIntegrationOff",
+                         f"the job names LocalQueue {queue.name}, but this operator does not "
+                         "manage Kueue workloads (chart value kueue.enabled, flag --kueue): "
+                         "it runs without Kueue")
+    elif wl is not None and wl.admitted:
+        cond = condition(s, "Admitted", "True", "Admitted",
+                         f"Workload {wl.name} is admitted by ClusterQueue {wl.cluster_queue}")
+    else:
+        return decision
     status = dict(decision.status)
     status["conditions"] = [*status.get("conditions", []), cond.model_dump(by_alias=True)]
     return replace(decision, status=status)

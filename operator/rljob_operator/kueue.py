@@ -37,8 +37,16 @@ LABEL_PRIORITY_CLASS = f"{GROUP}/priority-class"
 LABEL_JOB_UID = f"{GROUP}/job-uid"
 LABEL_PODSET = f"{GROUP}/podset"
 FINALIZER = f"{GROUP}/resource-in-use"
-# The operator's own: a digest of the pod sets, to tell that the spec changed what is queued.
+# The operator's own: a digest of what the pod sets ask of quota, to tell that the spec
+# changed what is queued; and a mark that it deactivated the Workload for spec.suspend (so
+# that it reactivates only what it deactivated, never a Workload Kueue or a user did).
 ANNOTATION_PODSETS = "rljob.io/podsets"
+ANNOTATION_SUSPENDED = "rljob.io/deactivated-for-suspend"
+# What KubeRay (v1.5, its default ENABLE_INIT_CONTAINER_INJECTION) adds to every worker pod:
+# an init container that waits for the head, with these requests and limits.
+KUBERAY_WAIT_GCS: Obj = {"name": "wait-gcs-ready",
+                         "resources": {"requests": {"cpu": "200m", "memory": "256Mi"},
+                                       "limits": {"cpu": "200m", "memory": "256Mi"}}}
 # Status fields Kueue's admission owns (server-side apply, field manager "kueue-admission").
 ADMISSION_MANAGER = "kueue-admission"
 # Kueue's eviction reasons after which the workload is queued again at once (Requeued=True);
@@ -68,12 +76,17 @@ class Priority:
         return {"group": group, "kind": self.kind, "name": self.name}
 
 
-def _slim_template(template: Obj) -> Obj:
-    """A pod template as Kueue needs it: what requests quota and what picks a flavor
-    (containers' resources, init containers, node selector, tolerations, affinity, priority
-    class). Kueue reads nothing else of it, and the full templates would make every
-    Workload several times larger."""
-    spec = template["spec"]
+def _slim_template(template: Obj, injected: list[Obj] | None = None) -> Obj:
+    """A pod template as Kueue counts it: what requests quota and what picks a flavor
+    (containers' resources, init containers, including those KubeRay adds (`injected`),
+    node selector, tolerations, affinity, priority class); the rest of the pod (volumes,
+    commands, environment) is left out, which would make every Workload several times
+    larger."""
+    spec = dict(template["spec"])
+    if injected:
+        spec["initContainers"] = [*spec.get("initContainers", []),
+                                  *({**c, "image": spec["containers"][0].get("image", "")}
+                                    for c in injected)]
 
     def container(c: Obj) -> Obj:
         out: Obj = {"name": c["name"], "image": c.get("image", "")}
@@ -103,7 +116,7 @@ def pod_sets(job: builders.JobRef, spec: RLJobSpec) -> list[Obj]:
              "template": _slim_template(rc["spec"]["headGroupSpec"]["template"])}]
     for group in rc["spec"]["workerGroupSpecs"]:
         sets.append({"name": group["groupName"], "count": int(group["replicas"]),
-                     "template": _slim_template(group["template"])})
+                     "template": _slim_template(group["template"], [KUBERAY_WAIT_GCS])})
     driver = builders.build_driver(job, spec, 0, [])
     sets.append({"name": DRIVER, "count": 1, "template": _slim_template(
         {"metadata": driver["metadata"], "spec": driver["spec"]})})
@@ -115,15 +128,34 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def quota_digest(sets: list[Obj]) -> str:
+    """A digest of what the pod sets ask of Kueue (counts, requests, what picks a flavor),
+    not of images or labels: an edit that changes neither keeps the admission."""
+    def shape(spec: Obj) -> Obj:
+        return {**{k: v for k, v in spec.items() if k not in ("containers", "initContainers")},
+                **{k: [{"name": c["name"], "resources": c.get("resources"),
+                        "restartPolicy": c.get("restartPolicy")} for c in spec.get(k, [])]
+                   for k in ("containers", "initContainers")}}
+
+    return _digest([{"name": s["name"], "count": s["count"],
+                     "spec": shape(s["template"]["spec"])} for s in sets])
+
+
 def build_workload(job: builders.JobRef, spec: RLJobSpec, queue: str,
                    priority: Priority | None) -> Obj:
     """The Workload an RLJob is queued as. Owned by the job (garbage-collected with it) and
     held by Kueue's finalizer, which the operator removes once the job's pods are gone."""
     sets = pod_sets(job, spec)
-    body: Obj = {"queueName": queue, "podSets": sets}
+    suspended = spec.scheduling.suspend
+    # Made inactive when the job is created suspended: an active one could be admitted, and
+    # preempt others, before the next reconcile deactivated it.
+    body: Obj = {"queueName": queue, "podSets": sets, "active": not suspended}
     if priority is not None:
         body["priorityClassRef"] = priority.ref()
         body["priority"] = priority.value
+    annotations = {ANNOTATION_PODSETS: quota_digest(sets)}
+    if suspended:
+        annotations[ANNOTATION_SUSPENDED] = "true"
     return {
         "apiVersion": API,
         "kind": "Workload",
@@ -131,7 +163,7 @@ def build_workload(job: builders.JobRef, spec: RLJobSpec, queue: str,
             "name": workload_name(job.name, job.uid),
             "namespace": job.namespace,
             "labels": {LABEL_JOB_UID: job.uid},
-            "annotations": {ANNOTATION_PODSETS: _digest(sets)},
+            "annotations": annotations,
             "finalizers": [FINALIZER],
             "ownerReferences": [builders.owner_reference(job)],
         },
@@ -170,7 +202,10 @@ class WorkloadView:
     podsets_digest: str | None
     queue: str
     priority: int | None
+    priority_class: Obj | None  # spec.priorityClassRef
     active: bool
+    deactivated_by_us: bool  # for spec.suspend (ANNOTATION_SUSPENDED)
+    pods_ready: bool  # PodsReady=True
     reserved: bool  # QuotaReserved=True: it holds quota
     admitted: bool  # Admitted=True
     finished: bool
@@ -208,7 +243,10 @@ def parse_workload(obj: Obj) -> WorkloadView:
         podsets_digest=(meta.get("annotations") or {}).get(ANNOTATION_PODSETS),
         queue=str(spec.get("queueName") or ""),
         priority=spec.get("priority"),
+        priority_class=spec.get("priorityClassRef"),
         active=spec.get("active", True) is not False,
+        deactivated_by_us=(meta.get("annotations") or {}).get(ANNOTATION_SUSPENDED) == "true",
+        pods_ready=_said(conds.get("PodsReady")) is not None,
         reserved=_said(conds.get("QuotaReserved")) is not None,
         admitted=_said(conds.get("Admitted")) is not None,
         finished=_said(conds.get("Finished")) is not None,
@@ -320,29 +358,64 @@ def finish_patch(view: WorkloadView, succeeded: bool, message: str, now: str,
             "status": {"conditions": _with(view.conditions, cond)}}
 
 
-def spec_patch(desired: Obj) -> Obj:
+def spec_patch(view: WorkloadView, desired: Obj) -> Obj:
     """What the operator keeps in step on a workload that holds no quota: its pod sets (and
-    their digest), queue and priority."""
+    their digest), queue and priority; refused (a conflict) if the workload changed since
+    it was read, say Kueue reserved quota for it meanwhile."""
     spec = desired["spec"]
-    return {"metadata": {"annotations": dict(desired["metadata"]["annotations"])},
+    return {"metadata": {"resourceVersion": view.resource_version, "annotations": {
+                ANNOTATION_PODSETS: desired["metadata"]["annotations"][ANNOTATION_PODSETS]}},
             "spec": {"queueName": spec["queueName"], "podSets": spec["podSets"],
                      "priorityClassRef": spec.get("priorityClassRef"),
                      "priority": spec.get("priority")}}
 
 
-def out_of_step(view: WorkloadView, desired: Obj) -> bool:
-    """Whether a stored workload no longer matches what the job would queue now."""
+def priority_patch(view: WorkloadView, desired: Obj) -> Obj:
+    """A new priority, in place: allowed while quota is reserved, as Kueue's own
+    integrations update it (its class's value changed, or the job's label)."""
     spec = desired["spec"]
+    return {"metadata": {"resourceVersion": view.resource_version},
+            "spec": {"priorityClassRef": spec.get("priorityClassRef"),
+                     "priority": spec.get("priority")}}
+
+
+def active_patch(view: WorkloadView, active: bool) -> Obj:
+    """spec.active for spec.suspend, marked as the operator's doing."""
+    return {"metadata": {"resourceVersion": view.resource_version, "annotations": {
+                ANNOTATION_SUSPENDED: None if active else "true"}},
+            "spec": {"active": active}}
+
+
+def pods_ready_patch(view: WorkloadView, now: str, generation: int | None) -> Obj:
+    """PodsReady=True once the job runs: what Kueue's waitForPodsReady waits for."""
+    cond = _condition("PodsReady", "True", "Started",
+                      "the driver and every compute pod of the job run", now, generation)
+    return {"metadata": {"resourceVersion": view.resource_version},
+            "status": {"conditions": _with(view.conditions, cond)}}
+
+
+def shape_changed(view: WorkloadView, desired: Obj) -> bool:
+    """Whether the stored workload asks Kueue for something else than the job would now:
+    other pods or requests, or another queue."""
     return bool(view.podsets_digest != desired["metadata"]["annotations"][ANNOTATION_PODSETS]
-            or view.queue != spec["queueName"] or view.priority != spec.get("priority"))
+                or view.queue != desired["spec"]["queueName"])
+
+
+def priority_changed(view: WorkloadView, desired: Obj) -> bool:
+    spec = desired["spec"]
+    return (view.priority, view.priority_class) != (spec.get("priority"),
+                                                     spec.get("priorityClassRef"))
 
 
 @dataclass(frozen=True)
 class QueueState:
     """What a reconcile knows of a queued job's place in Kueue."""
 
-    name: str  # the LocalQueue
+    name: str | None  # the LocalQueue; None: the job names none, but has a Workload left
     enabled: bool  # this operator manages Kueue workloads (`--kueue`)
     workload: WorkloadView | None = None
     want: Obj | None = None  # the Workload the job would queue now
     placement: Mapping[str, Flavored] = field(default_factory=dict)  # when admitted
+    # What keeps the job from being queued or started: a priority class or an admitted
+    # flavor that does not exist (reason, message).
+    problem: tuple[str, str] | None = None

@@ -32,11 +32,15 @@ async def workload_event(memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> Non
     if owner is None:
         return
     namespace, name, uid = owner
+    workloads = memo.reconciler.workloads
+    workloads.watched((namespace, name), obj, deleted=event["type"] == "DELETED")
     view = parse_workload(obj)
     if view.deleting and view.held:
         job = await asyncio.to_thread(memo.reconciler.kube.get_rljob, namespace, name)
-        if job is None or job["metadata"].get("uid") != uid:
-            # Its job is gone (the workload goes by garbage collection): nothing of it runs.
-            await asyncio.to_thread(memo.reconciler.workloads.unhold, namespace, view)
+        if job is None or job["metadata"].get("uid") != uid \
+                or job["metadata"].get("deletionTimestamp"):
+            # Its job is gone or going (the workload goes by garbage collection, which in
+            # a foreground deletion waits for it): the finalizer comes off.
+            await asyncio.to_thread(workloads.unhold, namespace, view)
             return
     memo.controller.kick((namespace, name))

@@ -8,7 +8,7 @@ did not send.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -134,6 +134,9 @@ class Observed:
     cluster_groups: Mapping[str, tuple[object, object, object]] = field(default_factory=dict)
     # The job's place in Kueue; None for a job that names no queue.
     queue: QueueState | None = None
+    # Pods wearing the job's label that have not ended, whichever RayCluster made them (a
+    # deleted one's pods are not compute pods any more, but still hold what they requested).
+    pods_left: int = 0
 
     def pending_losses(self) -> dict[str, NodeOutage]:
         """Nodes that are not Ready but do not count as lost yet: they may come back."""
@@ -327,7 +330,10 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
             # counted, replaced or deleted as one of them.
             continue
         kept.append(pod)
-    return _observe(job_name, raycluster, kept, nodes, hints, in_the_way, now, node_lost_after)
+    left = sum(1 for p in pods
+               if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+    return replace(_observe(job_name, raycluster, kept, nodes, hints, in_the_way, now,
+                            node_lost_after), pods_left=left)
 
 
 def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],

@@ -26,7 +26,7 @@ from rljob_api.status import (
 )
 from rljob_api.status import Failure as LastFailure
 from rljob_operator import names
-from rljob_operator.admission import admitted_condition, gate, workload_step
+from rljob_operator.admission import gate, queue_condition, stopped, workload_step
 from rljob_operator.builders import worker_groups
 from rljob_operator.decision import Actions, Decision, Event
 from rljob_operator.failures import (
@@ -59,7 +59,7 @@ Obj = dict[str, Any]
 def decide(job: JobView, obs: Observed, now: datetime) -> Decision:
     """The operator's status fields and next actions for one job."""
     s = Situation.of(job, obs, now)
-    decision = admitted_condition(s, _decide_phase(s, job, obs))
+    decision = queue_condition(s, _decide_phase(s, job, obs))
     step = workload_step(s, decision)
     if step is not None:
         decision = replace(decision, actions=replace(decision.actions, workload=step.value))
@@ -160,25 +160,9 @@ def _succeed(s: Situation) -> Decision:
 def _suspended(s: Situation) -> Decision:
     """The driver goes first (on SIGTERM its runtime finishes the step and saves, which needs
     the trainers and engines); the RayCluster only once the driver pod is gone."""
-    driver = s.obs.driver
-    if driver is not None and driver.name in s.stranded_pods():
-        driver = None  # no kubelet will stop it: force-deleted below, as stranded
-    message = "spec.scheduling.suspend is true: compute released, checkpoints kept"
-    if driver is not None:
-        message = ("spec.scheduling.suspend is true: the driver stops (it saves the step "
-                   "in progress), then compute is released; checkpoints are kept")
-    status = build_status(s, Phase.suspended.value, [
-        condition(s, "Ready", "False", "Suspended", message),
-        condition(s, "Scheduled", "False", "Suspended", message),
-        condition(s, "Suspended", "True", "Suspended", message),
-    ], recovery_status(s, None))
-    actions = Actions(
-        delete_cluster=s.obs.cluster == "present" and driver is None,
-        delete_driver=driver is not None and not driver.deleting,
-        delete_pods=s.stranded_pods(),
-    )
-    return Decision(status, actions,
-                    _transition_event(s, Phase.suspended.value, "Normal", message))
+    return stopped(s, Phase.suspended.value, "Suspended",
+                   "spec.scheduling.suspend is true: compute released, checkpoints kept",
+                   queued=False)
 
 
 def _blocked(s: Situation, found: InTheWay) -> Decision:

@@ -208,6 +208,8 @@ class Reconciler:
         self.metrics.set_phase((namespace, name), None)
         self.metrics.set_engines((namespace, name), None)
         self.memory.forget((namespace, name), keep_reads=not reads)
+        if reads and self.workloads is not None:
+            self.workloads.forget((namespace, name))
 
     def reconcile(self, namespace: str, name: str) -> float | Gone | None:
         """Bring one job one step closer to its desired state; returns seconds until it
@@ -238,7 +240,10 @@ class Reconciler:
             self.forget(namespace, name)
             return GONE
         if body["metadata"].get("deletionTimestamp"):
-            # Children go with the RLJob through owner references; nothing to do.
+            # Children go with the RLJob through owner references; its Kueue Workload once
+            # Kueue's finalizer is off (a foreground deletion waits for it).
+            if self.workloads is not None:
+                self.workloads.let_go(JobRef.of(body))
             self.forget(namespace, name, reads=False)
             return None
         job = parse_job(body)
@@ -263,10 +268,13 @@ class Reconciler:
         if job.spec is not None and job.spec.checkpoint.pvc:
             observed = replace(observed, checkpoint_modes=self._claim_modes(
                 namespace, name, job.spec.checkpoint.pvc))
-        if job.spec is not None and job.queue is not None:
-            queue = QueueState(job.queue, False) if self.workloads is None \
-                else self.workloads.state(ref, body, job.queue, job.spec)
-            observed = replace(observed, queue=queue)
+        if self.workloads is not None:
+            # Also for a job that names no queue (any more) or whose spec is invalid: a
+            # Workload it still has must give its quota back.
+            observed = replace(observed, queue=self.workloads.state(ref, body, job.queue,
+                                                                    job.spec))
+        elif job.spec is not None and job.queue is not None:
+            observed = replace(observed, queue=QueueState(job.queue, False))
         decision = decide(job, observed, now)
         if decision.hold_step is not None:
             self.kube.hold_step(namespace, name, decision.hold_step,

@@ -59,7 +59,7 @@ def parse_job(body: Obj) -> JobView:
         status=dict(body.get("status") or {}),
         namespace=str(meta.get("namespace") or ""),
         uid=str(meta.get("uid") or ""),
-        queue=queue_name(meta, raw) if spec is not None else None,
+        queue=queue_name(meta, raw) if not queue_problems(meta, raw) else None,
     )
 
 

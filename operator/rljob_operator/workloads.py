@@ -5,6 +5,9 @@ says. Only used with the Kueue integration on (`--kueue`)."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -20,12 +23,37 @@ from rljob_operator.kueue import Priority, QueueState, WorkloadView, parse_workl
 log = logging.getLogger("rljob_operator")
 Obj = dict[str, Any]
 MERGE = "application/merge-patch+json"
+# Priority classes and flavors change rarely; each is read at most this often (seconds).
+CLASS_TTL = 30.0
+Key = tuple[str, str]  # (namespace, RLJob name)
 
 
 class Workloads:
-    def __init__(self, api_client: client.ApiClient) -> None:
+    def __init__(self, api_client: client.ApiClient,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.custom = client.CustomObjectsApi(api_client)
         self.scheduling = client.SchedulingV1Api(api_client)
+        self.monotonic = monotonic
+        self._classes: dict[tuple[str, str], tuple[float, Obj | None]] = {}
+        # The Workloads the watch delivered, by the RLJob that controls them: a job that
+        # names no queue (any more) is looked up here, not with a request of its own.
+        self._seen: dict[Key, Obj] = {}
+        self._lock = threading.Lock()
+
+    # -- the watch's view ------------------------------------------------------------------
+
+    def watched(self, key: Key, obj: Obj, deleted: bool) -> None:
+        with self._lock:
+            if deleted:
+                self._seen.pop(key, None)
+            else:
+                self._seen[key] = obj
+
+    def forget(self, key: Key) -> None:
+        with self._lock:
+            self._seen.pop(key, None)
+
+    # -- reads -----------------------------------------------------------------------------
 
     def _get(self, plural: str, name: str, namespace: str | None = None) -> Obj | None:
         try:
@@ -41,41 +69,92 @@ class Workloads:
                 return None
             raise
 
-    def priority(self, labels: dict[str, str], pod_priority_class: str | None
-                 ) -> Priority | None:
-        """Kueue's order: the WorkloadPriorityClass the job's label names, else the pods'
-        PriorityClass. One that does not exist (yet) gives no priority."""
-        wpc = labels.get(kueue.LABEL_PRIORITY_CLASS)
-        if wpc:
-            found = self._get(kueue.WORKLOAD_PRIORITY_CLASSES, wpc)
-            return Priority("WorkloadPriorityClass", wpc, int(found.get("value") or 0)) \
-                if found else None
-        if pod_priority_class:
+    def _class(self, kind: str, name: str) -> Obj | None:
+        """A WorkloadPriorityClass, PriorityClass or ResourceFlavor (None: there is none),
+        read at most every CLASS_TTL seconds."""
+        now = self.monotonic()
+        with self._lock:
+            held = self._classes.get((kind, name))
+        if held is not None and now - held[0] < CLASS_TTL:
+            return held[1]
+        if kind == "PriorityClass":
             try:
-                pc = self.scheduling.read_priority_class(pod_priority_class,
-                                                         _request_timeout=TIMEOUT)
+                pc = self.scheduling.read_priority_class(name, _request_timeout=TIMEOUT)
+                found: Obj | None = {"value": int(pc.value or 0)}
             except ApiException as err:
-                if err.status == 404:
-                    return None
-                raise
-            return Priority("PriorityClass", pod_priority_class, int(pc.value or 0))
-        return None
+                if err.status != 404:
+                    raise
+                found = None
+        else:
+            plural = kueue.WORKLOAD_PRIORITY_CLASSES if kind == "WorkloadPriorityClass" \
+                else kueue.RESOURCE_FLAVORS
+            found = self._get(plural, name)
+        with self._lock:
+            self._classes[(kind, name)] = (now, found)
+        return found
 
-    def state(self, ref: JobRef, body: Obj, queue: str, spec: RLJobSpec) -> QueueState:
+    def priority(self, labels: dict[str, str], pod_priority_class: str | None
+                 ) -> tuple[Priority | None, str | None]:
+        """The priority Kueue's own integrations give a job: the WorkloadPriorityClass its
+        `kueue.x-k8s.io/priority-class` label names, else the pods' PriorityClass; and,
+        for a class that does not exist, what is missing."""
+        wpc = labels.get(kueue.LABEL_PRIORITY_CLASS)
+        kind, name = ("WorkloadPriorityClass", wpc) if wpc else \
+            ("PriorityClass", pod_priority_class)
+        if not name:
+            return None, None
+        found = self._class(kind, name)
+        if found is None:
+            return None, f"{kind} {name} does not exist"
+        return Priority(kind, name, int(found.get("value") or 0)), None
+
+    def state(self, ref: JobRef, body: Obj, queue: str | None,
+              spec: RLJobSpec | None) -> QueueState | None:
         """The job's Workload as stored, the one it would queue now, and (when admitted)
-        what the assigned flavors add to each pod set."""
-        labels = dict(body["metadata"].get("labels") or {})
-        want = kueue.build_workload(ref, spec, queue, self.priority(
-            labels, spec.scheduling.priority_class_name))
-        stored = self._get(kueue.WORKLOADS, kueue.workload_name(ref.name, ref.uid),
-                           ref.namespace)
+        what the assigned flavors add to each pod set. None: the job names no queue and
+        has no Workload."""
+        key = (ref.namespace, ref.name)
+        name = kueue.workload_name(ref.name, ref.uid)
+        with self._lock:
+            cached = self._seen.get(key)
+        if cached is not None and cached["metadata"]["name"] != name:
+            cached = None  # a Workload of an earlier job of this name
+        if queue is None and cached is None:
+            return None
+        # The watch's copy when it has one; read once when it has none yet (a job seen
+        # before the watch's first listing arrived, or whose Workload is not made yet).
+        stored = cached if cached is not None else self._get(kueue.WORKLOADS, name,
+                                                            ref.namespace)
+        if cached is None and stored is not None:
+            self.watched(key, stored, deleted=False)
         view = parse_workload(stored) if stored is not None else None
+        if queue is None and view is None:
+            return None
+        want, problem = None, None
+        if queue is not None and spec is not None:
+            labels = dict(body["metadata"].get("labels") or {})
+            priority, missing = self.priority(labels, spec.scheduling.priority_class_name)
+            if missing is not None and view is not None:
+                # Kept as it is: a class deleted or renamed never stops a queued job.
+                priority = Priority(str((view.priority_class or {}).get("kind") or ""),
+                                    str((view.priority_class or {}).get("name") or ""),
+                                    int(view.priority or 0)) if view.priority_class else None
+            elif missing is not None:
+                problem = ("PriorityClassNotFound", f"{missing}: the job's Workload is made "
+                           "once it does (Kueue needs its value)")
+            want = kueue.build_workload(ref, spec, queue, priority)
         placement = {}
         if view is not None and view.admitted:
-            flavors = {name: self._get(kueue.RESOURCE_FLAVORS, name) or {}
+            flavors = {name: self._class("ResourceFlavor", name)
                        for names_ in view.assignments.values() for name in names_}
-            placement = kueue.flavored(view, flavors)
-        return QueueState(queue, True, view, want, placement)
+            gone = sorted(n for n, f in flavors.items() if f is None)
+            if gone:
+                problem = ("FlavorNotFound", f"ResourceFlavor {', '.join(gone)} that Kueue "
+                           "assigned does not exist: the pods are not made without it")
+            placement = kueue.flavored(view, {n: f or {} for n, f in flavors.items()})
+        return QueueState(queue, True, view, want, placement, problem)
+
+    # -- writes ----------------------------------------------------------------------------
 
     def _patch(self, namespace: str, name: str, patch: Obj, status: bool = False) -> None:
         call = self.custom.patch_namespaced_custom_object_status if status \
@@ -92,24 +171,32 @@ class Workloads:
               generation: int | None, message: str = "", succeeded: bool = False) -> None:
         """Carry out one step on the job's Workload."""
         want, view = state.want, state.workload
-        assert want is not None
         ns = ref.namespace
         if step == WorkloadStep.create:
+            assert want is not None
             try:
-                self.custom.create_namespaced_custom_object(
+                made = _json(self.custom.create_namespaced_custom_object(
                     kueue.GROUP, kueue.VERSION, ns, kueue.WORKLOADS, want,
-                    _request_timeout=TIMEOUT)
+                    _preload_content=False, _request_timeout=TIMEOUT))
+                self.watched((ns, ref.name), made, deleted=False)
             except ApiException as err:
                 if err.status != 409:
                     raise
             return
         assert view is not None
         if step == WorkloadStep.update:
-            self._patch(ns, view.name, kueue.spec_patch(want))
-        elif step == WorkloadStep.activate:
-            self._patch(ns, view.name, {"spec": {"active": not view.active}})
+            assert want is not None
+            self._patch(ns, view.name, kueue.spec_patch(view, want))
+        elif step == WorkloadStep.reprioritize:
+            assert want is not None
+            self._patch(ns, view.name, kueue.priority_patch(view, want))
+        elif step in (WorkloadStep.activate, WorkloadStep.deactivate):
+            self._patch(ns, view.name, kueue.active_patch(view, step == WorkloadStep.activate))
         elif step == WorkloadStep.release:
             self._patch(ns, view.name, kueue.release_patch(view, now, generation), status=True)
+        elif step == WorkloadStep.pods_ready:
+            self._patch(ns, view.name, kueue.pods_ready_patch(view, now, generation),
+                        status=True)
         elif step == WorkloadStep.finish:
             self._patch(ns, view.name, kueue.finish_patch(view, succeeded, message, now,
                                                           generation), status=True)
@@ -126,6 +213,14 @@ class Workloads:
                               "finalizers": [f for f in view.finalizers
                                              if f != kueue.FINALIZER]}}
         self._patch(namespace, view.name, patch)
+
+    def let_go(self, ref: JobRef) -> None:
+        """The job is being deleted: its Workload's finalizer goes, so that garbage
+        collection (foreground too, which waits for it) can take it."""
+        stored = self._get(kueue.WORKLOADS, kueue.workload_name(ref.name, ref.uid),
+                           ref.namespace)
+        if stored is not None:
+            self.unhold(ref.namespace, parse_workload(stored))
 
     def _delete(self, namespace: str, name: str) -> None:
         try:

@@ -40,10 +40,12 @@ def cond(type_: str, status: str, reason: str = "R", message: str = "") -> Obj:
 
 
 def stored(*conds: Obj, deleting: bool = False, spec: Obj | None = None,
-           active: bool = True) -> Obj:
+           active: bool = True, ours: bool = True) -> Obj:
     wl = want(spec)
     wl["metadata"]["resourceVersion"] = "7"
     wl["spec"]["active"] = active
+    if not active and ours:
+        wl["metadata"]["annotations"][kueue.ANNOTATION_SUSPENDED] = "true"
     if deleting:
         wl["metadata"]["deletionTimestamp"] = "2026-01-01T11:00:00Z"
     wl["status"] = {"conditions": list(conds)}
@@ -55,17 +57,20 @@ def stored(*conds: Obj, deleting: bool = False, spec: Obj | None = None,
 
 
 ADMITTED = (cond("QuotaReserved", "True", "QuotaReserved"), cond("Admitted", "True", "Admitted"))
+READY = (*ADMITTED, cond("PodsReady", "True", "Started"))
 
 
 def run(body: Obj, workload: Obj | None, pods: list[Obj] | None = None,
-        cluster: bool = False, enabled: bool = True) -> Decision:
+        cluster: bool = False, enabled: bool = True, queue: str | None = "team",
+        problem: tuple[str, str] | None = None) -> Decision:
     rc = {"metadata": {"name": "rl"}} if cluster else None
     pods, rc = built(body, pods or [], rc)
     obs = observe("rl", rc, pods, [READY_NODE], None, now=T0, node_lost_after=0.0)
     job = parse_job(body)
-    assert job.queue is not None, job.spec_error
+    assert job.queue == queue, job.spec_error
     view = parse_workload(workload) if workload is not None else None
-    obs = replace(obs, queue=QueueState(job.queue, enabled, view, want(body["spec"])))
+    wanted = want(body["spec"]) if queue is not None else None
+    obs = replace(obs, queue=QueueState(queue, enabled, view, wanted, problem=problem))
     return decide(job, obs, T0)
 
 
@@ -80,6 +85,11 @@ def test_the_workload_covers_every_pod_with_its_real_requests() -> None:
                    for c in sets[name]["template"]["spec"]["containers"])
 
     assert (gpus("trainer"), gpus("rollout"), gpus("head"), gpus("driver")) == (2, 1, 0, 0)
+    # What KubeRay adds to every worker pod counts too: its wait-gcs-ready init container.
+    for name in ("trainer", "rollout"):
+        (init,) = sets[name]["template"]["spec"]["initContainers"]
+        assert init["resources"]["requests"] == {"cpu": "200m", "memory": "256Mi"}
+    assert "initContainers" not in sets["head"]["template"]["spec"]
     # The driver's status writer (a native sidecar) takes quota too.
     assert sets["driver"]["template"]["spec"]["initContainers"][0]["resources"]
     meta = wl["metadata"]
@@ -118,6 +128,23 @@ def test_an_admitted_job_starts_and_says_who_admitted_it() -> None:
     assert d.phase == "Pending" and d.actions.create_cluster
     assert conditions(d)["Admitted"]["message"].endswith("ClusterQueue cq")
     assert d.actions.workload is None
+
+
+def test_the_quota_stays_held_while_pods_of_a_deleted_raycluster_terminate() -> None:
+    """The RayCluster is gone (deleted in the background) but its pods still terminate:
+    they are no compute pods of the job any more, yet they still hold what they asked."""
+    evicted = stored(*ADMITTED, cond("Evicted", "True", "Preempted", "by high"))
+    body = queued_job({"phase": "Preempted"})
+    left = [{**p, "metadata": {**p["metadata"], "ownerReferences": [
+        {"kind": "RayCluster", "uid": "deleted-cluster", "controller": True}]}}
+        for p in compute()]
+    obs = observe("rl", None, left, [READY_NODE], None, uid="u", now=T0)
+    assert obs.compute == () and obs.pods_left == 4
+    job = parse_job(body)
+    obs = replace(obs, queue=QueueState("team", True, parse_workload(evicted), want()))
+    assert decide(job, obs, T0).actions.workload is None
+    gone = replace(obs, pods_left=0)
+    assert decide(job, gone, T0).actions.workload == "release"
 
 
 def test_eviction_stops_the_driver_first_then_gives_the_quota_back() -> None:
@@ -164,17 +191,28 @@ def test_a_spec_change_requeues_an_admitted_job_and_updates_a_waiting_workload()
     assert run(queued_job(spec=bigger), stored(*ADMITTED)).actions.workload == "drop"
 
 
-def test_suspend_deactivates_the_workload_and_resume_activates_it() -> None:
+def test_suspend_deactivates_the_workload_and_resume_activates_only_its_own() -> None:
     suspended = {**SPEC, "scheduling": {"suspend": True}}
     d = run(queued_job(spec=suspended), stored(*ADMITTED))
-    assert d.phase == "Suspended" and d.actions.workload == "activate"
-    d = run(queued_job(), stored(cond("QuotaReserved", "False", "Pending"), active=False))
+    assert d.phase == "Suspended" and d.actions.workload == "deactivate"
+    assert "Admitted" not in conditions(d)
+    waiting = cond("QuotaReserved", "False", "Pending")
+    d = run(queued_job(), stored(waiting, active=False))
     assert d.actions.workload == "activate"
+    # Deactivated by Kueue (its requeuing limit) or by hand: left so, and said.
+    d = run(queued_job(), stored(waiting, active=False, ours=False))
+    assert d.actions.workload is None and conditions(d)["Queued"]["reason"] == "Inactive"
+    # Created suspended: made inactive, so it can never be admitted (nor preempt) first.
+    made = kueue.build_workload(REF, RLJobSpec.model_validate(suspended), "team", None)
+    assert made["spec"]["active"] is False
+    assert made["metadata"]["annotations"][kueue.ANNOTATION_SUSPENDED] == "true"
 
 
-def test_an_ended_job_finishes_its_workload_then_lets_it_go() -> None:
+def test_an_ended_job_finishes_its_workload_once_its_pods_are_gone_then_lets_it_go() -> None:
     done = {"phase": "Succeeded", "finishedAt": "2026-01-01T12:00:00Z",
             "conditions": [cond("Succeeded", "True", "DriverSucceeded")]}
+    d = run(queued_job(done), stored(*ADMITTED), compute(), cluster=True)
+    assert d.actions.delete_cluster and d.actions.workload is None
     assert run(queued_job(done), stored(*ADMITTED)).actions.workload == "finish"
     finished = stored(*ADMITTED, cond("Finished", "True", "Succeeded"))
     assert run(queued_job(done), finished).actions.workload == "unhold"
@@ -187,14 +225,63 @@ def test_a_deleted_workload_is_let_go_once_the_pods_are_gone() -> None:
     assert run(queued_job(), gone).actions.workload == "unhold"
 
 
-def test_a_queue_in_label_and_field_must_agree_and_the_integration_must_be_on() -> None:
-    body = queued_job(spec={**SPEC, "scheduling": {"queue": "other"}})
+def test_a_queue_in_label_and_field_must_agree_and_an_ended_job_gives_its_quota_back() -> None:
+    body = queued_job({"phase": "Running"}, spec={**SPEC, "scheduling": {"queue": "other"}})
     job = parse_job(body)
     assert job.spec is None and "spec.scheduling.queue: is 'other'" in str(job.spec_error)
+    d = run(body, stored(*ADMITTED), queue=None)
+    assert d.phase == "Failed" and d.actions.workload == "finish"
+
+
+def test_without_the_integration_a_queued_job_runs_and_says_why() -> None:
     d = run(queued_job(), None, enabled=False)
-    assert d.phase == "Queued" and d.actions.workload is None
-    assert conditions(d)["Queued"]["reason"] == "KueueIntegrationOff"
-    assert "kueue.enabled=true" in conditions(d)["Queued"]["message"]
+    assert d.phase == "Pending" and d.actions.create_cluster and d.actions.workload is None
+    c = conditions(d)["Queued"]
+    assert (c["status"], c["reason"]) == ("False", "KueueIntegrationOff")
+    assert "kueue.enabled" in c["message"]
+
+
+def test_a_removed_queue_label_stops_the_job_drops_its_workload_then_runs_it() -> None:
+    body = queued_job({"phase": "Running"}, labels={})
+    d = run(body, stored(*ADMITTED), [*compute(), driver()], cluster=True, queue=None)
+    assert d.phase == "Queued" and conditions(d)["Queued"]["reason"] == "QueueRemoved"
+    assert d.actions.delete_driver and d.actions.workload is None
+    assert run(body, stored(*ADMITTED), queue=None).actions.workload == "drop"
+    d = run(queued_job({"phase": "Queued"}, labels={}), None, queue=None)
+    assert d.phase == "Pending" and d.actions.create_cluster
+
+
+def test_an_image_edit_keeps_the_admission_and_a_priority_change_is_made_in_place() -> None:
+    image = {**SPEC, "trainer": {**SPEC["trainer"], "image": "example.com/trainer:2"}}
+    running = queued_job({"phase": "Running"}, spec=image)
+    d = run(running, stored(*READY), [*compute(), driver()], cluster=True)
+    assert d.phase != "Queued" and d.actions.workload is None
+    higher = stored(*READY)
+    higher["spec"]["priority"] = 5
+    d = run(queued_job({"phase": "Running"}), higher, [*compute(), driver()], cluster=True)
+    assert d.phase != "Queued" and d.actions.workload == "reprioritize"
+
+
+def test_an_admitted_job_that_runs_tells_kueue_its_pods_are_ready() -> None:
+    d = run(queued_job({"phase": "Running"}), stored(*ADMITTED), [*compute(), driver()],
+            cluster=True)
+    assert d.phase == "Running" and d.actions.workload == "pods-ready"
+    ready = stored(*ADMITTED, cond("PodsReady", "True", "Started"))
+    d = run(queued_job({"phase": "Running"}), ready, [*compute(), driver()], cluster=True)
+    assert d.actions.workload is None
+
+
+def test_quota_held_for_admission_checks_or_a_missing_flavor_starts_nothing() -> None:
+    d = run(queued_job(), stored(cond("QuotaReserved", "True", "QuotaReserved"),
+                                 cond("Admitted", "False", "UnsatisfiedChecks")))
+    assert d.phase == "Queued" and not d.actions.create_cluster
+    assert conditions(d)["Queued"]["reason"] == "AwaitingAdmissionChecks"
+    d = run(queued_job(), stored(*ADMITTED), problem=("FlavorNotFound", "gone"))
+    assert d.phase == "Queued" and not d.actions.create_cluster
+    assert conditions(d)["Queued"]["reason"] == "FlavorNotFound"
+    d = run(queued_job(), None, problem=("PriorityClassNotFound", "no class"))
+    assert d.actions.workload is None and conditions(d)["Queued"]["reason"] == \
+        "PriorityClassNotFound"
 
 
 def test_flavors_are_applied_to_each_pod_set() -> None:

@@ -1,9 +1,12 @@
 """RLJobs queued in Kueue, on the real control plane with a real Kueue controller (built
-from its pinned Go module by hack/k8s-bins) and kwok GPU nodes: a ClusterQueue of 16 GPUs,
-three 8-GPU jobs (two admitted, one queued), a higher-priority job that preempts one, which
-a real `rljob run` playing its driver saves on SIGTERM and resumes from once Kueue admits it
-again; the GPUs the queued jobs' pods request never exceed the quota (sampled all along); a
-queued job deleted leaves no Workload."""
+from its pinned Go module by hack/k8s-bins) and kwok GPU nodes, the operator running with
+the chart's RBAC (kueue.enabled): a ClusterQueue of 16 GPUs, three 8-GPU jobs (two
+admitted, one queued), a higher-priority job that preempts one, which a real `rljob run`
+playing its driver saves on SIGTERM and resumes from once Kueue admits it again; the GPUs
+the queued jobs' pods request never exceed the quota (sampled all along) and every pod's
+real requests (KubeRay's additions included) are within what Kueue admitted; a job without
+a queue runs at once; edits, suspension, the end of a job and deletion keep the Workload in
+step."""
 
 from __future__ import annotations
 
@@ -14,18 +17,21 @@ import subprocess
 import sys
 import textwrap
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubernetes.utils import parse_quantity
 
 from rljob_api import env
 from rljob_operator import kueue
+from tests.chart.helm import CHART, helm
 from tests.controlplane import GPU, REPO, ControlPlane
 from tests.operator.harness import job_manifest
-from tests.operator.jobs import pods, status, wait_phase
+from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import POOL_LABEL, Operator
 from tests.polling import wait_for
 from tests.processes import reap
@@ -40,19 +46,40 @@ EXIT_TERMINATED = 143
 
 @pytest.fixture
 def kueue_operator(cluster: ControlPlane, namespace: str, tmp_path: Path) -> Iterator[Operator]:
+    """The operator with --kueue, as the chart (kueue.enabled, namespace scope) lets it:
+    with its ServiceAccount's token, not the admin's."""
     if "kueue" not in cluster.processes:
         cluster.start_kueue()
-    op = Operator(cluster, namespace, tmp_path / "operator.log", extra_args=("--kueue",))
+    suffix = uuid.uuid4().hex[:6]
+    release, home = f"kq-{suffix}", f"kq-sys-{suffix}"
+    helm(cluster.bins, "install", release, str(CHART), "--namespace", home, "--create-namespace",
+         "--set", "crds.install=false", "--set", "rbac.scope=namespace",
+         "--set", f"watchNamespace={namespace}", "--set", "kueue.enabled=true",
+         kubeconfig=cluster.kubeconfig)
+    token = cluster.kubectl("create", "token", f"{release}-rljob-operator", "-n", home,
+                            "--duration=1h").stdout.strip()
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": "admin", "user": {"token": token}}]
+    kubeconfig = tmp_path / "chart.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    op = Operator(cluster, namespace, tmp_path / "operator.log", kubeconfig=kubeconfig,
+                  extra_args=("--kueue",))
     op.start()
     try:
         yield op
+        said = (tmp_path / "operator.log").read_text(errors="replace").lower()
+        assert "forbidden" not in said, op.tail()  # the chart granted all it needed
     finally:
         op.stop()
+        helm(cluster.bins, "uninstall", release, "--namespace", home,
+             kubeconfig=cluster.kubeconfig, check=False)
+        cluster.kubectl("delete", "namespace", home, "--wait=false", check=False)
 
 
 def _queues(cp: ControlPlane, ns: str) -> None:
     """A flavor that puts pods on this test's tainted pool, a ClusterQueue of 16 GPUs for this
-    namespace that preempts lower priorities, a LocalQueue, and three priorities."""
+    namespace that preempts lower priorities, a LocalQueue, and priorities: Kueue's
+    WorkloadPriorityClasses and one scheduling.k8s.io PriorityClass."""
     cp.apply([
         {"apiVersion": kueue.API, "kind": "ResourceFlavor", "metadata": {"name": f"gpu-{ns}"},
          "spec": {"nodeLabels": {POOL_LABEL: ns},
@@ -72,24 +99,53 @@ def _queues(cp: ControlPlane, ns: str) -> None:
          "spec": {"clusterQueue": f"cq-{ns}"}},
         *({"apiVersion": kueue.API, "kind": "WorkloadPriorityClass",
            "metadata": {"name": f"{level}-{ns}"}, "value": value}
-          for level, value in (("lowest", 50), ("low", 100), ("mid", 500), ("high", 1000))),
+          for level, value in (("lowest", 50), ("low", 100), ("high", 1000))),
+        {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+         "metadata": {"name": f"mid-{ns}"}, "value": 500},
     ])
 
 
-def _queued_job(name: str, ns: str, priority: str) -> Obj:
-    """8 GPUs: one trainer pod with 4, four engines with 1 each; placed by the flavor alone."""
+def _tolerating(ns: str) -> list[Obj]:
+    return [{"key": TAINT, "operator": "Equal", "value": ns, "effect": "NoSchedule"}]
+
+
+def _queued_job(name: str, ns: str, priority: str, engines: int = 4) -> Obj:
+    """8 GPUs: one trainer pod with 4, four engines with 1 each; placed by the flavor alone.
+    `mid` takes its priority from the pods' PriorityClass, the others from Kueue's label."""
+    scheduling = {"priorityClassName": f"mid-{ns}"} if priority == "mid" else {}
     body = job_manifest(name, ns, trainer={"backend": "megatron", "replicas": 1,
                                            "gpusPerReplica": 4},
-                        rollout={"backend": "sglang", "engines": 4, "gpusPerEngine": 1},
-                        scheduling={})
-    body["metadata"]["labels"] = {kueue.LABEL_QUEUE: "team",
-                                  kueue.LABEL_PRIORITY_CLASS: f"{priority}-{ns}"}
+                        rollout={"backend": "sglang", "engines": engines, "gpusPerEngine": 1},
+                        scheduling=scheduling)
+    body["metadata"]["labels"] = {kueue.LABEL_QUEUE: "team"}
+    if priority != "mid":
+        body["metadata"]["labels"][kueue.LABEL_PRIORITY_CLASS] = f"{priority}-{ns}"
     return body
 
 
-def _gpus(pod: Obj) -> int:
-    return sum(int((c.get("resources") or {}).get("requests", {}).get(GPU, 0))
-               for c in pod["spec"]["containers"])
+def _requests(pod_spec: Obj) -> dict[str, float]:
+    """A pod's requests as the scheduler and Kueue count them: its containers and native
+    sidecars, or an init container with the sidecars started before it, whichever is more."""
+    def of(c: Obj) -> dict[str, float]:
+        asked = (c.get("resources") or {}).get("requests") or {}
+        return {k: float(parse_quantity(str(v))) for k, v in asked.items()}
+
+    def plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
+
+    total: dict[str, float] = {}
+    sidecars: dict[str, float] = {}
+    peak: dict[str, float] = {}
+    for c in pod_spec.get("initContainers") or []:
+        if c.get("restartPolicy") == "Always":
+            sidecars = plus(sidecars, of(c))
+        else:
+            here = plus(sidecars, of(c))
+            peak = {k: max(peak.get(k, 0.0), here.get(k, 0.0)) for k in {*peak, *here}}
+    for c in pod_spec["containers"]:
+        total = plus(total, of(c))
+    total = plus(total, sidecars)
+    return {k: max(total.get(k, 0.0), peak.get(k, 0.0)) for k in {*total, *peak}}
 
 
 class QuotaSampler:
@@ -97,7 +153,7 @@ class QuotaSampler:
 
     def __init__(self, cp: ControlPlane, ns: str, jobs: set[str]) -> None:
         self.cp, self.ns, self.jobs = cp, ns, jobs
-        self.samples: list[int] = []
+        self.samples: list[float] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -105,7 +161,7 @@ class QuotaSampler:
         while not self.stop.is_set():
             items = self.cp.get_json("pods", "-n", self.ns)["items"]
             self.samples.append(sum(
-                _gpus(p) for p in items
+                _requests(p["spec"]).get(GPU, 0.0) for p in items
                 if (p["metadata"].get("labels") or {}).get("rljob.io/job") in self.jobs
                 and p["status"].get("phase") not in ("Succeeded", "Failed")))
             self.stop.wait(0.5)
@@ -120,10 +176,28 @@ class QuotaSampler:
 
 
 def _workload(cp: ControlPlane, ns: str, name: str) -> Obj | None:
+    """The Workload that Kueue's own job-uid label ties to the RLJob."""
     uid = cp.get_json("rljob", name, "-n", ns)["metadata"]["uid"]
-    found = cp.kubectl("get", "workloads.kueue.x-k8s.io", kueue.workload_name(name, uid),
-                       "-n", ns, "-o", "json", check=False)
-    return json.loads(found.stdout) if found.returncode == 0 else None
+    found = cp.get_json("workloads.kueue.x-k8s.io", "-n", ns, "-l",
+                        f"kueue.x-k8s.io/job-uid={uid}")["items"]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def _admitted_within(cp: ControlPlane, ns: str, name: str) -> None:
+    """Every pod of the job asks no more (CPU, memory, GPUs) than Kueue admitted for its pod
+    set: what the real pods request, KubeRay's additions included, is what Kueue counted."""
+    wl = _workload(cp, ns, name)
+    assert wl is not None
+    usage = {a["name"]: a for a in wl["status"]["admission"]["podSetAssignments"]}
+    counts = {s["name"]: s["count"] for s in wl["spec"]["podSets"]}
+    for pod in pods(cp, ns, name):
+        podset = pod["metadata"]["labels"][kueue.LABEL_PODSET]
+        per_pod = {k: float(parse_quantity(str(v))) / counts[podset]
+                   for k, v in usage[podset]["resourceUsage"].items()}
+        for resource, asked in _requests(pod["spec"]).items():
+            assert asked <= per_pod.get(resource, 0.0) + 1e-9, (
+                pod["metadata"]["name"], resource, asked, per_pod)
 
 
 def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log: Path,
@@ -136,7 +210,8 @@ def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log
     identity = {k: pod_env[k] for k in (env.JOB_NAME, env.JOB_NAMESPACE, env.RESTARTS)}
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir), *args],
+            [sys.executable, "-m", "rljob.cli", "run", str(job), "--workdir", str(workdir),
+             *args],
             env={**os.environ, **identity, "KUBECONFIG": str(cp.kubeconfig),
                  "PYTHONPATH": f"{REPO}:{REPO / 'runtime'}"},
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -148,11 +223,15 @@ def _events(cp: ControlPlane, ns: str, name: str, reason: str) -> list[str]:
     return [e["message"] for e in items if e["reason"] == reason]
 
 
+def _conditions(obj: Obj) -> dict[str, Obj]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
 def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         cluster: ControlPlane, namespace: str, kueue_operator: Operator,
         gpu_pool: Callable[..., list[str]], tmp_path: Path) -> None:
     ns = namespace
-    nodes = gpu_pool(4, 8)
+    nodes = gpu_pool(5, 8)
     for node in nodes:
         cluster.kubectl("taint", "node", node, f"{TAINT}={ns}:NoSchedule")
     _queues(cluster, ns)
@@ -188,9 +267,10 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         sets = {s["name"]: s for s in wl["spec"]["podSets"]}
         assert {k: s["count"] for k, s in sets.items()} == {
             "head": 1, "trainer": 1, "rollout": 4, "driver": 1}
-        assert sum(s["count"] * _gpus({"spec": s["template"]["spec"]})
+        assert sum(s["count"] * _requests(s["template"]["spec"]).get(GPU, 0)
                    for s in sets.values()) == 8
         assert wl["spec"]["priority"] == 100
+        _admitted_within(cluster, ns, "low")
         # Placed by the flavor alone: its node label and toleration are on every pod.
         placed = pods(cluster, ns, "low")
         assert len(placed) == 7
@@ -199,6 +279,10 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
             assert any(t.get("key") == TAINT for t in pod["spec"].get("tolerations") or [])
             assert pod["metadata"]["labels"][kueue.LABEL_PODSET] in sets
             assert pod["spec"]["nodeName"] in nodes
+        # Kueue is told the job's pods are ready (its waitForPodsReady reads this).
+        wait_for(lambda: _conditions(_workload(cluster, ns, "low") or {}).get(
+            "PodsReady", {}).get("status") == "True", timeout=60, what="PodsReady on low's "
+            "Workload", describe=describe)
 
         # A real runtime plays low's driver: it trains until it is stopped.
         job = job_file(tmp_path, {"algorithm": {"totalSteps": 1000},
@@ -212,11 +296,32 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
 
             cluster.apply(_queued_job("mid", ns, "mid"), "-n", ns)
             phase_is("mid", "Running")
+            mid = _workload(cluster, ns, "mid") or {}
+            assert (mid["spec"]["priority"], mid["spec"]["priorityClassRef"]["kind"]) == (
+                500, "PriorityClass")
             cluster.apply(_queued_job("lowest", ns, "lowest"), "-n", ns)
             cond = queued("lowest", "Pending")
             print(f"\nQueued: {cond['reason']}: {cond['message']}")
-            assert "insufficient" in cond["message"] or "quota" in cond["message"], cond
+            assert "insufficient unused quota for nvidia.com/gpu" in cond["message"], cond
             assert pods(cluster, ns, "lowest") == []  # nothing that takes quota before admission
+            # A job without a queue is not Kueue's: it runs at once, whatever the queue holds.
+            plain = job_manifest("plain", ns, scheduling={
+                "nodeSelector": {POOL_LABEL: ns}, "tolerations": _tolerating(ns)})
+            cluster.apply(plain, "-n", ns)
+            phase_is("plain", "Running")
+            assert cluster.get_json("workloads.kueue.x-k8s.io", "-n", ns, "-l",
+                                    "kueue.x-k8s.io/job-uid=" + cluster.get_json(
+                                        "rljob", "plain", "-n", ns)["metadata"]["uid"]
+                                    )["items"] == []
+            # Edited while it waits: its Workload asks for what the job now is.
+            before = _workload(cluster, ns, "lowest") or {}
+            cluster.kubectl("patch", "rljob", "lowest", "-n", ns, "--type=merge", "-p",
+                            json.dumps({"spec": {"rollout": {"engines": 2}}}))
+            wait_for(lambda: {s["name"]: s["count"] for s in (_workload(
+                cluster, ns, "lowest") or {})["spec"]["podSets"]}.get("rollout") == 2,
+                timeout=60, what="lowest's Workload to ask for 2 engines", describe=describe)
+            after = _workload(cluster, ns, "lowest") or {}
+            assert after["metadata"]["uid"] == before["metadata"]["uid"]
             out = cluster.kubectl("get", "rljobs", "-n", ns).stdout
             print(out)
             assert "Queued" in out
@@ -239,11 +344,19 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         cond = queued("low", "Preempted")
         assert "Kueue evicted" in cond["message"], cond
         phase_is("high", "Running")
+        _admitted_within(cluster, ns, "high")
         assert status(cluster, ns, "lowest")["phase"] == "Queued"
 
-        # The preemptor goes: Kueue admits low again (above lowest), and it resumes from the
-        # very checkpoint its runtime saved when it stopped.
-        cluster.kubectl("delete", "rljob", "high", "-n", ns)
+        # The preemptor ends (its driver exits 0, as a kubelet reports): its Workload is
+        # Finished once its pods are gone, which gives the quota back; Kueue admits low
+        # again (above lowest), and it resumes from the very checkpoint its runtime saved
+        # when it stopped.
+        patch_pod_phase(cluster, ns, "high-driver", "Succeeded", 0)
+        phase_is("high", "Succeeded")
+        wait_for(lambda: (lambda wl: _conditions(wl).get("Finished", {}).get("status") ==
+                          "True" and kueue.FINALIZER not in wl["metadata"].get(
+                              "finalizers", []))(_workload(cluster, ns, "high") or {}),
+                 timeout=60, what="high's Workload Finished and let go", describe=describe)
         phase_is("low", "Running", timeout=180)
         assert status(cluster, ns, "lowest")["phase"] == "Queued"
         second = _runtime(cluster, ns, "low", job, workdir, log, "--max-steps", "1")
@@ -261,11 +374,11 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         assert status(cluster, ns, "low")["recovery"]["restarts"] == 0
 
         # A queued job deleted leaves no Workload behind.
-        uid = cluster.get_json("rljob", "lowest", "-n", ns)["metadata"]["uid"]
-        assert _workload(cluster, ns, "lowest") is not None
+        gone = _workload(cluster, ns, "lowest")
+        assert gone is not None
         cluster.kubectl("delete", "rljob", "lowest", "-n", ns)
         wait_for(lambda: cluster.kubectl(
-            "get", "workloads.kueue.x-k8s.io", kueue.workload_name("lowest", uid), "-n", ns,
+            "get", "workloads.kueue.x-k8s.io", gone["metadata"]["name"], "-n", ns,
             check=False).returncode != 0, timeout=60, what="lowest's Workload to be gone",
             describe=describe)
 
@@ -280,9 +393,8 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
 
         def released() -> Obj | None:
             wl = _workload(cluster, ns, "mid") or {}
-            conds = {c["type"]: c for c in (wl.get("status") or {}).get("conditions") or []}
             done = wl.get("spec", {}).get("active") is False and not pods(cluster, ns, "mid") \
-                and conds.get("QuotaReserved", {}).get("status") == "False"
+                and _conditions(wl).get("QuotaReserved", {}).get("status") == "False"
             return wl if done else None
 
         wait_for(released, timeout=120, what="mid's Workload inactive and its quota back",
@@ -290,6 +402,20 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         suspend(False)
         phase_is("mid", "Running")
         assert status(cluster, ns, "mid")["recovery"]["restarts"] == 0
+
+        # An edit that changes what an admitted job asks for: it stops, its Workload is
+        # replaced by one for the job as it is now, and it runs again once that is admitted.
+        first_wl = (_workload(cluster, ns, "mid") or {})["metadata"]["uid"]
+        cluster.kubectl("patch", "rljob", "mid", "-n", ns, "--type=merge", "-p",
+                        json.dumps({"spec": {"rollout": {"engines": 2}}}))
+        wait_for(lambda: (lambda wl: wl is not None and wl["metadata"]["uid"] != first_wl
+                          and _conditions(wl).get("Admitted", {}).get("status") == "True")(
+                              _workload(cluster, ns, "mid")), timeout=120,
+                 what="mid queued again with a new Workload, and admitted", describe=describe)
+        assert _events(cluster, ns, "mid", "Queued"), "mid never read Queued"
+        phase_is("mid", "Running")
+        assert len(pods(cluster, ns, "mid", "rollout")) == 2
+        _admitted_within(cluster, ns, "mid")
     print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
     assert len(quota.samples) > 50
     assert max(quota.samples) <= QUOTA_GPUS, quota.samples
