@@ -29,9 +29,8 @@ import yaml
 from e2e.kind.foreign_peer import assert_foreign_pod_refused
 from e2e.kind.kindcluster import EXAMPLE, KindCluster
 from rljob.reporting.metrics_log import METRICS_FILE
-from rljob_api.spec import RLJobSpec
 from rljob_operator import kueue
-from rljob_operator.builders import JobRef
+from tests.kueue_checks import admitted_within
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -176,9 +175,9 @@ LOW, HIGH = "rljob-e2e-low", "rljob-e2e-high"  # WorkloadPriorityClasses
 PREEMPTOR_CPU_M = 200
 
 
-def _kueue_queues(cluster: KindCluster, job_cpu_m: int) -> None:
-    """A ClusterQueue for the story's namespace with CPU quota for the job and 100m more: a
-    200m Job of higher priority in the same queue only fits by preempting it."""
+def _kueue_queues(cluster: KindCluster, cpu: str) -> None:
+    """A ClusterQueue for the story's namespace with `cpu` of CPU quota, its LocalQueue and
+    two priorities."""
     kq = f"{kueue.GROUP}/{kueue.VERSION}"
     docs = [
         {"apiVersion": kq, "kind": "WorkloadPriorityClass", "metadata": {"name": LOW},
@@ -192,7 +191,7 @@ def _kueue_queues(cluster: KindCluster, job_cpu_m: int) -> None:
                   "preemption": {"withinClusterQueue": "LowerPriority"},
                   "resourceGroups": [{"coveredResources": ["cpu", "memory"], "flavors": [{
                       "name": "rljob-e2e", "resources": [
-                          {"name": "cpu", "nominalQuota": f"{job_cpu_m + 100}m"},
+                          {"name": "cpu", "nominalQuota": cpu},
                           {"name": "memory", "nominalQuota": "1000Gi"}]}]}]}},
         {"apiVersion": kq, "kind": "LocalQueue",
          "metadata": {"name": QUEUE, "namespace": NAMESPACE},
@@ -214,8 +213,11 @@ def _preemptor(image: str) -> dict[str, Any]:
                                                "memory": "16Mi"}}}]}}}}
 
 
-def _cpu_m(value: str) -> int:
-    return int(value[:-1]) if value.endswith("m") else int(float(value) * 1000)
+def _workload(cluster: KindCluster) -> dict[str, Any]:
+    uid = cluster.get("rljob", JOB, "-n", NAMESPACE)["metadata"]["uid"]
+    (found,) = cluster.get("workloads.kueue.x-k8s.io", "-n", NAMESPACE, "-l",
+                           f"kueue.x-k8s.io/job-uid={uid}")["items"]
+    return found  # type: ignore[no-any-return]
 
 
 def _steps_once(cluster: KindCluster) -> list[int]:
@@ -395,14 +397,9 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true",
                     timeout=600)
     cluster.kubectl("create", "namespace", NAMESPACE)
-    # Queued in Kueue: nothing of it runs before its Workload is admitted.
-    spec = RLJobSpec.model_validate(doc["spec"])
-    sets = kueue.pod_sets(JobRef(JOB, NAMESPACE, "uid"), spec)
-    job_cpu_m = sum(s["count"] * _cpu_m(c["resources"]["requests"]["cpu"])
-                    for s in sets for c in [*s["template"]["spec"]["containers"],
-                                            *s["template"]["spec"].get("initContainers", [])]
-                    if "cpu" in c.get("resources", {}).get("requests", {}))
-    _kueue_queues(cluster, job_cpu_m)
+    # Queued in Kueue: nothing of it runs before its Workload is admitted. Room for it
+    # alone is set once Kueue says what it admitted (below).
+    _kueue_queues(cluster, "100")
     doc["metadata"]["labels"] = {kueue.LABEL_QUEUE: QUEUE, kueue.LABEL_PRIORITY_CLASS: LOW}
     # The two rollout pods run on two workers, one of them alone: every compute pod starts
     # on the first worker, then one rollout pod moves to the second before the job starts
@@ -436,12 +433,23 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
 
     # Started: the driver joined the job's Ray cluster, and every actor runs where it should.
     job.wait(lambda: job.status().get("phase") == "Running", "phase Running", START_S)
-    # It waited in its queue first, and runs because Kueue admitted its Workload.
+    # It waited in its queue first, and runs because Kueue admitted its Workload: no pod
+    # of it is older than the admission, and none asks more than Kueue admitted for it.
     said = {e["reason"] for e in cluster.get("events", "-n", NAMESPACE, "--field-selector",
                                              f"involvedObject.name={JOB}")["items"]}
     assert "Queued" in said, said
     admitted = {c["type"]: c for c in job.status()["conditions"]}["Admitted"]
     assert admitted["status"] == "True" and "ClusterQueue rljob-e2e" in admitted["message"]
+    workload = _workload(cluster)
+    since = {c["type"]: c for c in workload["status"]["conditions"]}["QuotaReserved"]
+    everyone = [p for c in ("trainer", "rollout", "head", "driver") for p in job.pods(c)]
+    assert all(p["metadata"]["creationTimestamp"] >= since["lastTransitionTime"]
+               for p in everyone), (since, [p["metadata"]["creationTimestamp"]
+                                            for p in everyone])
+    usage = admitted_within(workload, everyone)
+    # Now the queue has room for the job and 100m more: a 200m Job of higher priority in
+    # it only fits by preempting the job.
+    _kueue_queues(cluster, f"{round(usage['cpu'] * 1000) + 100}m")
     first = job.checkpoint_after(0)
     assert first["step"] % interval == 0, first
     placement = _placement(job.driver_log())

@@ -728,8 +728,8 @@ class SchedulingSpec(ApiModel):
             "Kueue LocalQueue the job waits in (the same as its label "
             "kueue.x-k8s.io/queue-name; if both are set they must name the same queue). "
             "Nothing of the job runs until Kueue admits its Workload; an eviction stops it "
-            "like suspend. Needs the operator's Kueue integration (chart value "
-            "kueue.enabled)."
+            "like suspend. Without the operator's Kueue integration (chart value "
+            "kueue.enabled) the job runs unqueued."
         ),
     )
     suspend: bool = Field(False, description="Tear compute down, keep checkpoints; false resumes.")

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 import yaml
-from kubernetes.utils import parse_quantity
 
 from rljob_api import env
 from rljob_operator import kueue
 from tests.chart.helm import CHART, helm
 from tests.controlplane import GPU, REPO, ControlPlane
+from tests.kueue_checks import admitted_within, requests
 from tests.operator.harness import job_manifest
 from tests.operator.jobs import patch_pod_phase, pods, status, wait_phase
 from tests.operator_process import POOL_LABEL, Operator
@@ -123,31 +123,6 @@ def _queued_job(name: str, ns: str, priority: str, engines: int = 4) -> Obj:
     return body
 
 
-def _requests(pod_spec: Obj) -> dict[str, float]:
-    """A pod's requests as the scheduler and Kueue count them: its containers and native
-    sidecars, or an init container with the sidecars started before it, whichever is more."""
-    def of(c: Obj) -> dict[str, float]:
-        asked = (c.get("resources") or {}).get("requests") or {}
-        return {k: float(parse_quantity(str(v))) for k, v in asked.items()}
-
-    def plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-        return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
-
-    total: dict[str, float] = {}
-    sidecars: dict[str, float] = {}
-    peak: dict[str, float] = {}
-    for c in pod_spec.get("initContainers") or []:
-        if c.get("restartPolicy") == "Always":
-            sidecars = plus(sidecars, of(c))
-        else:
-            here = plus(sidecars, of(c))
-            peak = {k: max(peak.get(k, 0.0), here.get(k, 0.0)) for k in {*peak, *here}}
-    for c in pod_spec["containers"]:
-        total = plus(total, of(c))
-    total = plus(total, sidecars)
-    return {k: max(total.get(k, 0.0), peak.get(k, 0.0)) for k in {*total, *peak}}
-
-
 class QuotaSampler:
     """Sums the GPUs the queued jobs' live pods request, every half second, from a thread."""
 
@@ -161,7 +136,7 @@ class QuotaSampler:
         while not self.stop.is_set():
             items = self.cp.get_json("pods", "-n", self.ns)["items"]
             self.samples.append(sum(
-                _requests(p["spec"]).get(GPU, 0.0) for p in items
+                requests(p["spec"]).get(GPU, 0.0) for p in items
                 if (p["metadata"].get("labels") or {}).get("rljob.io/job") in self.jobs
                 and p["status"].get("phase") not in ("Succeeded", "Failed")))
             self.stop.wait(0.5)
@@ -182,22 +157,6 @@ def _workload(cp: ControlPlane, ns: str, name: str) -> Obj | None:
                         f"kueue.x-k8s.io/job-uid={uid}")["items"]
     assert len(found) <= 1, found
     return found[0] if found else None
-
-
-def _admitted_within(cp: ControlPlane, ns: str, name: str) -> None:
-    """Every pod of the job asks no more (CPU, memory, GPUs) than Kueue admitted for its pod
-    set: what the real pods request, KubeRay's additions included, is what Kueue counted."""
-    wl = _workload(cp, ns, name)
-    assert wl is not None
-    usage = {a["name"]: a for a in wl["status"]["admission"]["podSetAssignments"]}
-    counts = {s["name"]: s["count"] for s in wl["spec"]["podSets"]}
-    for pod in pods(cp, ns, name):
-        podset = pod["metadata"]["labels"][kueue.LABEL_PODSET]
-        per_pod = {k: float(parse_quantity(str(v))) / counts[podset]
-                   for k, v in usage[podset]["resourceUsage"].items()}
-        for resource, asked in _requests(pod["spec"]).items():
-            assert asked <= per_pod.get(resource, 0.0) + 1e-9, (
-                pod["metadata"]["name"], resource, asked, per_pod)
 
 
 def _runtime(cp: ControlPlane, ns: str, name: str, job: Path, workdir: Path, log: Path,
@@ -267,10 +226,10 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         sets = {s["name"]: s for s in wl["spec"]["podSets"]}
         assert {k: s["count"] for k, s in sets.items()} == {
             "head": 1, "trainer": 1, "rollout": 4, "driver": 1}
-        assert sum(s["count"] * _requests(s["template"]["spec"]).get(GPU, 0)
+        assert sum(s["count"] * requests(s["template"]["spec"]).get(GPU, 0)
                    for s in sets.values()) == 8
         assert wl["spec"]["priority"] == 100
-        _admitted_within(cluster, ns, "low")
+        admitted_within(_workload(cluster, ns, "low") or {}, pods(cluster, ns, "low"))
         # Placed by the flavor alone: its node label and toleration are on every pod.
         placed = pods(cluster, ns, "low")
         assert len(placed) == 7
@@ -344,7 +303,7 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         cond = queued("low", "Preempted")
         assert "Kueue evicted" in cond["message"], cond
         phase_is("high", "Running")
-        _admitted_within(cluster, ns, "high")
+        admitted_within(_workload(cluster, ns, "high") or {}, pods(cluster, ns, "high"))
         assert status(cluster, ns, "lowest")["phase"] == "Queued"
 
         # The preemptor ends (its driver exits 0, as a kubelet reports): its Workload is
@@ -415,7 +374,7 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         assert _events(cluster, ns, "mid", "Queued"), "mid never read Queued"
         phase_is("mid", "Running")
         assert len(pods(cluster, ns, "mid", "rollout")) == 2
-        _admitted_within(cluster, ns, "mid")
+        admitted_within(_workload(cluster, ns, "mid") or {}, pods(cluster, ns, "mid"))
     print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
     assert len(quota.samples) > 50
     assert max(quota.samples) <= QUOTA_GPUS, quota.samples
