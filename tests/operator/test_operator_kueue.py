@@ -375,6 +375,18 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         phase_is("mid", "Running")
         assert len(pods(cluster, ns, "mid", "rollout")) == 2
         admitted_within(_workload(cluster, ns, "mid") or {}, pods(cluster, ns, "mid"))
+
+        # Its Workload deleted by hand: the job stops, and only once its pods are gone does
+        # the Workload go (Kueue's finalizer held it meanwhile); a new one queues the job.
+        doomed = (_workload(cluster, ns, "mid") or {})["metadata"]
+        cluster.kubectl("delete", "workloads.kueue.x-k8s.io", doomed["name"], "-n", ns,
+                        "--wait=false")
+        wait_for(lambda: (lambda wl: wl is not None and wl["metadata"]["uid"] != doomed["uid"]
+                          and _conditions(wl).get("Admitted", {}).get("status") == "True")(
+                              _workload(cluster, ns, "mid")), timeout=120,
+                 what="mid queued again after its Workload was deleted", describe=describe)
+        assert _events(cluster, ns, "mid", "Queued")
+        phase_is("mid", "Running")
     print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
     assert len(quota.samples) > 50
     assert max(quota.samples) <= QUOTA_GPUS, quota.samples
@@ -398,3 +410,17 @@ def test_the_install_guides_queues_are_accepted_by_kueues_api(
     out = cluster.apply(yaml.safe_dump_all(docs).replace("team-a", namespace),
                         "--dry-run=server")
     assert out.count("(server dry run)") == 4, out
+
+
+def test_without_the_integration_a_queued_job_runs_and_says_so(
+        cluster: ControlPlane, namespace: str, operator: Operator,
+        gpu_pool: Callable[..., list[str]]) -> None:
+    """An operator without --kueue (the chart's default) runs a job that names a queue as it
+    always did, and its status says no queue holds it."""
+    gpu_pool(1, 8)
+    body = job_manifest("named", namespace)
+    body["metadata"]["labels"] = {kueue.LABEL_QUEUE: "team"}
+    cluster.apply(body, "-n", namespace)
+    st = wait_phase(cluster, namespace, "named", "Running")
+    cond = {c["type"]: c for c in st["conditions"]}["Queued"]
+    assert (cond["status"], cond["reason"]) == ("False", "KueueIntegrationOff"), cond
