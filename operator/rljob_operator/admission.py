@@ -44,8 +44,9 @@ def stopped(s: Situation, phase: str, reason: str, message: str, queued: bool) -
     if driver is not None and driver.name in s.stranded_pods():
         driver = None  # no kubelet will stop it: force-deleted, as stranded
     if driver is not None:
-        message += ("; the driver stops (it saves the step in progress), then compute is "
-                    "released")
+        message += "; the driver stops (it saves the step in progress), then compute goes"
+    elif not queued:
+        message += "; compute released"
     conds = [condition(s, "Ready", "False", reason, message),
              condition(s, "Scheduled", "False", reason, message)]
     if queued:
@@ -59,7 +60,7 @@ def stopped(s: Situation, phase: str, reason: str, message: str, queued: bool) -
     actions = Actions(
         delete_cluster=s.obs.cluster == "present" and driver is None,
         delete_driver=driver is not None and not driver.deleting,
-        delete_pods=s.stranded_pods(),
+        delete_pods=tuple(sorted({*s.stranded_pods(), *s.obs.stranded_orphans})),
     )
     stored: dict[str, object] = next(
         (c for c in s.stored.get("conditions") or [] if c.get("type") == "Ready"), {})
@@ -109,7 +110,9 @@ def gate(s: Situation) -> Decision | None:
                        "job's pods are gone, and resumes from its latest checkpoint when "
                        "admitted", queued=True)
     if wl.admitted:
-        if queue.problem is not None:
+        # A flavor gone after the pods were placed changes nothing for them.
+        unstarted = s.obs.driver is None and s.obs.cluster == "absent"
+        if queue.problem is not None and unstarted:
             return stopped(s, Phase.queued.value, *queue.problem, queued=True)
         return None
     if wl.reserved:

@@ -340,6 +340,9 @@ def release_patch(view: WorkloadView, now: str, generation: int | None) -> Obj:
         view.conditions,
         _condition("Requeued", requeued, evicted.reason or "Evicted", evicted.message, now,
                    generation),
+        # Ready no more: admitted again, the job starts anew (waitForPodsReady times it).
+        _condition("PodsReady", "False", "WaitForStart", "the job is queued again", now,
+                   generation),
         _condition("QuotaReserved", "False", "Pending", evicted.message, now, generation),
         _condition("Admitted", "False", "NoReservation", "The workload has no reservation",
                    now, generation),
@@ -402,9 +405,20 @@ def shape_changed(view: WorkloadView, desired: Obj) -> bool:
 
 
 def priority_changed(view: WorkloadView, desired: Obj) -> bool:
+    """Whether the job's priority changed in a way Kueue takes now: any change of a workload
+    that holds no quota; while it holds quota only what its CRD rules allow (a new value, or
+    another WorkloadPriorityClass); a class added, removed or of another kind waits until
+    the workload holds no quota."""
     spec = desired["spec"]
-    return (view.priority, view.priority_class) != (spec.get("priority"),
-                                                     spec.get("priorityClassRef"))
+    old, new = view.priority_class, spec.get("priorityClassRef")
+    if (view.priority, old) == (spec.get("priority"), new):
+        return False
+    if not view.reserved:
+        return True
+    if old is None or new is None or (old.get("group"), old.get("kind")) != (
+            new.get("group"), new.get("kind")):
+        return False
+    return old.get("kind") == "WorkloadPriorityClass" or old.get("name") == new.get("name")
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,12 @@ class Observed:
     # The job's place in Kueue; None for a job that names no queue.
     queue: QueueState | None = None
     # Pods wearing the job's label that have not ended, whichever RayCluster made them (a
-    # deleted one's pods are not compute pods any more, but still hold what they requested).
+    # deleted one's pods are not compute pods any more, but still hold what they requested),
+    # but for those on lost nodes, which no kubelet runs.
     pods_left: int = 0
+    # Such pods of a deleted RayCluster on lost nodes: no kubelet will finish them, so they
+    # are force-deleted like the job's own stranded pods.
+    stranded_orphans: tuple[str, ...] = ()
 
     def pending_losses(self) -> dict[str, NodeOutage]:
         """Nodes that are not Ready but do not count as lost yet: they may come back."""
@@ -330,15 +334,21 @@ def observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: I
             # counted, replaced or deleted as one of them.
             continue
         kept.append(pod)
-    left = sum(1 for p in pods
-               if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
-    return replace(_observe(job_name, raycluster, kept, nodes, hints, in_the_way, now,
-                            node_lost_after), pods_left=left)
+    live = [p for p in pods
+            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+    others = {str(p["spec"].get("nodeName")) for p in live if p.get("spec", {}).get("nodeName")}
+    seen = _observe(job_name, raycluster, kept, nodes, hints, in_the_way, now,
+                    node_lost_after, others)
+    kept_names = {p["metadata"]["name"] for p in kept}
+    lost = [p for p in live if p.get("spec", {}).get("nodeName") in seen.lost_nodes]
+    return replace(seen, pods_left=len(live) - len(lost), stranded_orphans=tuple(sorted(
+        p["metadata"]["name"] for p in lost if p["metadata"]["name"] not in kept_names)))
 
 
 def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: Iterable[Obj],
              hints: Mapping[str, FailureHint] | None, in_the_way: InTheWay | None,
-             now: datetime | None, node_lost_after: float) -> Observed:
+             now: datetime | None, node_lost_after: float,
+             other_nodes: Iterable[str] = ()) -> Observed:
     views = [pod_view(p) for p in pods]
     driver_name = names.driver_name(job_name)
     driver = next((v for v in views if v.name == driver_name), None)
@@ -346,7 +356,7 @@ def _observe(job_name: str, raycluster: Obj | None, pods: Iterable[Obj], nodes: 
         (v for v in views if v.component in names.COMPUTE_COMPONENTS and v.name != driver_name),
         key=lambda v: v.name,
     ))
-    used = {v.node for v in views if v.node}
+    used = {v.node for v in views if v.node} | set(other_nodes)
     cluster: ClusterState = "absent"
     revision = None
     groups: dict[str, tuple[object, object, object]] = {}

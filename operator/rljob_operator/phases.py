@@ -161,7 +161,7 @@ def _suspended(s: Situation) -> Decision:
     """The driver goes first (on SIGTERM its runtime finishes the step and saves, which needs
     the trainers and engines); the RayCluster only once the driver pod is gone."""
     return stopped(s, Phase.suspended.value, "Suspended",
-                   "spec.scheduling.suspend is true: compute released, checkpoints kept",
+                   "spec.scheduling.suspend is true: checkpoints are kept",
                    queued=False)
 
 

@@ -16,6 +16,8 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from rljob_api.status import Phase, parse_timestamp, timestamp
 from rljob_operator import builders, names
 from rljob_operator.admission import WorkloadStep
@@ -45,6 +47,11 @@ log = logging.getLogger("rljob_operator")
 SAFETY_RESYNC_SECONDS = 600.0
 OVERDUE_SECONDS = 10.0
 STUCK_SECONDS = 120.0
+
+
+# The Workload steps that hand quota back to Kueue.
+QUOTA_BACK = frozenset({WorkloadStep.release, WorkloadStep.finish, WorkloadStep.unhold,
+                        WorkloadStep.drop})
 
 
 def _utcnow() -> datetime:
@@ -292,7 +299,7 @@ class Reconciler:
             self.kube.post_event(body, decision.event)
         if decision.actions.workload is not None and observed.queue is not None \
                 and self.workloads is not None:
-            self._workload(ref, job, observed.queue, decision, now)
+            self._workload(ref, job, observed.queue, decision, now, observed.lost_nodes)
         self._engine_events(body, job.status.get("engines"))
         self.metrics.set_engines((namespace, name), job.status.get("engines"))
         if decision.restart is not None:
@@ -328,18 +335,30 @@ class Reconciler:
         return decision.requeue_after
 
     def _workload(self, ref: JobRef, job: JobView, queue: QueueState, decision: Decision,
-                  now: datetime) -> None:
+                  now: datetime, lost_nodes: frozenset[str]) -> None:
         """The decision's change to the job's Kueue Workload; a finished job's says how it
         ended."""
         assert self.workloads is not None and decision.actions.workload is not None
         step = WorkloadStep(decision.actions.workload)
+        if step in QUOTA_BACK:
+            # The pods' watch may not have told of a pod made just before its RayCluster
+            # went: the quota goes back only if the API server lists none either.
+            pods, _ = self.kube.list_pods(ref.namespace, ref.name)
+            if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+                   and (p.get("spec") or {}).get("nodeName") not in lost_nodes for p in pods):
+                return
         phase = decision.phase
         ended: Obj = next((c for c in decision.status.get("conditions") or []
                       if c.get("type") == phase and c.get("status") == "True"), {})
         log.info("%s/%s: Kueue workload: %s", ref.namespace, ref.name, step.value)
-        self.workloads.apply(step, queue, ref, timestamp(now), job.generation,
-                             message=str(ended.get("message") or ""),
-                             succeeded=phase == Phase.succeeded.value)
+        try:
+            self.workloads.apply(step, queue, ref, timestamp(now), job.generation,
+                                 message=str(ended.get("message") or ""),
+                                 succeeded=phase == Phase.succeeded.value)
+        except ApiException as err:
+            # Said, and tried again at the next reconcile; the job's own actions go on.
+            log.warning("%s/%s: Kueue workload %s refused: %s %s", ref.namespace, ref.name,
+                        step.value, err.status, err.reason)
 
     def _engine_events(self, body: Obj, engines: Any) -> None:
         """An Event for each rollout engine lost or rejoined since the last reconcile."""

@@ -25,6 +25,9 @@ Obj = dict[str, Any]
 MERGE = "application/merge-patch+json"
 # Priority classes and flavors change rarely; each is read at most this often (seconds).
 CLASS_TTL = 30.0
+# A Workload's copy from the watch is read again after this long (seconds): a deletion that
+# fell in a watch gap would otherwise leave a Workload the job believes in for good.
+WORKLOAD_TTL = 300.0
 Key = tuple[str, str]  # (namespace, RLJob name)
 
 
@@ -37,17 +40,21 @@ class Workloads:
         self._classes: dict[tuple[str, str], tuple[float, Obj | None]] = {}
         # The Workloads the watch delivered, by the RLJob that controls them: a job that
         # names no queue (any more) is looked up here, not with a request of its own.
-        self._seen: dict[Key, Obj] = {}
+        self._seen: dict[Key, tuple[float, Obj]] = {}
         self._lock = threading.Lock()
 
     # -- the watch's view ------------------------------------------------------------------
 
     def watched(self, key: Key, obj: Obj, deleted: bool) -> None:
         with self._lock:
+            held = self._seen.get(key)
             if deleted:
-                self._seen.pop(key, None)
+                # Only the Workload deleted: a late deletion of an earlier job's (of the same
+                # name) leaves the current job's alone.
+                if held is not None and held[1]["metadata"]["name"] == obj["metadata"]["name"]:
+                    self._seen.pop(key, None)
             else:
-                self._seen[key] = obj
+                self._seen[key] = (self.monotonic(), obj)
 
     def forget(self, key: Key) -> None:
         with self._lock:
@@ -116,17 +123,23 @@ class Workloads:
         key = (ref.namespace, ref.name)
         name = kueue.workload_name(ref.name, ref.uid)
         with self._lock:
-            cached = self._seen.get(key)
+            held = self._seen.get(key)
+        cached = held[1] if held is not None else None
         if cached is not None and cached["metadata"]["name"] != name:
             cached = None  # a Workload of an earlier job of this name
-        if queue is None and cached is None:
+        if held is not None and self.monotonic() - held[0] > WORKLOAD_TTL:
+            cached = None
+        if queue is None and held is None:
             return None
         # The watch's copy when it has one; read once when it has none yet (a job seen
         # before the watch's first listing arrived, or whose Workload is not made yet).
         stored = cached if cached is not None else self._get(kueue.WORKLOADS, name,
                                                             ref.namespace)
-        if cached is None and stored is not None:
-            self.watched(key, stored, deleted=False)
+        if cached is None:
+            if stored is not None:
+                self.watched(key, stored, deleted=False)
+            else:
+                self.forget(key)
         view = parse_workload(stored) if stored is not None else None
         if queue is None and view is None:
             return None
@@ -163,8 +176,15 @@ class Workloads:
             call(kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, patch,
                  _content_type=MERGE, _request_timeout=TIMEOUT)
         except ApiException as err:
-            if err.status in (404, 409):
-                return  # gone, or changed since it was read: the next reconcile reads it again
+            if err.status == 404:
+                # Gone: whatever copy is held of it goes too, and the next reconcile reads.
+                with self._lock:
+                    for key, (_, obj) in list(self._seen.items()):
+                        if key[0] == namespace and obj["metadata"]["name"] == name:
+                            self._seen.pop(key, None)
+                return
+            if err.status == 409:
+                return  # changed since it was read: the next reconcile has the new copy
             raise
 
     def apply(self, step: WorkloadStep, state: QueueState, ref: JobRef, now: str,

@@ -256,10 +256,24 @@ def test_an_image_edit_keeps_the_admission_and_a_priority_change_is_made_in_plac
     running = queued_job({"phase": "Running"}, spec=image)
     d = run(running, stored(*READY), [*compute(), driver()], cluster=True)
     assert d.phase != "Queued" and d.actions.workload is None
-    higher = stored(*READY)
-    higher["spec"]["priority"] = 5
-    d = run(queued_job({"phase": "Running"}), higher, [*compute(), driver()], cluster=True)
-    assert d.phase != "Queued" and d.actions.workload == "reprioritize"
+    wpc = kueue.Priority("WorkloadPriorityClass", "high", 10)
+    wanted = kueue.build_workload(REF, RLJobSpec.model_validate(SPEC), "team", wpc)
+
+    def held(ref: Obj | None, value: int | None, reserved: bool = True) -> kueue.WorkloadView:
+        wl = stored(*(READY if reserved else (cond("QuotaReserved", "False", "Pending"),)))
+        wl["spec"]["priorityClassRef"], wl["spec"]["priority"] = ref, value
+        return parse_workload(wl)
+
+    # Admitted: a new value of its class, or another WorkloadPriorityClass, in place...
+    assert kueue.priority_changed(held(wpc.ref(), 5), wanted)
+    assert kueue.priority_changed(held({**wpc.ref(), "name": "low"}, 5), wanted)
+    assert not kueue.priority_changed(held(wpc.ref(), 10), wanted)
+    # ...but a class added, or of another kind, only once it holds no quota (Kueue's rules).
+    assert not kueue.priority_changed(held(None, None), wanted)
+    pc = kueue.Priority("PriorityClass", "high", 10).ref()
+    assert not kueue.priority_changed(held(pc, 10), wanted)
+    assert kueue.priority_changed(held(pc, 10, reserved=False), wanted)
+
 
 
 def test_an_admitted_job_that_runs_tells_kueue_its_pods_are_ready() -> None:
@@ -295,3 +309,19 @@ def test_flavors_are_applied_to_each_pod_set() -> None:
         assert t["spec"]["nodeSelector"]["pool"] == "a"
         assert {"key": "t", "operator": "Exists"} in t["spec"]["tolerations"]
         assert t["metadata"]["labels"][kueue.LABEL_PODSET]
+
+
+def test_pods_of_a_lost_node_do_not_hold_the_quota_and_are_force_deleted() -> None:
+    """A deleted RayCluster's pod stuck terminating on a lost node is run by no kubelet: it
+    neither keeps the quota from going back nor stays (force-deleted, as stranded)."""
+    evicted = stored(*ADMITTED, cond("Evicted", "True", "Preempted", "by high"))
+    stuck = {**compute()[0], "metadata": {**compute()[0]["metadata"], "ownerReferences": [
+        {"kind": "RayCluster", "uid": "deleted-cluster", "controller": True}]}}
+    lost = {"metadata": {"name": "n1"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T11:00:00Z"}]}}
+    obs = observe("rl", None, [stuck], [lost], None, uid="u", now=T0, node_lost_after=30)
+    assert obs.pods_left == 0 and obs.stranded_orphans == (stuck["metadata"]["name"],)
+    obs = replace(obs, queue=QueueState("team", True, parse_workload(evicted), want()))
+    d = decide(parse_job(queued_job({"phase": "Queued"})), obs, T0)
+    assert d.actions.workload == "release"
+    assert stuck["metadata"]["name"] in d.actions.delete_pods
