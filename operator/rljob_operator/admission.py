@@ -123,11 +123,12 @@ def gate(s: Situation) -> Decision | None:
         return stopped(s, Phase.queued.value, "Inactive",
                        f"Workload {wl.name} is inactive (spec.active false, set by Kueue or "
                        "by hand): Kueue admits it once it is active again", queued=True)
-    pending = wl.pending.message if wl.pending and wl.pending.message \
-        else "waiting for Kueue to reserve quota"
-    reason = wl.pending.reason if wl.pending and wl.pending.reason else "Pending"
-    return stopped(s, Phase.queued.value, reason,
-                   f"Workload {wl.name} waits in {cq}: {pending}", queued=True)
+    if wl.pending is None or not wl.pending.reason:
+        return stopped(s, Phase.queued.value, "WaitingForKueue",
+                       f"Workload {wl.name} waits in {cq}; Kueue has not said why yet",
+                       queued=True)
+    return stopped(s, Phase.queued.value, wl.pending.reason,
+                   f"Workload {wl.name} waits in {cq}: {wl.pending.message}", queued=True)
 
 
 def workload_step(s: Situation, decision: Decision) -> WorkloadStep | None:

@@ -188,3 +188,36 @@ def test_an_answer_from_before_a_failed_request_does_not_return_the_engine(
     assert _states(recovery) == [EngineState.lost, EngineState.serving]
     assert recovery.tracked[0].reason == "a request failed: connection reset"
     assert replaced == [0] and ray.get(rollout.told.remote()) == [0]
+
+
+@ray.remote
+class Bound:
+    """Stands for a CPU engine's sidecar: bound to one node, `soft=False`, as
+    `sidecar_placement` binds it."""
+
+    def health(self) -> dict[str, Any]:
+        return {"state": "ready", "incarnation": "x"}
+
+
+def test_a_sidecar_whose_node_is_gone_is_reported_dead_with_its_node(ray_module: None) -> None:
+    """Ray cannot start a sidecar bound to a node that is gone (`ActorUnschedulableError`,
+    not an actor error): the check reports it dead because its node went, for the driver
+    to replace its engine, instead of raising out of the check and failing the attempt."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from rljob.cluster.weight_sync import SyncSettings, WeightSyncActors
+
+    actors = WeightSyncActors(SyncSettings())
+    here = ray.get_runtime_context().get_node_id()
+    gone = ("0" if here[0] != "0" else "1") + here[1:]  # a node id Ray does not know
+    actors.sidecars = [
+        Bound.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+        .remote(),
+        Bound.options(scheduling_strategy=NodeAffinitySchedulingStrategy(gone, soft=False))
+        .remote(),
+    ]
+    check = actors.check()
+    assert check.node_gone == {1} and list(check.dead) == [1], check
+    assert check.dead[1].startswith("its node is gone"), check.dead
+    assert check.of_engines(["engine-1"]).node_gone == {1}
+    assert check.of_engines(["engine-0"]).node_gone == set()

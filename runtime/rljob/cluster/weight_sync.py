@@ -169,12 +169,15 @@ class SidecarCheck:
 
     dead: dict[int, str] = field(default_factory=dict)
     restarted: list[int] = field(default_factory=list)
+    # Of `dead`: those Ray cannot start again because their node is gone (with their engine).
+    node_gone: set[int] = field(default_factory=set)
 
     def of_engines(self, names: Iterable[str]) -> SidecarCheck:
         """Only what happened to the sidecars of the engines named (those left stale)."""
         engines = {i for i in [*self.dead, *self.restarted] if engine_name(i) in set(names)}
         return SidecarCheck({i: why for i, why in self.dead.items() if i in engines},
-                            [i for i in self.restarted if i in engines])
+                            [i for i in self.restarted if i in engines],
+                            {i for i in self.node_gone if i in engines})
 
     def describe(self) -> str:
         return "; ".join([*(f"{engine_name(i)}: {why}" for i, why in self.dead.items()),
@@ -303,6 +306,11 @@ class WeightSyncActors:
                 check.dead[i] = (f"its sidecar died and was not started again "
                                  f"({SIDECAR_MAX_RESTARTS} restarts an attempt): "
                                  f"{str(err).splitlines()[0]}")
+                continue
+            except ray.exceptions.ActorUnschedulableError as err:
+                # Bound to its engine's node, which is gone: so is the engine.
+                check.dead[i] = f"its node is gone: {str(err).splitlines()[0][:300]}"
+                check.node_gone.add(i)
                 continue
             known = self.incarnations.get(i)
             if known is not None and known != health["incarnation"]:

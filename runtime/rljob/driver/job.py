@@ -13,6 +13,7 @@ from rljob.checkpoint.store import Verified
 from rljob.cluster.cluster import Roles
 from rljob.cluster.engine_recovery import EngineRecovery
 from rljob.cluster.rollout_pipeline import RolloutBatch, Staleness
+from rljob.cluster.weight_sync import engine_name
 from rljob.driver.attempt import Attempt
 from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
@@ -204,6 +205,16 @@ class Job:
         sidecars are fine are left to the caller."""
         cluster = self.attempt.cluster
         check = cluster.check_sidecars().of_engines(result.stale)
+        if check.node_gone and self.recovery is not None:
+            # Their engines went with the node: lost engines, replaced like any other.
+            for i in sorted(check.node_gone):
+                self.recovery.lose(i, check.dead[i])
+            gone = {engine_name(i) for i in check.node_gone}
+            result = dataclasses.replace(result, stale={
+                name: why for name, why in result.stale.items() if name not in gone})
+            check = dataclasses.replace(check, dead={
+                i: why for i, why in check.dead.items() if i not in check.node_gone},
+                node_gone=set())
         if not check.dead and not check.restarted:
             return result
         version = result.version
