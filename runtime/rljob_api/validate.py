@@ -222,22 +222,24 @@ def manifest_problems(doc: Any) -> list[Problem]:
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
+def _queues(meta: Any, spec: Any) -> tuple[Any, Any]:
+    """The queue a manifest names in its label and in its field (either may be None)."""
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    sched = spec.get("scheduling") if isinstance(spec, dict) else None
+    return (labels.get(QUEUE_LABEL) if isinstance(labels, dict) else None,
+            sched.get("queue") if isinstance(sched, dict) else None)
+
+
 def queue_name(meta: Any, spec: Any) -> str | None:
     """The Kueue LocalQueue a job waits in: its `kueue.x-k8s.io/queue-name` label, else
     `spec.scheduling.queue` (None: not queued)."""
-    labels = meta.get("labels") if isinstance(meta, dict) else None
-    label = labels.get(QUEUE_LABEL) if isinstance(labels, dict) else None
-    sched = spec.get("scheduling") if isinstance(spec, dict) else None
-    field = sched.get("queue") if isinstance(sched, dict) else None
+    label, field = _queues(meta, spec)
     return str(label or field) if (label or field) else None
 
 
 def queue_problems(meta: Any, spec: Any) -> list[Problem]:
     """The label and the field name one queue, when both are set."""
-    labels = meta.get("labels") if isinstance(meta, dict) else None
-    label = labels.get(QUEUE_LABEL) if isinstance(labels, dict) else None
-    sched = spec.get("scheduling") if isinstance(spec, dict) else None
-    field = sched.get("queue") if isinstance(sched, dict) else None
+    label, field = _queues(meta, spec)
     if label and field and label != field:
         return [Problem("spec.scheduling.queue",
                         f"is {field!r} but the label {QUEUE_LABEL} is {label!r}: name one "
