@@ -54,12 +54,14 @@ ADMISSION_MANAGER = "kueue-admission"
 REQUEUE_AT_ONCE = frozenset({"Preempted", "NodeFailures"})
 
 
-def workload_name(job: str, uid: str) -> str:
-    """`rljob-<job>-<5 hex>`: Kueue's own naming for a job's workload (kind, job name and a
-    digest of kind, group, name and UID), so that a job deleted and made again under its
-    name gets a new one."""
+def workload_prefix(job: str, uid: str) -> str:
+    """`rljob-<job>-<5 hex>-`: Kueue's own naming for a job's workload (kind, job name and a
+    digest of kind, group, name and UID), as a `generateName`: each Workload the job gets
+    (again after an edit or a deletion) has a name of its own. Kueue frees a deleted
+    Workload's quota only when a read of its name finds nothing, so one made again under the
+    same name at once would leave the old one's quota held in Kueue's cache for good."""
     digest = hashlib.sha1(f"{KIND}\nrljob.io\n{job}\n{uid}".encode()).hexdigest()[:5]
-    return f"{KIND.lower()}-{job}"[:253 - 6] + f"-{digest}"
+    return f"{KIND.lower()}-{job}"[:253 - 12] + f"-{digest}-"
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def build_workload(job: builders.JobRef, spec: RLJobSpec, queue: str,
         "apiVersion": API,
         "kind": "Workload",
         "metadata": {
-            "name": workload_name(job.name, job.uid),
+            "generateName": workload_prefix(job.name, job.uid),
             "namespace": job.namespace,
             "labels": {LABEL_JOB_UID: job.uid},
             "annotations": annotations,

@@ -46,14 +46,18 @@ class Workloads:
     # -- the watch's view ------------------------------------------------------------------
 
     def watched(self, key: Key, obj: Obj, deleted: bool) -> None:
+        uid = obj["metadata"].get("uid")
         with self._lock:
             held = self._seen.get(key)
+            same = held is not None and held[1]["metadata"].get("uid") == uid
             if deleted:
-                # Only the Workload deleted: a late deletion of an earlier job's (of the same
-                # name) leaves the current job's alone.
-                if held is not None and held[1]["metadata"]["name"] == obj["metadata"]["name"]:
+                # Only the Workload deleted: a late deletion of an earlier one (the job's
+                # before an edit, or an earlier job's of this name) leaves the current one.
+                if same:
                     self._seen.pop(key, None)
-            else:
+            elif same or held is None or not obj["metadata"].get("deletionTimestamp"):
+                # A late event of an earlier Workload that is going never hides the one
+                # made since.
                 self._seen[key] = (self.monotonic(), obj)
 
     def forget(self, key: Key) -> None:
@@ -75,6 +79,23 @@ class Workloads:
             if err.status == 404:
                 return None
             raise
+
+    def _of_job(self, namespace: str, uid: str) -> list[Obj]:
+        """The job's Workloads as stored (Kueue's job-uid label ties them to it), the one
+        that is not being deleted first, then the newest."""
+        found = _json(self.custom.list_namespaced_custom_object(
+            kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS,
+            label_selector=f"{kueue.LABEL_JOB_UID}={uid}", _preload_content=False,
+            _request_timeout=TIMEOUT))["items"]
+        ours = [w for w in found if any(
+            r.get("uid") == uid and r.get("controller") for r in
+            w["metadata"].get("ownerReferences") or [])]
+        def newest_first(items: list[Obj]) -> list[Obj]:
+            return sorted(items, key=lambda w: str(w["metadata"].get("creationTimestamp")),
+                          reverse=True)
+
+        return newest_first([w for w in ours if not w["metadata"].get("deletionTimestamp")]) \
+            + newest_first([w for w in ours if w["metadata"].get("deletionTimestamp")])
 
     def _class(self, kind: str, name: str) -> Obj | None:
         """A WorkloadPriorityClass, PriorityClass or ResourceFlavor (None: there is none),
@@ -121,11 +142,11 @@ class Workloads:
         what the assigned flavors add to each pod set. None: the job names no queue and
         has no Workload."""
         key = (ref.namespace, ref.name)
-        name = kueue.workload_name(ref.name, ref.uid)
         with self._lock:
             held = self._seen.get(key)
         cached = held[1] if held is not None else None
-        if cached is not None and cached["metadata"]["name"] != name:
+        if cached is not None and (cached["metadata"].get("labels") or {}).get(
+                kueue.LABEL_JOB_UID) != ref.uid:
             cached = None  # a Workload of an earlier job of this name
         if held is not None and self.monotonic() - held[0] > WORKLOAD_TTL:
             cached = None
@@ -133,9 +154,11 @@ class Workloads:
             return None
         # The watch's copy when it has one; read once when it has none yet (a job seen
         # before the watch's first listing arrived, or whose Workload is not made yet).
-        stored = cached if cached is not None else self._get(kueue.WORKLOADS, name,
-                                                            ref.namespace)
-        if cached is None:
+        if cached is not None:
+            stored: Obj | None = cached
+        else:
+            found = self._of_job(ref.namespace, ref.uid)
+            stored = found[0] if found else None
             if stored is not None:
                 self.watched(key, stored, deleted=False)
             else:
@@ -235,11 +258,9 @@ class Workloads:
         self._patch(namespace, view.name, patch)
 
     def let_go(self, ref: JobRef) -> None:
-        """The job is being deleted: its Workload's finalizer goes, so that garbage
-        collection (foreground too, which waits for it) can take it."""
-        stored = self._get(kueue.WORKLOADS, kueue.workload_name(ref.name, ref.uid),
-                           ref.namespace)
-        if stored is not None:
+        """The job is being deleted: its Workloads' finalizer goes, so that garbage
+        collection (foreground too, which waits for them) can take them."""
+        for stored in self._of_job(ref.namespace, ref.uid):
             self.unhold(ref.namespace, parse_workload(stored))
 
     def _delete(self, namespace: str, name: str) -> None:
@@ -250,3 +271,4 @@ class Workloads:
         except ApiException as err:
             if err.status != 404:
                 raise
+

@@ -42,6 +42,7 @@ def cond(type_: str, status: str, reason: str = "R", message: str = "") -> Obj:
 def stored(*conds: Obj, deleting: bool = False, spec: Obj | None = None,
            active: bool = True, ours: bool = True) -> Obj:
     wl = want(spec)
+    wl["metadata"]["name"] = wl["metadata"]["generateName"] + "x7k2p"  # as the API server names it
     wl["metadata"]["resourceVersion"] = "7"
     wl["spec"]["active"] = active
     if not active and ours:
@@ -95,7 +96,9 @@ def test_the_workload_covers_every_pod_with_its_real_requests() -> None:
     meta = wl["metadata"]
     assert meta["finalizers"] == [kueue.FINALIZER]
     assert meta["ownerReferences"][0]["controller"] is True
-    assert meta["name"] == kueue.workload_name("rl", "u") and meta["name"].startswith("rljob-rl-")
+    assert "name" not in meta and meta["generateName"] == kueue.workload_prefix("rl", "u")
+    assert meta["generateName"].startswith("rljob-rl-") and meta["labels"] == {
+        kueue.LABEL_JOB_UID: "u"}
     assert wl["spec"]["queueName"] == "team" and "priority" not in wl["spec"]
 
 
