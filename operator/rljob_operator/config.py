@@ -39,6 +39,18 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw else default
 
 
+def _env_bool(name: str) -> bool:
+    """A switch from the environment: unset, empty, `0`/`false` off, `1`/`true` on; any
+    other value stops the operator with the variable's name (never silently off)."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise SystemExit(f"rljob-operator: ${name} is {os.environ[name]!r}: set it to true or "
+                     "false (or leave it unset)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rljob-operator",
@@ -73,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a node must be NotReady before its job pods are force-deleted "
                         "and their jobs restarted; 0: at once ($RLJOB_OPERATOR_NODE_LOST_AFTER)")
     p.add_argument("--kueue", action="store_true",
-                   default=os.environ.get("RLJOB_OPERATOR_KUEUE", "") in ("1", "true"),
+                   default=_env_bool("RLJOB_OPERATOR_KUEUE"),
                    help="queue RLJobs that name a Kueue LocalQueue (label "
                         "kueue.x-k8s.io/queue-name or spec.scheduling.queue) as Kueue "
                         "Workloads; needs Kueue's CRDs and RBAC for them "

@@ -55,13 +55,15 @@ REQUEUE_AT_ONCE = frozenset({"Preempted", "NodeFailures"})
 
 
 def workload_prefix(job: str, uid: str) -> str:
-    """`rljob-<job>-<5 hex>-`: Kueue's own naming for a job's workload (kind, job name and a
-    digest of kind, group, name and UID), as a `generateName`: each Workload the job gets
-    (again after an edit or a deletion) has a name of its own. Kueue frees a deleted
-    Workload's quota only when a read of its name finds nothing, so one made again under the
-    same name at once would leave the old one's quota held in Kueue's cache for good."""
+    """The `generateName` of a job's Workloads: `rljob-<job>-<5 hex>-` as Kueue names its
+    own (kind, job name and a digest of kind, group, name and UID; the job's name cut to 45
+    characters, so that the API server, which cuts a prefix to 58, keeps the digest), and a
+    suffix the API server adds: each Workload the job gets (again after an edit or a
+    deletion) has a name of its own. Kueue frees a deleted Workload's quota only when a
+    read of its name finds nothing, so one made again at once under the same name would
+    leave the old one's quota held in Kueue's cache for good."""
     digest = hashlib.sha1(f"{KIND}\nrljob.io\n{job}\n{uid}".encode()).hexdigest()[:5]
-    return f"{KIND.lower()}-{job}"[:253 - 12] + f"-{digest}-"
+    return f"{KIND.lower()}-{job[:45]}-{digest}-"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,9 @@ async def workload_event(memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> Non
         if job is None or job["metadata"].get("uid") != uid \
                 or job["metadata"].get("deletionTimestamp"):
             # Its job is gone or going (the workload goes by garbage collection, which in
-            # a foreground deletion waits for it): the finalizer comes off.
+            # a foreground deletion waits for it): the finalizer comes off, and no copy of
+            # it is kept.
             await asyncio.to_thread(workloads.unhold, namespace, view)
+            workloads.watched((namespace, name), obj, deleted=True)
             return
     memo.controller.kick((namespace, name))

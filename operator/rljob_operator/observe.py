@@ -132,7 +132,8 @@ class Observed:
     # The RayCluster's worker groups as they are: group → (replicas, minReplicas,
     # maxReplicas); a hand edit of them shows here, not in the revision annotation.
     cluster_groups: Mapping[str, tuple[object, object, object]] = field(default_factory=dict)
-    # The job's place in Kueue; None for a job that names no queue.
+    # The job's place in Kueue; None for a job that names no queue and has no Workload
+    # known to the operator.
     queue: QueueState | None = None
     # Pods wearing the job's label that have not ended, whichever RayCluster made them (a
     # deleted one's pods are not compute pods any more, but still hold what they requested),

@@ -46,56 +46,84 @@ class Workloads:
     # -- the watch's view ------------------------------------------------------------------
 
     def watched(self, key: Key, obj: Obj, deleted: bool) -> None:
-        uid = obj["metadata"].get("uid")
+        """An event of one of the job's Workloads (in the order the watch delivers them)."""
+        meta = obj["metadata"]
         with self._lock:
             held = self._seen.get(key)
-            same = held is not None and held[1]["metadata"].get("uid") == uid
-            if deleted:
-                # Only the Workload deleted: a late deletion of an earlier one (the job's
-                # before an edit, or an earlier job's of this name) leaves the current one.
-                if same:
+            if held is None or held[1]["metadata"].get("uid") == meta.get("uid"):
+                if deleted:
                     self._seen.pop(key, None)
-            elif same or held is None or not obj["metadata"].get("deletionTimestamp"):
-                # A late event of an earlier Workload that is going never hides the one
-                # made since.
-                self._seen[key] = (self.monotonic(), obj)
+                else:
+                    self._seen[key] = (self.monotonic(), obj)
+            elif deleted or meta.get("deletionTimestamp"):
+                pass  # a late event of an earlier Workload, going: the one held stays
+            elif held[1]["metadata"].get("deletionTimestamp"):
+                self._seen[key] = (self.monotonic(), obj)  # made since the one that goes
+            else:
+                # Two live Workloads: the next read lists them and keeps one (`state`).
+                self._seen.pop(key, None)
 
     def forget(self, key: Key) -> None:
         with self._lock:
             self._seen.pop(key, None)
 
+    def _forget_named(self, namespace: str, name: str) -> None:
+        """Whatever copy is held of this Workload goes: the next reconcile reads it."""
+        with self._lock:
+            for key, (_, obj) in list(self._seen.items()):
+                if key[0] == namespace and obj["metadata"]["name"] == name:
+                    self._seen.pop(key, None)
+
     # -- reads -----------------------------------------------------------------------------
 
-    def _get(self, plural: str, name: str, namespace: str | None = None) -> Obj | None:
+    def _of_job(self, ref: JobRef) -> list[Obj]:
+        """The job's Workloads as stored: those Kueue's job-uid label and the controller
+        reference tie to it, the live ones first (oldest first), then those being deleted
+        (newest first)."""
+        found = _json(self.custom.list_namespaced_custom_object(
+            kueue.GROUP, kueue.VERSION, ref.namespace, kueue.WORKLOADS,
+            label_selector=f"{kueue.LABEL_JOB_UID}={ref.uid}", _preload_content=False,
+            _request_timeout=TIMEOUT))["items"]
+        ours = [w for w in found if any(
+            r.get("uid") == ref.uid and r.get("controller")
+            for r in w["metadata"].get("ownerReferences") or [])]
+
+        def made(w: Obj) -> str:
+            return str(w["metadata"].get("creationTimestamp") or "")
+
+        live = sorted((w for w in ours if not w["metadata"].get("deletionTimestamp")), key=made)
+        going = sorted((w for w in ours if w["metadata"].get("deletionTimestamp")), key=made,
+                       reverse=True)
+        return live + going
+
+    def _read(self, ref: JobRef) -> Obj | None:
+        """The job's Workload as the API server has it. Should it have two live ones (two
+        operators for a moment, or a create whose answer was lost and made again), it keeps
+        the one holding quota, else the oldest, and deletes the others."""
+        found = self._of_job(ref)
+        live = [w for w in found if not w["metadata"].get("deletionTimestamp")]
+        if len(live) <= 1:
+            return found[0] if found else None
+        keep = next((w for w in live if parse_workload(w).reserved), live[0])
+        for extra in live:
+            if extra is not keep:
+                log.warning("%s/%s: Workload %s is a second one of the job's: deleted, %s "
+                            "kept", ref.namespace, ref.name, extra["metadata"]["name"],
+                            keep["metadata"]["name"])
+                view = parse_workload(extra)
+                self.unhold(ref.namespace, view)
+                self._delete(ref.namespace, view.name)
+        return keep
+
+    def _cluster_object(self, plural: str, name: str) -> Obj | None:
         try:
-            if namespace is None:
-                return _json(self.custom.get_cluster_custom_object(
-                    kueue.GROUP, kueue.VERSION, plural, name, _preload_content=False,
-                    _request_timeout=TIMEOUT))
-            return _json(self.custom.get_namespaced_custom_object(
-                kueue.GROUP, kueue.VERSION, namespace, plural, name, _preload_content=False,
+            return _json(self.custom.get_cluster_custom_object(
+                kueue.GROUP, kueue.VERSION, plural, name, _preload_content=False,
                 _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status == 404:
                 return None
             raise
-
-    def _of_job(self, namespace: str, uid: str) -> list[Obj]:
-        """The job's Workloads as stored (Kueue's job-uid label ties them to it), the one
-        that is not being deleted first, then the newest."""
-        found = _json(self.custom.list_namespaced_custom_object(
-            kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS,
-            label_selector=f"{kueue.LABEL_JOB_UID}={uid}", _preload_content=False,
-            _request_timeout=TIMEOUT))["items"]
-        ours = [w for w in found if any(
-            r.get("uid") == uid and r.get("controller") for r in
-            w["metadata"].get("ownerReferences") or [])]
-        def newest_first(items: list[Obj]) -> list[Obj]:
-            return sorted(items, key=lambda w: str(w["metadata"].get("creationTimestamp")),
-                          reverse=True)
-
-        return newest_first([w for w in ours if not w["metadata"].get("deletionTimestamp")]) \
-            + newest_first([w for w in ours if w["metadata"].get("deletionTimestamp")])
 
     def _class(self, kind: str, name: str) -> Obj | None:
         """A WorkloadPriorityClass, PriorityClass or ResourceFlavor (None: there is none),
@@ -116,7 +144,7 @@ class Workloads:
         else:
             plural = kueue.WORKLOAD_PRIORITY_CLASSES if kind == "WorkloadPriorityClass" \
                 else kueue.RESOURCE_FLAVORS
-            found = self._get(plural, name)
+            found = self._cluster_object(plural, name)
         with self._lock:
             self._classes[(kind, name)] = (now, found)
         return found
@@ -152,17 +180,22 @@ class Workloads:
             cached = None
         if queue is None and held is None:
             return None
-        # The watch's copy when it has one; read once when it has none yet (a job seen
-        # before the watch's first listing arrived, or whose Workload is not made yet).
+        # The watch's copy when it has one; else (a job seen before the watch's first
+        # listing arrived, or whose Workload is not made yet) the API server's.
         if cached is not None:
             stored: Obj | None = cached
         else:
-            found = self._of_job(ref.namespace, ref.uid)
-            stored = found[0] if found else None
-            if stored is not None:
-                self.watched(key, stored, deleted=False)
-            else:
+            started = self.monotonic()
+            stored = self._read(ref)
+            if stored is None:
                 self.forget(key)
+            else:
+                with self._lock:
+                    held = self._seen.get(key)
+                    # A copy of it the watch delivered while this read ran is as new.
+                    if held is None or held[0] < started or held[1]["metadata"].get(
+                            "uid") != stored["metadata"].get("uid"):
+                        self._seen[key] = (self.monotonic(), stored)
         view = parse_workload(stored) if stored is not None else None
         if queue is None and view is None:
             return None
@@ -199,15 +232,10 @@ class Workloads:
             call(kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, patch,
                  _content_type=MERGE, _request_timeout=TIMEOUT)
         except ApiException as err:
-            if err.status == 404:
-                # Gone: whatever copy is held of it goes too, and the next reconcile reads.
-                with self._lock:
-                    for key, (_, obj) in list(self._seen.items()):
-                        if key[0] == namespace and obj["metadata"]["name"] == name:
-                            self._seen.pop(key, None)
+            if err.status in (404, 409):
+                # Gone, or changed since it was read: the next reconcile reads it again.
+                self._forget_named(namespace, name)
                 return
-            if err.status == 409:
-                return  # changed since it was read: the next reconcile has the new copy
             raise
 
     def apply(self, step: WorkloadStep, state: QueueState, ref: JobRef, now: str,
@@ -223,7 +251,7 @@ class Workloads:
                     _preload_content=False, _request_timeout=TIMEOUT))
                 self.watched((ns, ref.name), made, deleted=False)
             except ApiException as err:
-                if err.status != 409:
+                if err.status != 409:  # a generated name taken: made again next time
                     raise
             return
         assert view is not None
@@ -260,7 +288,7 @@ class Workloads:
     def let_go(self, ref: JobRef) -> None:
         """The job is being deleted: its Workloads' finalizer goes, so that garbage
         collection (foreground too, which waits for them) can take them."""
-        for stored in self._of_job(ref.namespace, ref.uid):
+        for stored in self._of_job(ref):
             self.unhold(ref.namespace, parse_workload(stored))
 
     def _delete(self, namespace: str, name: str) -> None:
@@ -271,4 +299,4 @@ class Workloads:
         except ApiException as err:
             if err.status != 404:
                 raise
-
+        self._forget_named(namespace, name)

@@ -238,12 +238,21 @@ def queue_name(meta: Any, spec: Any) -> str | None:
 
 
 def queue_problems(meta: Any, spec: Any) -> list[Problem]:
-    """The label and the field name one queue, when both are set."""
+    """The label and the field name one queue, when both are set, and a name Kueue takes
+    (its Workload's `spec.queueName` is a DNS-1123 subdomain: any other is refused there,
+    and the job would wait for ever)."""
     label, field = _queues(meta, spec)
     if label and field and label != field:
         return [Problem("spec.scheduling.queue",
                         f"is {field!r} but the label {QUEUE_LABEL} is {label!r}: name one "
                         "LocalQueue (drop one of them or make them equal)")]
+    where = f"metadata.labels[{QUEUE_LABEL}]" if label else "spec.scheduling.queue"
+    name = label or field
+    if name and (not isinstance(name, str) or len(name) > 253
+                 or not re.fullmatch(_DNS_1123_SUBDOMAIN, name)):
+        return [Problem(where, f"is {name!r}, which is no LocalQueue name: use lower-case "
+                        "letters, digits, '-' and '.' (a DNS-1123 subdomain), as the "
+                        "LocalQueue's own name is")]
     return []
 
 

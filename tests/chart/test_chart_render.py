@@ -139,8 +139,9 @@ def test_kueue_rights_come_only_with_the_integration(k8s_bins: Path) -> None:
     for combo in ("kueue", "kueue-namespace-scope"):
         manifests = render(k8s_bins, _values(COMBINATIONS[combo]))
         rights = granted(manifests)
-        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+        for verb in ("list", "watch", "create", "patch", "delete"):
             assert ("kueue.x-k8s.io", "workloads", verb) in rights
+        assert ("kueue.x-k8s.io", "workloads", "get") not in rights  # a job's are listed
         assert ("kueue.x-k8s.io", "workloads/status", "patch") in rights
         assert ("kueue.x-k8s.io", "resourceflavors", "get") in rights
         assert ("rljob.io", "rljobs/finalizers", "update") in rights

@@ -112,6 +112,16 @@ def test_node_lost_after_defaults_to_two_minutes_and_takes_zero() -> None:
         parse_args(["--node-lost-after", "-1"])
 
 
+def test_the_kueue_switch_from_the_environment_is_on_off_or_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, on in (("true", True), ("1", True), ("TRUE", True), ("false", False), ("", False)):
+        monkeypatch.setenv("RLJOB_OPERATOR_KUEUE", raw)
+        assert parse_args([]).kueue is on, raw
+    monkeypatch.setenv("RLJOB_OPERATOR_KUEUE", "yes")
+    with pytest.raises(SystemExit, match=r"\$RLJOB_OPERATOR_KUEUE is 'yes': set it to true"):
+        parse_args([])
+
+
 def test_operator_imports_no_runtime_stack() -> None:
     """The operator image stays small and its start fast: no torch, ray, megatron, sglang."""
     code = ("import sys, rljob_operator.__main__; "

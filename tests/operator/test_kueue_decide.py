@@ -3,6 +3,7 @@ holds it, preempts or admits it, and the one change to its Workload each reconci
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -96,9 +97,11 @@ def test_the_workload_covers_every_pod_with_its_real_requests() -> None:
     meta = wl["metadata"]
     assert meta["finalizers"] == [kueue.FINALIZER]
     assert meta["ownerReferences"][0]["controller"] is True
-    assert "name" not in meta and meta["generateName"] == kueue.workload_prefix("rl", "u")
-    assert meta["generateName"].startswith("rljob-rl-") and meta["labels"] == {
-        kueue.LABEL_JOB_UID: "u"}
+    # Kueue's shape, `rljob-<job>-<5 hex>-`, and a suffix the API server adds to each.
+    assert "name" not in meta and re.fullmatch(r"rljob-rl-[0-9a-f]{5}-", meta["generateName"])
+    assert meta["labels"] == {kueue.LABEL_JOB_UID: "u"}
+    long = kueue.workload_prefix("j" * 53, "u")  # the longest job name the API server takes
+    assert len(long) == 58 and re.fullmatch(r"rljob-j{45}-[0-9a-f]{5}-", long)
     assert wl["spec"]["queueName"] == "team" and "priority" not in wl["spec"]
 
 

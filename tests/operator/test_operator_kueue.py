@@ -332,10 +332,15 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
         assert report["path"].endswith(f"step_{saved:08d}"), report
         assert status(cluster, ns, "low")["recovery"]["restarts"] == 0
 
-        # A queued job deleted leaves no Workload behind.
+        # A queued job deleted leaves no Workload behind, and a foreground deletion (which
+        # waits for the Workload it owns) ends: Kueue's finalizer comes off.
         gone = _workload(cluster, ns, "lowest")
         assert gone is not None
-        cluster.kubectl("delete", "rljob", "lowest", "-n", ns)
+        cluster.kubectl("delete", "rljob", "lowest", "-n", ns, "--cascade=foreground",
+                        "--wait=false")
+        wait_for(lambda: cluster.kubectl("get", "rljob", "lowest", "-n", ns,
+                                         check=False).returncode != 0, timeout=60,
+                 what="lowest, deleted in the foreground, to be gone", describe=describe)
         wait_for(lambda: cluster.kubectl(
             "get", "workloads.kueue.x-k8s.io", gone["metadata"]["name"], "-n", ns,
             check=False).returncode != 0, timeout=60, what="lowest's Workload to be gone",

@@ -42,6 +42,8 @@ INVALID_FILES: dict[str, Any] = {
     "two-queues": {**base_job(), "metadata": {"name": "job", "labels": {
         "kueue.x-k8s.io/queue-name": "team"}}, "spec": {**base_job()["spec"], "scheduling": {
             "queue": "other"}}},
+    "bad-queue-label": {**base_job(), "metadata": {"name": "job", "labels": {
+        "kueue.x-k8s.io/queue-name": "Team_A"}}},
 }
 
 
@@ -55,6 +57,19 @@ def test_a_queue_named_twice_must_be_one_queue() -> None:
     same = INVALID_FILES["two-queues"]
     same = {**same, "spec": {**same["spec"], "scheduling": {"queue": "team"}}}
     assert manifest_problems(same) == []
+
+
+def test_a_queue_name_kueue_would_refuse_is_refused_naming_where_it_is() -> None:
+    """Kueue takes only a DNS-1123 subdomain as a Workload's queue: any other name would
+    leave the job waiting for ever, so it is refused up front."""
+    assert [str(p) for p in manifest_problems(INVALID_FILES["bad-queue-label"])] == [
+        "metadata.labels[kueue.x-k8s.io/queue-name]: is 'Team_A', which is no LocalQueue "
+        "name: use lower-case letters, digits, '-' and '.' (a DNS-1123 subdomain), as the "
+        "LocalQueue's own name is"]
+    field = {**base_job(), "spec": {**base_job()["spec"], "scheduling": {"queue": "team.a-1"}}}
+    assert manifest_problems(field) == []
+    field["spec"]["scheduling"]["queue"] = "-team"
+    assert [p.field for p in manifest_problems(field)] == ["spec.scheduling.queue"]
 
 
 @pytest.mark.parametrize("case", sorted(INVALID_FILES))
