@@ -237,6 +237,10 @@ def test_a_queue_in_label_and_field_must_agree_and_an_ended_job_gives_its_quota_
     assert job.spec is None and "spec.scheduling.queue: is 'other'" in str(job.spec_error)
     d = run(body, stored(*ADMITTED), queue=None)
     assert d.phase == "Failed" and d.actions.workload == "finish"
+    # A queue name Kueue would refuse fails the job before anything is made.
+    bad = parse_job(queued_job(labels={kueue.LABEL_QUEUE: "Team_A"}))
+    assert bad.spec is None and bad.queue is None
+    assert "metadata.labels[kueue.x-k8s.io/queue-name]: is 'Team_A'" in str(bad.spec_error)
 
 
 def test_without_the_integration_a_queued_job_runs_and_says_why() -> None:
