@@ -84,8 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       OperatorConfig.node_lost_after),
                    help="seconds a node must be NotReady before its job pods are force-deleted "
                         "and their jobs restarted; 0: at once ($RLJOB_OPERATOR_NODE_LOST_AFTER)")
-    p.add_argument("--kueue", action="store_true",
-                   default=_env_bool("RLJOB_OPERATOR_KUEUE"),
+    p.add_argument("--kueue", action="store_true", default=None,
                    help="queue RLJobs that name a Kueue LocalQueue (label "
                         "kueue.x-k8s.io/queue-name or spec.scheduling.queue) as Kueue "
                         "Workloads; needs Kueue's CRDs and RBAC for them "
@@ -116,5 +115,5 @@ def parse_args(argv: list[str] | None = None) -> OperatorConfig:
         liveness=args.liveness or None,
         verbose=args.verbose,
         node_lost_after=args.node_lost_after,
-        kueue=args.kueue,
+        kueue=bool(args.kueue) or _env_bool("RLJOB_OPERATOR_KUEUE"),
     )

@@ -55,15 +55,22 @@ REQUEUE_AT_ONCE = frozenset({"Preempted", "NodeFailures"})
 
 
 def workload_prefix(job: str, uid: str) -> str:
-    """The `generateName` of a job's Workloads: `rljob-<job>-<5 hex>-` as Kueue names its
-    own (kind, job name and a digest of kind, group, name and UID; the job's name cut to 45
-    characters, so that the API server, which cuts a prefix to 58, keeps the digest), and a
-    suffix the API server adds: each Workload the job gets (again after an edit or a
-    deletion) has a name of its own. Kueue frees a deleted Workload's quota only when a
+    """The `generateName` of a job's Workloads: `rljob-<job>-<5 hex>-` (Kueue's shape for
+    its own: kind, job name and a digest of kind, group, name and UID; the job's name cut
+    to 45 characters, so that the API server, which cuts a prefix to 58, keeps the digest),
+    to which the API server adds a suffix: each Workload the job gets (again after an edit
+    or a deletion) has a name of its own. Kueue frees a deleted Workload's quota only when a
     read of its name finds nothing, so one made again at once under the same name would
-    leave the old one's quota held in Kueue's cache for good."""
+    leave the old one's quota held in Kueue's cache."""
     digest = hashlib.sha1(f"{KIND}\nrljob.io\n{job}\n{uid}".encode()).hexdigest()[:5]
     return f"{KIND.lower()}-{job[:45]}-{digest}-"
+
+
+def controlled_by(obj: Obj, job_uid: str) -> bool:
+    """Whether the RLJob of `job_uid` is the Workload's controller: the one tie between a
+    job and its Workloads the operator trusts (Kueue's job-uid label only narrows a list)."""
+    return any(r.get("uid") == job_uid and r.get("controller")
+               for r in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
 @dataclass(frozen=True)
@@ -220,6 +227,7 @@ class WorkloadView:
     assignments: Mapping[str, tuple[str, ...]]  # pod set → flavor names, as admitted
     conditions: tuple[Obj, ...] = ()
     finalizers: tuple[str, ...] = ()
+    uid: str = ""
 
 
 def _conditions(status: Obj) -> dict[str, Obj]:
@@ -261,6 +269,7 @@ def parse_workload(obj: Obj) -> WorkloadView:
         assignments=assignments,
         conditions=tuple(status.get("conditions") or ()),
         finalizers=tuple(meta.get("finalizers") or ()),
+        uid=str(meta.get("uid") or ""),
     )
 
 

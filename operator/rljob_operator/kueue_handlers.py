@@ -42,7 +42,7 @@ async def workload_event(memo: kopf.Memo, event: kopf.RawEvent, **_: Any) -> Non
             # Its job is gone or going (the workload goes by garbage collection, which in
             # a foreground deletion waits for it): the finalizer comes off, and no copy of
             # it is kept.
-            await asyncio.to_thread(workloads.unhold, namespace, view)
-            workloads.watched((namespace, name), obj, deleted=True)
+            if await asyncio.to_thread(workloads.unhold, namespace, view) is not None:
+                workloads.watched((namespace, name), obj, deleted=True)
             return
     memo.controller.kick((namespace, name))

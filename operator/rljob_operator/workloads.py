@@ -14,9 +14,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from rljob_api.spec import RLJobSpec
+from rljob_api.validate import queue_name_problems
 from rljob_operator import kueue
 from rljob_operator.admission import WorkloadStep
 from rljob_operator.builders import JobRef
+from rljob_operator.cache import rv_int
 from rljob_operator.kube import TIMEOUT, _json
 from rljob_operator.kueue import Priority, QueueState, WorkloadView, parse_workload
 
@@ -29,6 +31,8 @@ CLASS_TTL = 30.0
 # fell in a watch gap would otherwise leave a Workload the job believes in for good.
 WORKLOAD_TTL = 300.0
 Key = tuple[str, str]  # (namespace, RLJob name)
+STALE = float("-inf")  # the time of a copy to read again before use
+MAX_GONE = 5000  # deleted Workloads remembered
 
 
 class Workloads:
@@ -38,9 +42,12 @@ class Workloads:
         self.scheduling = client.SchedulingV1Api(api_client)
         self.monotonic = monotonic
         self._classes: dict[tuple[str, str], tuple[float, Obj | None]] = {}
-        # The Workloads the watch delivered, by the RLJob that controls them: a job that
-        # names no queue (any more) is looked up here, not with a request of its own.
+        # A copy of each job's current Workload, by the RLJob that controls it, with when it
+        # came (STALE: read it again before use). A job that names no queue (any more) but
+        # still has a Workload is known by its entry here.
         self._seen: dict[Key, tuple[float, Obj]] = {}
+        # UIDs of Workloads deleted: a late event of one never brings it back.
+        self._gone: dict[str, None] = {}
         self._lock = threading.Lock()
 
     # -- the watch's view ------------------------------------------------------------------
@@ -48,72 +55,83 @@ class Workloads:
     def watched(self, key: Key, obj: Obj, deleted: bool) -> None:
         """An event of one of the job's Workloads (in the order the watch delivers them)."""
         meta = obj["metadata"]
+        uid = str(meta.get("uid") or "")
         with self._lock:
+            if deleted:
+                self._bury(uid)
+            elif uid in self._gone:
+                return  # a late event of a Workload deleted since
             held = self._seen.get(key)
-            if held is None or held[1]["metadata"].get("uid") == meta.get("uid"):
+            if held is None or held[1]["metadata"].get("uid") == uid:
                 if deleted:
                     self._seen.pop(key, None)
-                else:
+                elif held is None or held[0] == STALE or not _older(obj, held[1]):
                     self._seen[key] = (self.monotonic(), obj)
             elif deleted or meta.get("deletionTimestamp"):
-                pass  # a late event of an earlier Workload, going: the one held stays
+                pass  # an earlier Workload, going: the one held stays
             elif held[1]["metadata"].get("deletionTimestamp"):
                 self._seen[key] = (self.monotonic(), obj)  # made since the one that goes
             else:
-                # Two live Workloads: the next read lists them and keeps one (`state`).
-                self._seen.pop(key, None)
+                # Two live Workloads: the next read lists them and keeps one (`_read`).
+                self._seen[key] = (STALE, held[1])
 
     def forget(self, key: Key) -> None:
+        """The job is gone: nothing of its Workloads is kept."""
         with self._lock:
             self._seen.pop(key, None)
 
-    def _forget_named(self, namespace: str, name: str) -> None:
-        """Whatever copy is held of this Workload goes: the next reconcile reads it."""
+    def _bury(self, uid: str) -> None:
+        self._gone[uid] = None
+        while len(self._gone) > MAX_GONE:
+            del self._gone[next(iter(self._gone))]
+
+    def _stale(self, namespace: str, name: str) -> None:
+        """The copy held of this Workload is read again before it is used."""
         with self._lock:
             for key, (_, obj) in list(self._seen.items()):
                 if key[0] == namespace and obj["metadata"]["name"] == name:
-                    self._seen.pop(key, None)
+                    self._seen[key] = (STALE, obj)
 
     # -- reads -----------------------------------------------------------------------------
 
     def _of_job(self, ref: JobRef) -> list[Obj]:
-        """The job's Workloads as stored: those Kueue's job-uid label and the controller
-        reference tie to it, the live ones first (oldest first), then those being deleted
-        (newest first)."""
+        """The job's Workloads as stored: those it controls (listed by Kueue's job-uid
+        label), the live ones first, the one holding quota before the others and then the
+        oldest, then those being deleted, newest first."""
         found = _json(self.custom.list_namespaced_custom_object(
             kueue.GROUP, kueue.VERSION, ref.namespace, kueue.WORKLOADS,
             label_selector=f"{kueue.LABEL_JOB_UID}={ref.uid}", _preload_content=False,
             _request_timeout=TIMEOUT))["items"]
-        ours = [w for w in found if any(
-            r.get("uid") == ref.uid and r.get("controller")
-            for r in w["metadata"].get("ownerReferences") or [])]
+        ours = [w for w in found if kueue.controlled_by(w, ref.uid)]
 
-        def made(w: Obj) -> str:
-            return str(w["metadata"].get("creationTimestamp") or "")
+        def made(w: Obj) -> tuple[str, str]:
+            return str(w["metadata"].get("creationTimestamp") or ""), w["metadata"]["name"]
 
-        live = sorted((w for w in ours if not w["metadata"].get("deletionTimestamp")), key=made)
+        live = sorted((w for w in ours if not w["metadata"].get("deletionTimestamp")),
+                      key=lambda w: (not parse_workload(w).reserved, made(w)))
         going = sorted((w for w in ours if w["metadata"].get("deletionTimestamp")), key=made,
                        reverse=True)
         return live + going
 
     def _read(self, ref: JobRef) -> Obj | None:
         """The job's Workload as the API server has it. Should it have two live ones (two
-        operators for a moment, or a create whose answer was lost and made again), it keeps
-        the one holding quota, else the oldest, and deletes the others."""
+        operators for a moment, or a create whose answer was lost and made again), the one
+        holding quota, else the oldest, stays and the others go (each only as it was
+        listed: one that changed since is left for the next read)."""
         found = self._of_job(ref)
         live = [w for w in found if not w["metadata"].get("deletionTimestamp")]
-        if len(live) <= 1:
-            return found[0] if found else None
-        keep = next((w for w in live if parse_workload(w).reserved), live[0])
-        for extra in live:
-            if extra is not keep:
-                log.warning("%s/%s: Workload %s is a second one of the job's: deleted, %s "
-                            "kept", ref.namespace, ref.name, extra["metadata"]["name"],
-                            keep["metadata"]["name"])
-                view = parse_workload(extra)
-                self.unhold(ref.namespace, view)
-                self._delete(ref.namespace, view.name)
-        return keep
+        for extra in live[1:]:
+            view = parse_workload(extra)
+            log.warning("%s/%s: Workload %s is a second one of the job's: it goes, %s stays",
+                        ref.namespace, ref.name, view.name, live[0]["metadata"]["name"])
+            try:
+                version = self.unhold(ref.namespace, view)
+                if version is not None:
+                    self._delete(ref.namespace, view, version)
+            except ApiException as err:
+                log.warning("%s/%s: Workload %s not deleted: %s", ref.namespace, ref.name,
+                            view.name, err.reason)
+        return found[0] if found else None
 
     def _cluster_object(self, plural: str, name: str) -> Obj | None:
         try:
@@ -172,35 +190,35 @@ class Workloads:
         key = (ref.namespace, ref.name)
         with self._lock:
             held = self._seen.get(key)
-        cached = held[1] if held is not None else None
-        if cached is not None and (cached["metadata"].get("labels") or {}).get(
-                kueue.LABEL_JOB_UID) != ref.uid:
-            cached = None  # a Workload of an earlier job of this name
-        if held is not None and self.monotonic() - held[0] > WORKLOAD_TTL:
-            cached = None
         if queue is None and held is None:
             return None
-        # The watch's copy when it has one; else (a job seen before the watch's first
+        cached = held[1] if held is not None else None
+        if held is None or held[0] == STALE or self.monotonic() - held[0] > WORKLOAD_TTL \
+                or not kueue.controlled_by(held[1], ref.uid):
+            cached = None  # stale, old, or a Workload of an earlier job of this name
+        # The watch's copy when it has a good one; else (a job seen before the watch's first
         # listing arrived, or whose Workload is not made yet) the API server's.
-        if cached is not None:
-            stored: Obj | None = cached
-        else:
+        stored = cached
+        if stored is None:
             started = self.monotonic()
             stored = self._read(ref)
-            if stored is None:
-                self.forget(key)
-            else:
-                with self._lock:
-                    held = self._seen.get(key)
-                    # A copy of it the watch delivered while this read ran is as new.
-                    if held is None or held[0] < started or held[1]["metadata"].get(
-                            "uid") != stored["metadata"].get("uid"):
-                        self._seen[key] = (self.monotonic(), stored)
+            with self._lock:
+                now = self._seen.get(key)
+                if now is not None and now[0] != STALE and now[0] >= started:
+                    stored = now[1]  # the watch delivered it while the read ran: as new
+                elif stored is None or str(stored["metadata"].get("uid")) in self._gone:
+                    stored = None
+                    self._seen.pop(key, None)
+                else:
+                    self._seen[key] = (self.monotonic(), stored)
         view = parse_workload(stored) if stored is not None else None
         if queue is None and view is None:
             return None
         want, problem = None, None
-        if queue is not None and spec is not None:
+        bad_name = queue_name_problems(body.get("metadata"), body.get("spec"))
+        if queue is not None and bad_name:
+            problem = ("InvalidQueueName", f"{bad_name[0]}: no Workload is made for it")
+        elif queue is not None and spec is not None:
             labels = dict(body["metadata"].get("labels") or {})
             priority, missing = self.priority(labels, spec.scheduling.priority_class_name)
             if missing is not None and view is not None:
@@ -225,17 +243,20 @@ class Workloads:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _patch(self, namespace: str, name: str, patch: Obj, status: bool = False) -> None:
+    def _patch(self, namespace: str, name: str, patch: Obj, status: bool = False
+               ) -> Obj | None:
+        """The Workload as patched; None: not patched (gone, or changed since it was read:
+        the next reconcile reads it again)."""
         call = self.custom.patch_namespaced_custom_object_status if status \
             else self.custom.patch_namespaced_custom_object
         try:
-            call(kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name, patch,
-                 _content_type=MERGE, _request_timeout=TIMEOUT)
+            return _json(call(kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name,
+                              patch, _content_type=MERGE, _preload_content=False,
+                              _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status in (404, 409):
-                # Gone, or changed since it was read: the next reconcile reads it again.
-                self._forget_named(namespace, name)
-                return
+                self._stale(namespace, name)
+                return None
             raise
 
     def apply(self, step: WorkloadStep, state: QueueState, ref: JobRef, now: str,
@@ -271,19 +292,21 @@ class Workloads:
         elif step == WorkloadStep.finish:
             self._patch(ns, view.name, kueue.finish_patch(view, succeeded, message, now,
                                                           generation), status=True)
-        elif step in (WorkloadStep.unhold, WorkloadStep.drop):
+        elif step == WorkloadStep.unhold:
             self.unhold(ns, view)
-            if step == WorkloadStep.drop:
-                self._delete(ns, view.name)
+        elif step == WorkloadStep.drop and self.unhold(ns, view) is not None:
+            self._delete(ns, view)
 
-    def unhold(self, namespace: str, view: WorkloadView) -> None:
-        """Kueue's finalizer off (the other finalizers kept)."""
+    def unhold(self, namespace: str, view: WorkloadView) -> str | None:
+        """Kueue's finalizer off (the other finalizers kept); the Workload's resource version
+        once it is off, None where it was not taken off."""
         if not view.held:
-            return
+            return view.resource_version
         patch = {"metadata": {"resourceVersion": view.resource_version,
                               "finalizers": [f for f in view.finalizers
                                              if f != kueue.FINALIZER]}}
-        self._patch(namespace, view.name, patch)
+        done = self._patch(namespace, view.name, patch)
+        return str(done["metadata"].get("resourceVersion") or "") if done is not None else None
 
     def let_go(self, ref: JobRef) -> None:
         """The job is being deleted: its Workloads' finalizer goes, so that garbage
@@ -291,12 +314,29 @@ class Workloads:
         for stored in self._of_job(ref):
             self.unhold(ref.namespace, parse_workload(stored))
 
-    def _delete(self, namespace: str, name: str) -> None:
+    def _delete(self, namespace: str, view: WorkloadView, version: str | None = None) -> None:
+        """Delete the Workload (only as it was at `version`, when given)."""
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(
+            resource_version=version)) if version else None
         try:
             self.custom.delete_namespaced_custom_object(
-                kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, name,
-                _request_timeout=TIMEOUT)
+                kueue.GROUP, kueue.VERSION, namespace, kueue.WORKLOADS, view.name,
+                body=options, _request_timeout=TIMEOUT)
         except ApiException as err:
+            if err.status == 409:
+                self._stale(namespace, view.name)
+                return  # changed since it was read: judged again on the next read
             if err.status != 404:
                 raise
-        self._forget_named(namespace, name)
+        with self._lock:
+            self._bury(view.uid)
+            for key, (_, obj) in list(self._seen.items()):
+                if key[0] == namespace and obj["metadata"].get("uid") == view.uid:
+                    self._seen.pop(key, None)
+
+
+def _older(a: Obj, b: Obj) -> bool:
+    """Whether copy `a` of a Workload is older than copy `b` (by resource version)."""
+    ra, rb = rv_int(a["metadata"].get("resourceVersion")), rv_int(
+        b["metadata"].get("resourceVersion"))
+    return ra is not None and rb is not None and ra < rb

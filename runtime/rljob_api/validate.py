@@ -215,7 +215,8 @@ def manifest_problems(doc: Any) -> list[Problem]:
         problems += found
     # The API server evaluates the name's rules only where it evaluates the spec's.
     return [*name_problems(doc.get("metadata"), rules=not blocked),
-            *queue_problems(doc.get("metadata"), doc.get("spec")), *problems]
+            *(queue_problems(doc.get("metadata"), doc.get("spec"))
+              or queue_name_problems(doc.get("metadata"), doc.get("spec"))), *problems]
 
 
 # Kueue's label naming the LocalQueue a job waits in.
@@ -238,14 +239,21 @@ def queue_name(meta: Any, spec: Any) -> str | None:
 
 
 def queue_problems(meta: Any, spec: Any) -> list[Problem]:
-    """The label and the field name one queue, when both are set, and a name Kueue takes
-    (its Workload's `spec.queueName` is a DNS-1123 subdomain: any other is refused there,
-    and the job would wait for ever)."""
+    """The label and the field name one queue, when both are set."""
     label, field = _queues(meta, spec)
     if label and field and label != field:
         return [Problem("spec.scheduling.queue",
                         f"is {field!r} but the label {QUEUE_LABEL} is {label!r}: name one "
                         "LocalQueue (drop one of them or make them equal)")]
+    return []
+
+
+def queue_name_problems(meta: Any, spec: Any) -> list[Problem]:
+    """A queue name Kueue takes: its Workload's `spec.queueName` is a DNS-1123 subdomain,
+    and any other name is refused there. `rljob validate` refuses it; the operator queues no
+    Workload for it (with `--kueue`: the job waits, saying why) and never fails a job for
+    it (without `--kueue` the name means nothing to it)."""
+    label, field = _queues(meta, spec)
     where = f"metadata.labels[{QUEUE_LABEL}]" if label else "spec.scheduling.queue"
     name = label or field
     if name and (not isinstance(name, str) or len(name) > 253

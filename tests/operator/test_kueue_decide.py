@@ -237,10 +237,21 @@ def test_a_queue_in_label_and_field_must_agree_and_an_ended_job_gives_its_quota_
     assert job.spec is None and "spec.scheduling.queue: is 'other'" in str(job.spec_error)
     d = run(body, stored(*ADMITTED), queue=None)
     assert d.phase == "Failed" and d.actions.workload == "finish"
-    # A queue name Kueue would refuse fails the job before anything is made.
-    bad = parse_job(queued_job(labels={kueue.LABEL_QUEUE: "Team_A"}))
-    assert bad.spec is None and bad.queue is None
-    assert "metadata.labels[kueue.x-k8s.io/queue-name]: is 'Team_A'" in str(bad.spec_error)
+
+
+
+def test_a_queue_name_kueue_refuses_holds_the_job_only_with_the_integration() -> None:
+    """With `--kueue` the job waits, saying why (no Workload is made for the name); without
+    it the name means nothing, and a job with it runs (and keeps running after an upgrade)."""
+    body = queued_job(labels={kueue.LABEL_QUEUE: "Team_A"})
+    assert parse_job(body).spec is not None
+    problem = ("InvalidQueueName", "metadata.labels[kueue.x-k8s.io/queue-name]: is 'Team_A'")
+    d = run(body, None, queue="Team_A", problem=problem)
+    assert d.phase == "Queued" and d.actions.workload is None
+    assert conditions(d)["Queued"]["reason"] == "InvalidQueueName"
+    d = run(queued_job({"phase": "Running"}, labels={kueue.LABEL_QUEUE: "Team_A"}), None,
+            [*compute(), driver()], cluster=True, enabled=False, queue="Team_A")
+    assert d.phase == "Running" and not d.actions.delete_cluster
 
 
 def test_without_the_integration_a_queued_job_runs_and_says_why() -> None:

@@ -376,9 +376,6 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
                           and _conditions(wl).get("Admitted", {}).get("status") == "True")(
                               _workload(cluster, ns, "mid")), timeout=120,
                  what="mid queued again with a new Workload, and admitted", describe=describe)
-        # Under a name of its own: Kueue frees a deleted Workload's quota only once a read of
-        # its name finds nothing, which a new Workload under the old name would prevent.
-        assert (_workload(cluster, ns, "mid") or {})["metadata"]["name"] != first["name"]
         assert _events(cluster, ns, "mid", "Queued"), "mid never read Queued"
         phase_is("mid", "Running")
         assert len(pods(cluster, ns, "mid", "rollout")) == 2
@@ -394,7 +391,6 @@ def test_queued_jobs_are_admitted_whole_preempted_and_resumed(
                               _workload(cluster, ns, "mid")), timeout=120,
                  what="mid queued again after its Workload was deleted", describe=describe)
         assert _events(cluster, ns, "mid", "Queued")
-        assert (_workload(cluster, ns, "mid") or {})["metadata"]["name"] != doomed["name"]
         phase_is("mid", "Running")
     print(f"GPU samples: {len(quota.samples)}, max {max(quota.samples)} of {QUOTA_GPUS}")
     assert len(quota.samples) > 50
