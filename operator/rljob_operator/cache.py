@@ -54,7 +54,7 @@ def _uid(obj: Obj) -> str | None:
     return (obj.get("metadata") or {}).get("uid")
 
 
-def _bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
+def bounded_put(table: dict[Any, Any], key: Any, value: Any) -> None:
     """Remember `key` in a table of at most MAX_TOMBSTONES entries: the oldest go first."""
     table[key] = value
     while len(table) > MAX_TOMBSTONES:
@@ -124,7 +124,7 @@ class Store:
         rv = _rv(obj)
         if rv is not None:
             meta = obj["metadata"]
-            _bounded_put(self._tombstones, (kind, meta.get("namespace") or "", meta["name"]),
+            bounded_put(self._tombstones, (kind, meta.get("namespace") or "", meta["name"]),
                          rv)
 
     def _children(self, kind: str) -> dict[Key, dict[str, Obj]]:
@@ -227,7 +227,7 @@ class Store:
                     self._bury(kind, held)
                     uid = _uid(held)
                     if uid:
-                        _bounded_put(self._vanished, uid, None)
+                        bounded_put(self._vanished, uid, None)
                         self._heard.discard(uid)
                     del per_job[name]
                     if not per_job:
@@ -261,7 +261,7 @@ class Store:
                 self._heard.discard(_uid(held[name]))
                 if at is not None:
                     # A late event of what the list no longer has must not bring it back.
-                    _bounded_put(self._tombstones, (kind, job[0], name), at)
+                    bounded_put(self._tombstones, (kind, job[0], name), at)
             if fresh:
                 self._children(kind)[job] = fresh
             else:

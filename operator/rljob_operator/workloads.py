@@ -18,7 +18,7 @@ from rljob_api.validate import queue_name_problems
 from rljob_operator import kueue
 from rljob_operator.admission import WorkloadStep
 from rljob_operator.builders import JobRef
-from rljob_operator.cache import rv_int
+from rljob_operator.cache import bounded_put, rv_int
 from rljob_operator.kube import TIMEOUT, _json
 from rljob_operator.kueue import Priority, QueueState, WorkloadView, parse_workload
 
@@ -32,7 +32,6 @@ CLASS_TTL = 30.0
 WORKLOAD_TTL = 300.0
 Key = tuple[str, str]  # (namespace, RLJob name)
 STALE = float("-inf")  # the time of a copy to read again before use
-MAX_GONE = 5000  # deleted Workloads remembered
 
 
 class Workloads:
@@ -58,7 +57,7 @@ class Workloads:
         uid = str(meta.get("uid") or "")
         with self._lock:
             if deleted:
-                self._bury(uid)
+                bounded_put(self._gone, uid, None)
             elif uid in self._gone:
                 return  # a late event of a Workload deleted since
             held = self._seen.get(key)
@@ -79,11 +78,6 @@ class Workloads:
         """The job is gone: nothing of its Workloads is kept."""
         with self._lock:
             self._seen.pop(key, None)
-
-    def _bury(self, uid: str) -> None:
-        self._gone[uid] = None
-        while len(self._gone) > MAX_GONE:
-            del self._gone[next(iter(self._gone))]
 
     def _stale(self, namespace: str, name: str) -> None:
         """The copy held of this Workload is read again before it is used."""
@@ -329,7 +323,7 @@ class Workloads:
             if err.status != 404:
                 raise
         with self._lock:
-            self._bury(view.uid)
+            bounded_put(self._gone, view.uid, None)
             for key, (_, obj) in list(self._seen.items()):
                 if key[0] == namespace and obj["metadata"].get("uid") == view.uid:
                     self._seen.pop(key, None)
