@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch._C._distributed_c10d import HashStore
 
-from rljob.weightsync.group import BroadcastGroup, open_store
-from rljob.weightsync.protocol import Announcement, Keys, decode_announcement
+from rljob.weightsync.group import BroadcastGroup
+from rljob.weightsync.protocol import Announcement
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 from tests.weightsync.conftest import Cluster, tiny_model
 
@@ -79,8 +79,7 @@ def _published(cluster: Cluster, version: int, params: dict[str, torch.Tensor]) 
     result = cluster.publisher.publish(version, params.items())
     expected = {COLOCATED, REMOTE} if TWO_GPUS else {COLOCATED}
     assert set(result.acked) == expected, (result.stale, cluster.logs())
-    store = open_store("127.0.0.1", cluster.publisher.port, server=False, timeout_s=30)
-    return decode_announcement(store.get(Keys.announcement(int(store.get(Keys.latest_seq)))))
+    return cluster.announcement()
 
 
 def _engine_equals(cluster: Cluster, name: str, params: dict[str, torch.Tensor]) -> None:

@@ -22,7 +22,9 @@ import torch
 from transformers import PreTrainedModel
 
 from rljob.model.tiny_model import build_tiny, write_tiny
-from rljob.weightsync.auth import bearer, peer_key
+from rljob.weightsync.auth import SignedStore, bearer, peer_key
+from rljob.weightsync.group import open_store
+from rljob.weightsync.protocol import Announcement, Keys, decode_announcement
 from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
 from rljob_api.spec import TinyModel
 from tests.controlplane import REPO
@@ -156,6 +158,13 @@ class Cluster:
             },
         )
         return str(out["meta_info"]["weight_version"])
+
+    def announcement(self) -> Announcement:
+        """The latest announcement the sidecars were sent, read from the trainer's store as a
+        sidecar reads it: every value is signed with the job's peer key and checked first."""
+        store = SignedStore(open_store("127.0.0.1", self.publisher.port, server=False,
+                                       timeout_s=30), peer_key())
+        return decode_announcement(store.get(Keys.announcement(int(store.get(Keys.latest_seq)))))
 
     def registered(self, name: str) -> str | None:
         record = self.publisher.engines().get(name)

@@ -83,6 +83,10 @@ def test_every_engine_equals_the_trainer_bit_for_bit(cluster: Cluster, trainer: 
         assert result.stale == {}, cluster.logs()
         assert result.acked == list(ENGINES)
         assert result.bytes_per_engine > 3 * (16 << 10), "the test wants several buckets"
+        announcement = cluster.announcement()
+        assert (announcement.version, announcement.backend, announcement.ipc) == (
+            version, "gloo", {})
+        assert set(announcement.roster) == set(ENGINES)
         for name in ENGINES:
             assert cluster.version(name) == str(version)
             assert cluster.generate_version(name) == str(version)
