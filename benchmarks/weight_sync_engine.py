@@ -1,7 +1,8 @@
 """A bare engine for the weight-sync benchmarks: named parameter tensors (no model) behind
-`/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank) and
-`/health`, served as the `hf` engine serves them (aiohttp; the install on one worker thread)
-and installing with the same code (`TensorReceiver` keeps the last handles open;
+`/update_weights_from_tensor`, the weight version, `/get_server_info` (one TP rank, and the
+SGLang release whose contract the `hf` engine keeps, which the client checks) and `/health`,
+served as the `hf` engine serves them (aiohttp; the install on one worker thread) and
+installing with the same code (`TensorReceiver` keeps the last handles open;
 `weight_swap.stage_version` checks names, shapes and dtypes, copies the flat version beside
 the served tensors with its NaN/Inf check in the same pass, synchronises, and switches the
 tensors to it), reporting how long each phase took. What it leaves out, having no model and
@@ -26,6 +27,7 @@ import torch
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+from rljob.engine.sglang_release import RELEASE
 from rljob.engine.weight_swap import flat_version, stage_version
 from rljob.weightsync.wire import TensorReceiver
 
@@ -76,7 +78,7 @@ def main() -> None:
         return web.json_response({})
 
     async def server_info(_: web.Request) -> web.Response:
-        return web.json_response({"tp_size": 1})
+        return web.json_response({"tp_size": 1, "version": RELEASE})
 
     async def model_info(_: web.Request) -> web.Response:
         return web.json_response({"weight_version": state["version"]})
