@@ -32,6 +32,12 @@ times the cuBLAS path's backward logit pieces (`_GRAD_Z_PARTS`) in shuffled roun
 naive path, then ours beside `--baseline FILE` (another copy of `logprobs_fused.py`, say the last
 commit's). `--set NAME=VALUE` sets a knob of `rljob.kernels.logprobs_fused` for the whole run.
 
+`--smoke` takes a tiny shape and one round: every method's code path in seconds (hack/gpu-test
+runs it on the GPU). `--device cpu --smoke` runs that path without a GPU, so that CI notices
+when it breaks: times by the host clock, no memory peaks (the CPU has no caching allocator to
+ask), the fused kernels only under Triton's CPU interpreter (`TRITON_INTERPRET=1`; otherwise
+they are left out, as are the CUDA-only peers), and none of `--sweep`, `--idle`, `--variants`.
+
 Run: python3 benchmarks/logprobs_memory_gpu.py [--out DIR] [--sweep] [--idle] [--variants]
 """
 
@@ -42,6 +48,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import random
 import statistics
 import sys
@@ -60,6 +67,28 @@ from rljob.kernels.logprobs_vocab_parallel import vocab_parallel_logprobs
 
 Out = tuple[torch.Tensor, torch.Tensor | None]
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Out]
+# Where the run measures (`--device`): a CUDA GPU, or the CPU for a smoke run of the code path.
+DEVICE = torch.device("cuda")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def elapsed_ms(fn: Callable[[], object]) -> float:
+    """Milliseconds `fn` takes: CUDA events around it on the GPU, the host clock on the CPU."""
+    if DEVICE.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return float(a.elapsed_time(b))
 
 
 def naive_bf16(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> Out:
@@ -168,23 +197,18 @@ def reference_fp64(
 def time_ms(fn: Callable[[], object], repeat: int) -> float:
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(repeat):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(float(a.elapsed_time(b)))
-    return statistics.median(times)
+    return statistics.median(elapsed_ms(fn) for _ in range(repeat))
 
 
 def peak_gib(run: Callable[[], object], *leaves: torch.Tensor) -> float:
     """GiB allocated at the peak of `run` above what was allocated before it; the leaves'
-    gradients are dropped first, so the ones `run` makes count as its own."""
+    gradients are dropped first, so the ones `run` makes count as its own. NaN on the CPU,
+    which has no caching allocator to ask (`run` still runs)."""
     for leaf in leaves:
         leaf.grad = None
+    if DEVICE.type != "cuda":
+        run()
+        return float("nan")
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -217,7 +241,7 @@ def measure(
             torch.autograd.backward((lp, ent), (g, g_ent))
         return lp, ent
 
-    torch.cuda.synchronize()
+    sync()
     row: dict[str, Any] = {"method": name}
     steps: dict[str, Callable[[], object]] = {}
     for label, step in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
@@ -250,7 +274,7 @@ def time_interleaved(
 def shuffled_times(
     steps: list[Callable[[], object]], repeat: int, seed: int = 0
 ) -> list[list[float]]:
-    """CUDA-event times of each step over `repeat` rounds after two warm-up rounds, each round
+    """Times (`elapsed_ms`) of each step over `repeat` rounds after two warm-up rounds, each round
     calling every step once in an order shuffled anew (seeded): a call's time depends on what
     ran just before it (the clock under the power limit), so no step may always follow the
     same other one."""
@@ -260,14 +284,9 @@ def shuffled_times(
     for r in range(2 + repeat):
         rng.shuffle(order)
         for i in order:
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            steps[i]()
-            b.record()
-            torch.cuda.synchronize()
+            ms = elapsed_ms(steps[i])
             if r >= 2:
-                times[i].append(float(a.elapsed_time(b)))
+                times[i].append(ms)
     return times
 
 
@@ -639,6 +658,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
+        "--smoke", action="store_true",
+        help="a tiny shape (24 tokens, vocabulary 600, hidden 32) and one round",
+    )
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda",
+        help="cpu: the code path without a GPU (with --smoke; see the module's docstring)",
+    )
+    parser.add_argument(
         "--sweep", action="store_true",
         help="first time the fused path over its statistics split and backward logit pieces",
     )
@@ -659,6 +686,13 @@ def main() -> None:
         help="set a knob of rljob.kernels.logprobs_fused (say _GRAD_Z_PARTS=5) for the whole run",
     )
     args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.vocab, args.hidden, args.repeat = 24, 600, 32, 1
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    on_cpu = DEVICE.type == "cpu"
+    if on_cpu and (args.sweep or args.idle or args.variants):
+        sys.exit("--sweep, --idle and --variants read CUDA kernels: they need --device cuda")
     import rljob.kernels.logprobs_fused as lf
 
     for item in args.set:
@@ -668,11 +702,11 @@ def main() -> None:
         setattr(lf, name, json.loads(value.lower()) if value.lower() in ("true", "false")
                 else int(value))
     baseline = load_module(args.baseline) if args.baseline else None
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
+    if not on_cpu and not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --device cpu --smoke for the code path alone)")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    dev = torch.device("cuda")
+    dev = DEVICE
     h = torch.randn(args.tokens, args.hidden, device=dev, dtype=torch.bfloat16)
     w = (torch.randn(args.vocab, args.hidden, device=dev) * 0.02).to(torch.bfloat16)
     t = torch.randint(0, args.vocab, (args.tokens,), device=dev)
@@ -680,7 +714,8 @@ def main() -> None:
     g_ent = torch.randn(args.tokens, device=dev)
     ref = reference_fp64(h, w, t, g, g_ent)
     floor = {k: rel(ref[k].to(torch.bfloat16), ref[k]) for k in ("gh_lp", "gw_lp")}
-    torch.cuda.empty_cache()
+    if not on_cpu:
+        torch.cuda.empty_cache()
 
     if args.sweep:
         gemm_shapes(h, w, args.repeat)
@@ -703,17 +738,15 @@ def main() -> None:
         host_timeline(lambda: torch.autograd.backward(fused(hl, wl, t)[0], g))
         del hl, wl
 
-    methods: list[tuple[str, Fn]] = [
-        ("naive-bf16", naive_bf16),
-        ("tiled", tiled),
-        ("fused", fused),
-        ("fused+entropy", fused_entropy),
-        ("fused-cublas", fused_cublas),
-    ]
+    methods: list[tuple[str, Fn]] = [("naive-bf16", naive_bf16), ("tiled", tiled)]
+    # The fused kernels serve CUDA tensors, or CPU ones under Triton's interpreter.
+    if not on_cpu or os.environ.get("TRITON_INTERPRET") == "1":
+        methods += [("fused", fused), ("fused+entropy", fused_entropy),
+                    ("fused-cublas", fused_cublas)]
     versions = {d: version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy")}
-    if versions["liger-kernel"]:
+    if versions["liger-kernel"] and not on_cpu:
         methods.append(("liger", liger))
-    if versions["cut-cross-entropy"]:
+    if versions["cut-cross-entropy"] and not on_cpu:
         methods += [("cce-exact", cce_exact), ("cce-default", cce_default)]
     rows = []
     timed = []
@@ -722,13 +755,15 @@ def main() -> None:
             timed.append(measure(name, fn, h, w, t, g, g_ent, ref))
             rows.append(timed[-1][0])
         except Exception as err:
-            if name == "naive-bf16":
+            # A smoke run is there to find what breaks.
+            if name == "naive-bf16" or args.smoke:
                 raise
             # any other method that breaks is reported and the others still run
             print(f"{name} failed: {type(err).__name__}: {err}", flush=True)
             continue
         finally:
-            torch.cuda.empty_cache()
+            if not on_cpu:
+                torch.cuda.empty_cache()
     del ref
     time_interleaved(timed, args.repeat)
     del timed
@@ -738,7 +773,7 @@ def main() -> None:
     meta = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "CPU" if on_cpu else torch.cuda.get_device_name(),
         **versions,
         "tokens": args.tokens,
         "vocab": args.vocab,
@@ -750,7 +785,7 @@ def main() -> None:
     mm_ms = time_ms(lambda: torch.mm(h, w.t()), args.repeat)
     meta["logits_matmul_ms"] = mm_ms
     meta["matmul_tflops"] = 2 * args.tokens * args.vocab * args.hidden / mm_ms / 1e9
-    if "fused" in {r["method"] for r in rows}:
+    if "fused" in {r["method"] for r in rows} and not on_cpu:
         print("profile of fused, forward+backward:")
         profile(fused, h, w, t, g)
     print(json.dumps(meta))

@@ -9,7 +9,12 @@ rate measured on an H200 here: ~790 TFLOP/s). Model FLOPs count the matmuls of t
 (3x forward for a training pass), causal attention at half the square, and the output
 projection for response tokens only; recomputation is not counted.
 
-Run: python3 benchmarks/megatron_step_gpu.py [--out DIR]
+`--smoke` takes a 2.5M-parameter model of the same architecture, short sequences and two steps:
+the whole path in seconds (hack/gpu-test runs it). `--plan-only` stops before anything needs
+megatron-core or a GPU: it prints the model's size, the tokens and the model FLOPs of one step,
+which is all of the benchmark that runs on a machine without them (CI runs it that way).
+
+Run: python3 benchmarks/megatron_step_gpu.py [--out DIR] [--smoke] [--plan-only]
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,12 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 from rljob.algo.advantages import group_normalized
 from rljob.trainer.megatron.shape import ModelShape
-from rljob.trainer.megatron.training import (
-    MegatronTrainer,
-    PolicyLossConfig,
-    PolicyMicroBatch,
-    init_parallel,
-)
+
+if TYPE_CHECKING:
+    from rljob.trainer.megatron.training import PolicyMicroBatch
 
 CONFIG_1B: dict[str, Any] = {
     "model_type": "llama",
@@ -48,9 +50,15 @@ CONFIG_1B: dict[str, Any] = {
     "tie_word_embeddings": True,
     "rope_theta": 1_000_000.0,
 }
+# `--smoke`: the same architecture, small enough that a step takes milliseconds.
+CONFIG_SMOKE: dict[str, Any] = {**CONFIG_1B, "vocab_size": 4096, "hidden_size": 256,
+                                "intermediate_size": 704, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def train_flops(shape: ModelShape, batches: list[PolicyMicroBatch]) -> float:
+def train_flops(shape: ModelShape, micro_batches: list[tuple[int, int, int]]) -> float:
+    """Model FLOPs of a training pass over micro-batches given as (sequences, sequence
+    length, response tokens)."""
     h, layers = shape.hidden_size, shape.num_layers
     d = shape.head_dim
     linear = layers * (
@@ -59,17 +67,23 @@ def train_flops(shape: ModelShape, batches: list[PolicyMicroBatch]) -> float:
         + 3 * h * shape.ffn_hidden_size
     )
     fwd = 0.0
-    for mb in batches:
-        b, s = mb.tokens.shape
+    for b, s, responses in micro_batches:
         fwd += 2.0 * linear * b * s
         fwd += layers * b * 2.0 * s * s * shape.num_attention_heads * d  # QK^T + AV, causal
-        fwd += 2.0 * h * shape.vocab_size * sum(mb.response_lengths)
+        fwd += 2.0 * h * shape.vocab_size * responses
     return 3.0 * fwd
+
+
+def sizes(batches: list[PolicyMicroBatch]) -> list[tuple[int, int, int]]:
+    """What `train_flops` counts of each micro-batch."""
+    return [(*mb.tokens.shape, sum(mb.response_lengths)) for mb in batches]
 
 
 def make_batches(
     n_micro: int, micro: int, prompt: int, response: int, group: int, vocab: int, seed: int
 ) -> list[PolicyMicroBatch]:
+    from rljob.trainer.megatron.training import PolicyMicroBatch
+
     g = torch.Generator().manual_seed(seed)
     rewards = torch.rand(n_micro * micro, generator=g)
     adv = group_normalized(rewards, group).view(n_micro, micro)
@@ -104,9 +118,31 @@ def main() -> None:
                         help="the log-prob head's cuBLAS path instead of its TMA kernels")
     parser.add_argument("--megatron-arg", action="append", default=[])
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a 2.5M-parameter model, 2 micro-batches of 2 x (32 + 96) tokens, "
+                             "2 steps")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="print the model's size and a step's tokens and FLOPs, then stop "
+                             "(needs neither megatron-core nor a GPU)")
     args = parser.parse_args()
+    config = CONFIG_1B
+    if args.smoke:
+        config = CONFIG_SMOKE
+        args.steps, args.micro_batch, args.micro_batches = 2, 2, 2
+        args.prompt, args.response, args.group = 32, 96, 2
+    shape = ModelShape.from_hf(config)
+    step_flops = train_flops(
+        shape, [(args.micro_batch, args.prompt + args.response,
+                 args.micro_batch * args.response)] * args.micro_batches)
+    print(f"plan: {shape.num_parameters() / 1e6:.1f}M params, "
+          f"{args.micro_batches * args.micro_batch * (args.prompt + args.response)} "
+          f"tokens/step, {step_flops / 1e12:.3f} TFLOP a training pass", flush=True)
+    if args.plan_only:
+        return
     if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
+        sys.exit("needs a CUDA GPU (--plan-only runs without one)")
+    from rljob.trainer.megatron.training import MegatronTrainer, PolicyLossConfig, init_parallel
+
     if args.cublas_logits:
         import rljob.kernels.logprobs_fused as lf
 
@@ -114,8 +150,7 @@ def main() -> None:
     init_parallel(1, 1, 1, seed=0)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    hf_config = LlamaConfig(**{k: v for k, v in CONFIG_1B.items() if k != "model_type"})
-    shape = ModelShape.from_hf(hf_config)
+    hf_config = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
     with torch.device("cuda"):
         hf = LlamaForCausalLM(hf_config)
     weights = {
@@ -156,7 +191,7 @@ def main() -> None:
         metrics = trainer.train_step(batches)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        flops = train_flops(shape, batches)
+        flops = train_flops(shape, sizes(batches))
         forwards = 1 if reference is None else 2  # old policy, reference
         rec = {
             "step": step,
@@ -190,7 +225,7 @@ def main() -> None:
 
     summary["megatron_core"] = megatron.core.__version__
     print(
-        f"1B RL step: {summary['params'] / 1e9:.2f}B params, "
+        f"RL step: {summary['params'] / 1e9:.3f}B params, "
         f"{summary['tokens_per_step']} tokens/step, "
         f"train step {summary['train_step_s_median']:.3f} s "
         f"(MFU {summary['train_mfu_median']:.1%}), "

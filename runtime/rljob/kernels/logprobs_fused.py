@@ -326,6 +326,8 @@ def _say_why_not_tma(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     misaligned or non-contiguous head is seen rather than silently slow."""
     if hidden.dtype not in (torch.bfloat16, torch.float16):
         return  # fp32 inputs: the TMA kernels would multiply in TF32; cuBLAS is the path
+    if not hidden.is_cuda:
+        return  # CPU tensors under Triton's interpreter: no GPU to ask, nothing slower to tell
     if not logprobs_tma.gpu_fits(hidden.device, hidden.element_size()):
         why = f"{torch.cuda.get_device_name(hidden.device)} lacks TMA or its shared memory"
     else:
