@@ -28,6 +28,7 @@ import yaml
 
 from e2e.kind.foreign_peer import assert_foreign_pod_refused
 from e2e.kind.kindcluster import EXAMPLE, KindCluster
+from rljob.reporting import startup
 from rljob.reporting.metrics_log import METRICS_FILE
 from rljob_operator import kueue
 from tests.kueue_checks import admitted_within
@@ -100,6 +101,12 @@ def _placement(log: str) -> list[dict[str, Any]]:
     table: dict[str, Any] = json.loads(lines[-1].removeprefix("placement: "))
     actors: list[dict[str, Any]] = table["actors"]
     return actors
+
+
+def _startup(log: str) -> list[startup.Mark]:
+    """The marks of the driver's `startup:` line (its first attempt's)."""
+    lines = [line for line in log.splitlines() if startup.PREFIX in line]
+    return startup.parse(lines[0]) if lines else []
 
 
 def _shown(cluster: KindCluster, job: Job, secret: str) -> list[str]:
@@ -468,6 +475,19 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     assert roles == {"trainer": 1, "weight-sync-store": 1, "rollout-worker": 1,
                      "engine": rollout_pods, "weight-sync-sidecar": rollout_pods}, placement
     hosts = {(a["role"], a["index"]): a["host"] for a in placement}
+    # The driver pod timed its start-up as `rljob run` does on a laptop: every phase and
+    # every actor marked, in order, up to the first rollout request (the seconds are shown,
+    # not judged: benchmarks/startup.py measures them).
+    marks = _startup(job.driver_log())
+    print(f"driver pod start-up: {' · '.join(f'{m.name} {m.at_s:.1f}s' for m in marks)}")
+    single = ("rollout-worker", "weight-sync-store")  # one a job, marked without an index
+    expected = {"imports", "ray started", "model files", "placement group ready",
+                "first weights", startup.FIRST_ROLLOUT,
+                *(f"{a['role']} ready" if a["role"] in single else
+                  f"{a['role']}-{a['index']} ready" for a in placement)}
+    assert {m.name for m in marks} == expected, marks
+    assert [m.at_s for m in marks] == sorted(m.at_s for m in marks), marks
+    assert marks[-1].name == startup.FIRST_ROLLOUT, marks
     assert all(hosts[("weight-sync-sidecar", i)] == hosts[("engine", i)]
                for i in range(rollout_pods)), placement
     assert all(a["ok"] for a in placement), placement

@@ -5,6 +5,7 @@ that lost its weights (SGLang) gets the version again when the step made no upda
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ from rljob.driver import loop
 from rljob.driver.job import Job
 from rljob.driver.state import LoopState
 from rljob.driver.stop import StopSignals
+from rljob.reporting.startup import StartupClock
 from rljob.reporting.tracking import Trackers
 from rljob.rollout.stats import RolloutStats
 from rljob.trainer.metrics import OptimizerFigures, TrainMetrics
@@ -55,7 +57,7 @@ def _job(tmp_path: Path, offload: bool, optimizer_steps: int, weights_kept: bool
         checkpoint=SimpleNamespace(interval=100, format="torch"))
     attempt = SimpleNamespace(  # one step from step 3; the save at its end records nothing
         number=0, spec=spec, options=SimpleNamespace(workdir=tmp_path, max_steps=1),
-        stop=StopSignals(),
+        stop=StopSignals(), startup=StartupClock(time.time()),
         checkpoints=SimpleNamespace(check_writer=lambda: None, save=lambda *_, **__: None),
         reporter=SimpleNamespace(progress=lambda _: None), tracking=Trackers(),
         loop_started=False)

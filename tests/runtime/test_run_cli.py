@@ -19,7 +19,7 @@ from rljob.checkpoint.store import CheckpointStore
 from rljob.cluster.cluster import RunOptions
 from rljob.cluster.rollout_pipeline import PENDING_FILE
 from rljob.driver.run import run_job
-from rljob.reporting import metrics_log
+from rljob.reporting import metrics_log, startup
 from rljob_api import env
 from rljob_api.exits import FAILED as EXIT_FAILED
 from rljob_api.exits import INTERRUPTED as EXIT_INTERRUPTED
@@ -110,6 +110,16 @@ def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     assert [p.name for p in saved] == [f"step_{steps:08d}"]
     assert json.loads((saved[0] / "state.json").read_text())["step"] == steps
     assert "interrupted; state saved" in output
+    # Its start-up was timed from the process's start, each phase and actor in order, up to
+    # the first rollout request (benchmarks/startup.py reads the same line).
+    (line,) = [ln for ln in output.splitlines() if startup.PREFIX in ln]
+    marks = startup.parse(line)
+    assert marks[0].name == "imports", marks
+    assert {"ray started", "model files", "placement group ready", "trainer-0 ready",
+            "engine-0 ready", "rollout-worker ready", "weight-sync-store ready",
+            "weight-sync-sidecar-0 ready", "first weights"} <= {m.name for m in marks}, marks
+    assert marks[-1].name == startup.FIRST_ROLLOUT, marks
+    assert [m.at_s for m in marks] == sorted(m.at_s for m in marks) and marks[0].at_s > 0
 
 
 class Driver:

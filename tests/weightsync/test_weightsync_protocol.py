@@ -39,7 +39,8 @@ from rljob.weightsync.protocol import (
     unpack_bucket,
     version_digest,
 )
-from rljob.weightsync.publisher import NonFiniteWeights, PublisherConfig, WeightPublisher
+from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+from rljob.weightsync.results import NonFiniteWeights
 from rljob.weightsync.wire import (
     TensorReceiver,
     decode_named_tensors,

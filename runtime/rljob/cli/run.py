@@ -69,11 +69,13 @@ def run_command(args: argparse.Namespace) -> int:
             return EXIT_INVALID
     from rljob.cluster.cluster import RunOptions
     from rljob.driver.run import run_job
+    from rljob.reporting.startup import process_started_at
 
     name = str(doc["metadata"]["name"])
     reporter: Reporter = StatusReporter.from_env() or PrintReporter()
     workdir = args.workdir or DEFAULT_WORKDIR / name
-    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join, args.plan_only)
+    options = RunOptions(workdir, args.max_steps, args.ray_address, args.join, args.plan_only,
+                         started_at=process_started_at())
     try:
         return run_job(name, spec, options, reporter)
     finally:

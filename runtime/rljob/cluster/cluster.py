@@ -40,6 +40,7 @@ from rljob.cluster.whereabouts import Placed
 from rljob.engine.launcher import EngineProcess
 from rljob.engine.slots import SlotHolder
 from rljob.reporting.locatable import Whereabouts
+from rljob.reporting.startup import StartupClock
 from rljob.rollout.worker import RolloutWorker
 from rljob.trainer.select import trainer_class
 from rljob.weightsync.auth import peer_key
@@ -61,6 +62,9 @@ class RunOptions:
     ray_address: str | None = None  # a cluster this machine already is a node of
     join: str | None = None  # HOST:PORT of a head to join as a node of our own (pods)
     plan_only: bool = False  # place and report each process's devices, start none
+    # When this run began (wall clock): the `rljob` process's start, so start-up is timed
+    # from there (`rljob.reporting.startup`); None: when the attempt begins.
+    started_at: float | None = None
 
     @property
     def on_cluster(self) -> bool:
@@ -153,8 +157,10 @@ class Cluster:
     """This attempt's Ray and everything it placed on it. What exists is filled in as it is
     placed, so that a failed start-up shuts down exactly what it started."""
 
-    def __init__(self, options: RunOptions, on_ray_started: Callable[[], None]) -> None:
+    def __init__(self, options: RunOptions, on_ray_started: Callable[[], None],
+                 startup: StartupClock | None = None) -> None:
         self.options = options
+        self.startup = startup or StartupClock(time.time())
         # `ray.init` replaces the SIGTERM handler with an exit that saves nothing: the
         # driver's own handlers go back in through this.
         self.on_ray_started = on_ray_started
@@ -190,6 +196,7 @@ class Cluster:
             ray.init(num_cpus=max(os.cpu_count() or 1, layout.slots), include_dashboard=False,
                      runtime_env=runtime_env, log_to_driver=False)
             self.started_ray = True
+        self.startup.mark("ray started")
         self.on_ray_started()
 
     def stop_stale_drivers(self) -> None:
@@ -250,11 +257,15 @@ class Cluster:
                 f"placement: {layout.slots} slots ({layout.gpus(devices)} of them GPUs, "
                 f"{kind}) not available after {PLACEMENT_TIMEOUT_S:.0f}s; the cluster has "
                 f"{have}. Lower trainer/rollout GPU counts or add nodes."))
+        self.startup.mark("placement group ready")
         return pg
 
-    def place(self, spec: RLJobSpec, model_dir: Path, engine_port_base: int) -> Roles:
-        """Every worker of the job on its slot of one placement group; `engine_port_base` is
-        0 on one machine (any free port) and the operator's engine port in pods."""
+    def place(self, spec: RLJobSpec, model_dir: Path, settings: SyncSettings) -> Roles:
+        """Every worker of the job on its slot of one placement group, and the weight-sync
+        store; `settings.engine_port` is 0 on one machine (any free port) and the
+        operator's engine port in pods. Every actor is created before any is waited for, so
+        their processes start (each importing for seconds) side by side."""
+        engine_port_base = settings.engine_port
         layout = plan(spec)
         self.start_ray(layout)
         devices = self.choose_devices(spec)
@@ -292,6 +303,8 @@ class Cluster:
         # Stopped and killed on a failure from here on, whatever was started of them.
         self.engines = EngineGroup(start_engine)
         self.engines.start(len(groups))
+        for i, engine in enumerate(self.engines.handles):
+            self.startup.watch(f"{whereabouts.ENGINE}-{i}", engine)
         # Rank 0 hosts the trainer group's store, so its address comes from rank 0's node.
         init = "" if trainer_world(spec) == 1 else ray.get(
             ray.remote(rendezvous_address).options(
@@ -301,12 +314,27 @@ class Cluster:
         spec_json = spec.model_dump_json(by_alias=True)
         self.trainers = TrainerGroup.start(actor, at, list(layout.trainer_slots), spec_json,
                                            str(model_dir), init, devices.trainer)
+        for i, trainer in enumerate(self.trainers.handles):
+            self.startup.watch(f"{whereabouts.TRAINER}-{i}", trainer)
+        # The weight-sync store, and a sidecar beside each engine (its engine's and the
+        # store's addresses reach it when they come).
+        self.weight_sync = WeightSyncActors(settings)
+        self.weight_sync.start_store()
+        self.startup.watch(whereabouts.STORE, self.weight_sync.store)
+        self.weight_sync.start_sidecars(
+            self.engines, ports, loopback=not on_cluster,
+            placement=(pg, list(layout.engine_slots)), sync_on_gpu=devices.sync_on_gpu,
+            engine_on_gpu=devices.engine_gpu)
+        for i, sidecar in enumerate(self.weight_sync.sidecars):
+            self.startup.watch(f"{whereabouts.SIDECAR}-{i}", sidecar)
         # The rollout worker (prompts, engine calls, reward hooks) holds no slot: on a
-        # joined cluster it runs next to the driver, on the driver pod's own Ray node.
+        # joined cluster it runs next to the driver, on the driver pod's own Ray node. It
+        # is given the engines' addresses as they come (it waits for them itself).
         worker_cls = ray.remote(RolloutWorker)
         next_to_driver = {"resources": {DRIVER_RESOURCE: 0.01}} if self.node else {}
         self.rollout = worker_cls.options(num_cpus=0, **next_to_driver).remote(
-            spec_json, str(model_dir), self.engines.urls)
+            spec_json, str(model_dir), self.engines.addresses())
+        self.startup.watch(whereabouts.ROLLOUT_WORKER, self.rollout)
         rollout = RolloutPipeline(self.rollout)
         problems = rollout.setup()
         if problems:
@@ -314,7 +342,7 @@ class Cluster:
         return Roles(self.trainers, self.engines, rollout, offload, devices)
 
     def plan_devices(self, spec: RLJobSpec) -> list[ProcessDevices]:
-        """Every process of the job placed as `place` and `start_weight_sync` place them, each
+        """Every process of the job placed as `place` places them, each
         reporting the devices it would use (`rljob.cluster.device_plan`); nothing starts."""
         layout = plan(spec)
         self.start_ray(layout)
@@ -323,18 +351,11 @@ class Cluster:
         return device_plan.probe(pg, layout, devices, spec,
                                  lambda slot: slot_options(pg, layout, devices, slot))
 
-    def start_weight_sync(self, settings: SyncSettings, spec: RLJobSpec, roles: Roles
-                          ) -> tuple[str, int]:
-        """The store on the Ray head and a sidecar per engine next to its engine
-        (`rljob.cluster.weight_sync`); the store's address, which the trainer joins."""
-        assert self.pg is not None, "placed first"
-        self.weight_sync = WeightSyncActors(settings)
-        store = self.weight_sync.start_store()
-        self.weight_sync.start_sidecars(
-            roles.engines, store, loopback=not self.options.on_cluster,
-            placement=(self.pg, list(plan(spec).engine_slots)),
-            sync_on_gpu=roles.devices.sync_on_gpu)
-        return store
+    def store_address(self) -> tuple[str, int]:
+        """Where the weight-sync store `place` started on the Ray head serves
+        (`rljob.cluster.weight_sync`): the address trainer rank 0 joins as the publisher."""
+        assert self.weight_sync is not None, "placed first"
+        return self.weight_sync.store_address()
 
     def check_sidecars(self) -> SidecarCheck:
         """Sidecars that died since the last check (`WeightSyncActors.check`); none before

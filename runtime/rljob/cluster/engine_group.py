@@ -36,6 +36,10 @@ class EngineGroup:
             self.handles.append(handle)
             self.slot_holders.append(holders)
 
+    def addresses(self) -> list[ray.ObjectRef[str]]:
+        """Each engine's HTTP address to come, once it serves (not waited for here)."""
+        return [e.address.remote() for e in self.handles]
+
     @property
     def urls(self) -> list[str]:
         """Each engine's HTTP address, once it serves (asked for when first needed, so the

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
 from rljob.rollout.sample import Sample
-from rljob.trainer.interface import TrainerActor
 from rljob.trainer.metrics import TrainMetrics
-from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
+from rljob.weightsync.results import NonFiniteWeights, SyncResult
+
+if TYPE_CHECKING:
+    from rljob.trainer.interface import TrainerActor
 
 T = TypeVar("T")
 

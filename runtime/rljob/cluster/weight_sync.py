@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
@@ -39,12 +39,12 @@ from ray.util.scheduling_strategies import (
 from rljob.cluster.engine_group import EngineGroup
 from rljob.cluster.placement import SIDECAR_SHARE
 from rljob.engine.launcher import Locality
-from rljob.engine.rank_devices import show_engine_gpus
-from rljob.engine.sidecar import Sidecar, SidecarConfig
 from rljob.reporting.locatable import Locatable
-from rljob.weightsync.group import open_store
 from rljob_api import env, layout
 from rljob_api.layout import HEAD_RESOURCE
+
+if TYPE_CHECKING:
+    from rljob.engine.sidecar import SidecarConfig
 
 PORT_ENV = env.WEIGHT_SYNC_PORT
 ENGINE_PORT_ENV = env.ENGINE_PORT
@@ -82,6 +82,9 @@ class StoreHost(Locatable):
     """The weight-sync coordination store, served from this actor's process."""
 
     def __init__(self, port: int, bind_timeout_s: float) -> None:
+        # Imported in the actor: the driver starts it without importing torch.
+        from rljob.weightsync.group import open_store
+
         deadline = time.monotonic() + bind_timeout_s
         while True:
             try:
@@ -97,10 +100,33 @@ class StoreHost(Locatable):
         return str(ray.util.get_node_ip_address()), int(self.store.port)
 
 
+@dataclass(frozen=True)
+class ToCome:
+    """What a sidecar started beside a still-loading engine reads once its own process is up
+    (Ray object refs, so its start-up runs beside the engine's): the engine's address and
+    locality, and the store's address. A sidecar Ray starts again reads the same answers."""
+
+    engine_url: Any  # ObjectRef[str]
+    locality: Any  # ObjectRef[Locality]
+    store: Any  # ObjectRef[tuple[str, int]]
+
+    def complete(self, config: SidecarConfig) -> SidecarConfig:
+        url, locality, (host, port) = ray.get([self.engine_url, self.locality, self.store])
+        return dataclasses.replace(
+            config, engine_url=url, trainer_host=host, trainer_port=int(port),
+            engine_gpus=locality.gpus if config.device != "cpu" else "")
+
+
 class SidecarActor(Locatable):
     """`rljob-weight-sync` as a Ray actor: the sidecar loop on a thread of this process."""
 
-    def __init__(self, config: SidecarConfig) -> None:
+    def __init__(self, config: SidecarConfig, to_come: ToCome | None = None) -> None:
+        # Imported in the actor: the driver starts it without importing torch.
+        from rljob.engine.rank_devices import show_engine_gpus
+        from rljob.engine.sidecar import Sidecar
+
+        if to_come is not None:
+            config = to_come.complete(config)
         if not config.advertise_host:
             config = dataclasses.replace(config, advertise_host=ray.util.get_node_ip_address())
         # Before CUDA starts in this process: rank r's GPU becomes cuda:r.
@@ -139,12 +165,12 @@ def sidecar_options(
     }
 
 
-def sidecar_device(engine_gpus: str, sync_on_gpu: bool) -> str:
-    """Where the sidecar of an engine on `engine_gpus` stages: that engine's first GPU when
+def sidecar_device(engine_on_gpu: bool, sync_on_gpu: bool) -> str:
+    """Where the sidecar of an engine (on GPUs or not) stages: that engine's first GPU when
     weights travel GPU to GPU (Ray gives the sidecar a share of it, and `show_engine_gpus`
     keeps it at index 0), else the CPU (a CPU engine, or a gloo group, which takes CPU
     buffers only)."""
-    return "cuda:0" if sync_on_gpu and engine_gpus else "cpu"
+    return "cuda:0" if sync_on_gpu and engine_on_gpu else "cpu"
 
 
 def sidecar_placement(
@@ -153,7 +179,7 @@ def sidecar_placement(
     """The device the sidecar of an engine stages on, and the Ray options that start it
     there: `slot` is the engine's first slot, `locality` what the engine reports of itself
     (`node_id`, `gpus`)."""
-    device = sidecar_device(locality.gpus, sync_on_gpu)
+    device = sidecar_device(bool(locality.gpus), sync_on_gpu)
     return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
 
 
@@ -198,41 +224,60 @@ class WeightSyncActors:
         # which `acked` gives while a newer question is open.
         self.asked: dict[int, ray.ObjectRef[Any]] = {}
         self.answered: dict[int, int | None] = {}
+        self.to_come: dict[int, ToCome] = {}  # what each first sidecar read at its start
 
-    def start_store(self) -> tuple[str, int]:
-        """Start the store on the Ray head node; returns the address the trainer joins."""
+    def start_store(self) -> None:
+        """Start the store on the Ray head node (`store_address` says where it serves)."""
         self.store = (
             ray.remote(StoreHost)
             .options(num_cpus=0, resources={HEAD_RESOURCE: 0.001})
             .remote(self.settings.store_port, BIND_TIMEOUT_S)
         )
+
+    def store_address(self) -> tuple[str, int]:
+        """The address the trainer and the sidecars join, once the store serves."""
         host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
         return str(host), int(port)
 
     def start_sidecars(
         self,
         engines: EngineGroup,
-        store: tuple[str, int],
+        ports: list[int],
         loopback: bool,
         placement: tuple[PlacementGroup, list[int]],
         sync_on_gpu: bool,
+        engine_on_gpu: bool,
     ) -> None:
-        """One sidecar per engine, named `engine-<i>`: on the engine's node, and when it
-        stages on its GPU engine's GPU (`sidecar_placement`) in the bundle of the engine's
-        first slot (`placement`: the group and each engine's first slot) holding a share of
-        that GPU."""
-        self._where = (store, loopback, placement, sync_on_gpu)
-        for i, (url, loc) in enumerate(zip(engines.urls, engines.localities(), strict=True)):
-            self.sidecars.append(self._start_sidecar(i, url, loc))
+        """One sidecar per engine, named `engine-<i>`, started while its engine still loads
+        (each reads its engine's and the store's address when they come, `ToCome`): on the
+        engine's node, and when it stages on its GPU engine's GPU (`sidecar_options`) in the
+        bundle of the engine's first slot (`placement`: the group and each engine's first
+        slot) holding a share of that GPU. `ports`: each engine's port (0: any free one)."""
+        pg, slots = placement
+        self._where = (loopback, placement, sync_on_gpu)
+        nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        store = self.store.address.remote()
+        device = sidecar_device(engine_on_gpu, sync_on_gpu)
+        for i, engine in enumerate(engines.handles):
+            config = self._config(i, ports[i], device)
+            to_come = ToCome(engine.address.remote(), engine.locality.remote(), store)
+            # Held here: a sidecar Ray starts again reads the same answers, which live only
+            # while their owner (this driver) holds a reference.
+            self.to_come[i] = to_come
+            options = sidecar_options(pg, slots[i], nodes[slots[i]], on_gpu=device != "cpu")
+            self.sidecars.append(
+                ray.remote(SidecarActor).options(**options).remote(config, to_come))
 
-    def _start_sidecar(self, i: int, url: str, loc: Locality) -> Any:
-        store, loopback, (pg, slots), sync_on_gpu = self._where
-        device, options = sidecar_placement(pg, slots[i], loc, sync_on_gpu)
+    def _config(self, i: int, port: int, device: str, url: str = "", engine_gpus: str = "",
+                store: tuple[str, int] = ("", 0)) -> SidecarConfig:
+        """The sidecar of engine `i`, whose engine serves on `port`."""
+        from rljob.engine.sidecar import SidecarConfig
+
+        loopback = self._where[0]
         # In pods: the port the pod declares for the sidecar of the engine at this port.
-        listen_port = (layout.weight_sync_health_port(
-            int(url.rsplit(":", 1)[1]) - self.settings.engine_port)
-            if self.settings.engine_port else 0)
-        config = SidecarConfig(
+        listen_port = (layout.weight_sync_health_port(port - self.settings.engine_port)
+                       if self.settings.engine_port else 0)
+        return SidecarConfig(
             engine_name=engine_name(i),
             engine_url=url,
             trainer_host=store[0],
@@ -241,8 +286,14 @@ class WeightSyncActors:
             listen_port=listen_port,
             advertise_host="127.0.0.1" if loopback else "",
             device=device,
-            engine_gpus=loc.gpus if device != "cpu" else "",
+            engine_gpus=engine_gpus,
         )
+
+    def _start_sidecar(self, i: int, url: str, loc: Locality) -> Any:
+        _, (pg, slots), sync_on_gpu = self._where
+        device, options = sidecar_placement(pg, slots[i], loc, sync_on_gpu)
+        config = self._config(i, int(url.rsplit(":", 1)[1]), device, url,
+                              loc.gpus if device != "cpu" else "", self.store_address())
         return ray.remote(SidecarActor).options(**options).remote(config)
 
     def replace_sidecar(self, i: int, url: str, loc: Locality) -> None:
@@ -252,6 +303,7 @@ class WeightSyncActors:
         with contextlib.suppress(ray.exceptions.RayError):
             ray.kill(self.sidecars[i])
         self.sidecars[i] = self._start_sidecar(i, url, loc)
+        self.to_come.pop(i, None)
         self.incarnations.pop(i, None)
         self.asked.pop(i, None)
         self.answered.pop(i, None)

@@ -9,6 +9,7 @@ lives in `Job`, built by `rljob.driver.start` once start-up completed.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from rljob.cluster.cluster import Cluster, RunOptions, attempt_number
 from rljob.driver.checkpoints import Checkpoints
 from rljob.driver.stop import StopSignals
 from rljob.reporting.reporter import Reporter
+from rljob.reporting.startup import StartupClock
 from rljob.reporting.tracking import Trackers
 from rljob_api import exits
 from rljob_api.spec import RLJobSpec
@@ -35,6 +37,7 @@ class Attempt:
     cluster: Cluster
     checkpoints: Checkpoints
     number: int  # which attempt of the job this is (the operator's restart count; 0 locally)
+    startup: StartupClock  # from the run's start to the first rollout request
     tracking: Trackers = field(default_factory=Trackers)  # none until start-up starts them
     job: Job | None = None  # once start-up completed
     loop_started: bool = False  # from here on a first signal lets the step finish
@@ -43,12 +46,14 @@ class Attempt:
     def begin(cls, name: str, spec: RLJobSpec, options: RunOptions, reporter: Reporter
               ) -> Attempt:
         """Raises OSError when the workdir cannot be written."""
+        startup = StartupClock(options.started_at or time.time())
+        startup.mark("imports")  # every module the driver needs before Ray
         stop = StopSignals()
         number = attempt_number(dict(os.environ))
         checkpoints = Checkpoints(options.workdir / "checkpoints", spec.checkpoint.keep_last,
                                   number, reporter)
-        return cls(name, spec, options, reporter, stop, Cluster(options, stop.install),
-                   checkpoints, number)
+        return cls(name, spec, options, reporter, stop, Cluster(options, stop.install, startup),
+                   checkpoints, number, startup)
 
     @property
     def step(self) -> int:

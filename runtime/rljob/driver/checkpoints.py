@@ -12,7 +12,6 @@ from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rljob.checkpoint import rng
 from rljob.checkpoint.lease import writer_identity
 from rljob.checkpoint.store import CheckpointStore, LeaseHeld, Verified
 from rljob.cluster.rollout_pipeline import RolloutPipeline
@@ -81,6 +80,8 @@ class Checkpoints:
             return None
         trainers.load(str(latest.path))
         rollout.load(json.loads((latest.path / ROLLOUT_FILE).read_text()), latest.path)
+        from rljob.checkpoint import rng  # torch: imported once Ray starts (driver.start)
+
         rng.load(latest.path / DRIVER_RNG_FILE)
         self.step = latest.step
         return latest, state
@@ -97,6 +98,8 @@ class Checkpoints:
         if pending is not None:
             pending.write(tmp)
         (tmp / ROLLOUT_FILE).write_text(json.dumps(rollout_state))
+        from rljob.checkpoint import rng
+
         rng.save(tmp / DRIVER_RNG_FILE, cuda=False)
         verified = self.store.commit(tmp, state.step)
         self.step = verified.step

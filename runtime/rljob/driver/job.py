@@ -19,7 +19,7 @@ from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
 from rljob.rollout.sample import Sample
 from rljob.trainer.metrics import TrainMetrics
-from rljob.weightsync.publisher import NonFiniteWeights, SyncResult
+from rljob.weightsync.results import NonFiniteWeights, SyncResult
 from rljob_api import exits
 from rljob_api.exits import JobError
 from rljob_api.spec import RLJobSpec

@@ -22,6 +22,7 @@ def train(job: Job) -> None:
         while state.step < end and not job.attempt.stop.requested:
             t0 = time.monotonic()
             job.trainers_leave_gpus()
+            job.attempt.startup.finish()  # the first batch is asked for next
             batch, staleness = job.take_batch()
             t1 = time.monotonic()
             job.launch_next_batch()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rljob.model.tiny_model import BUILTIN_TINY, write_tiny
 from rljob.rollout.tasks import DatasetError, load_task
 from rljob_api import exits
 from rljob_api.exits import JobError
@@ -14,7 +13,10 @@ from rljob_api.spec import RLJobSpec
 
 def prepare_model(spec: RLJobSpec, workdir: Path) -> Path:
     """The HF model directory every worker loads: the spec's, or the built-in tiny model
-    written for the task's alphabet."""
+    written for the task's alphabet (importing torch and transformers: `rljob.driver.start`
+    does this while Ray starts)."""
+    from rljob.model.tiny_model import BUILTIN_TINY, write_tiny
+
     if spec.model.source != BUILTIN_TINY:
         source = Path(spec.model.source)
         if not (source / "config.json").is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rljob.checkpoint.store import Verified
@@ -17,9 +18,10 @@ from rljob.driver.model_files import prepare_model
 from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
 from rljob.reporting.tracking import Trackers
+from rljob.trainer.select import import_backend
 from rljob_api import env, exits
 from rljob_api.exits import JobError
-from rljob_api.spec import RolloutMode
+from rljob_api.spec import RLJobSpec, RolloutMode
 from rljob_api.status import Progress, ResumeReport, timestamp
 
 ENGINE_JOIN_TIMEOUT_S = 300.0
@@ -32,11 +34,18 @@ def start(attempt: Attempt) -> Job:
     except ValueError as err:
         raise JobError(exits.INVALID, str(err)) from None
     options.workdir.mkdir(parents=True, exist_ok=True)
-    if options.join:
-        # On a cluster this driver's Ray node comes first: a driver left behind by a
-        # restart is stopped through Ray before this one waits for the store it holds.
+    # Ray first, on a cluster and on one machine alike: its processes take seconds to start,
+    # mostly importing, and meanwhile a thread of this driver imports what it places workers
+    # with (torch, transformers: seconds too) and writes the model files.
+    with ThreadPoolExecutor(1, thread_name_prefix="prepare") as pool:
+        prepared = pool.submit(prepare, spec, options.workdir)
         cluster.start_ray(plan(spec))
-        cluster.stop_stale_drivers()
+        if options.join:
+            # A driver left behind by a restart is stopped through Ray before this one
+            # waits for the store it holds.
+            cluster.stop_stale_drivers()
+        model_dir = prepared.result()
+    attempt.startup.mark("model files")
     attempt.checkpoints.take()
     # Where this attempt starts, in the status at once: placing the workers (pulling images,
     # loading SGLang) can take minutes, while STEP would still show a lost attempt's step.
@@ -47,8 +56,7 @@ def start(attempt: Attempt) -> Job:
     metrics_log.keep_until(metrics_path, start_state.step)
     last_eval = metrics_log.last_eval(metrics_path)
     report_resumed_progress(attempt, start_state, metrics_path, last_eval)
-    model_dir = prepare_model(spec, options.workdir)
-    roles = cluster.place(spec, model_dir, settings.engine_port)
+    roles = cluster.place(spec, model_dir, settings)
     resumed = attempt.checkpoints.resume(roles.trainers, roles.rollout)
     loaded, state = resumed if resumed is not None else (None, LoopState())
     if loaded is not None:
@@ -59,9 +67,9 @@ def start(attempt: Attempt) -> Job:
         spec.tracking, attempt.name, options.workdir, first_step=state.step,
         attempt=attempt.number,
         config=spec.model_dump(by_alias=True, mode="json"))
-    # The store on the Ray head, a sidecar per engine next to it, and
+    # The store on the Ray head, a sidecar per engine next to it (both placed), and
     # trainer rank 0 joined as the publisher; versions continue from the checkpoint.
-    store = cluster.start_weight_sync(settings, spec, roles)
+    store = cluster.store_address()
     # Every actor exists now: show where, before waiting on anything they must do.
     cluster.report_placement(spec, roles)
     roles.trainers.set_publisher(store, str(options.workdir / "weights"),
@@ -90,7 +98,15 @@ def start(attempt: Attempt) -> Job:
             attempt.reporter, spec.recovery, attempt.number)
         roles.rollout.tend = job.tend_engines
     job.publish()
+    attempt.startup.mark("first weights")
     return job
+
+
+def prepare(spec: RLJobSpec, workdir: Path) -> Path:
+    """The model directory every worker loads (`prepare_model`), with the trainer backend's
+    modules imported."""
+    import_backend(spec)
+    return prepare_model(spec, workdir)
 
 
 def report_resumed_progress(attempt: Attempt, state: LoopState, metrics_path: Path,

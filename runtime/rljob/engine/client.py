@@ -25,19 +25,15 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import torch
 
 from rljob.engine.sglang_release import unsupported
 from rljob.weightsync.auth import bearer, peer_key
-from rljob.weightsync.wire import (
-    FLATTENED,
-    encode_flattened,
-    encode_named_tensors,
-    flat_span,
-)
+
+if TYPE_CHECKING:
+    import torch
 
 CONTROL_TIMEOUT_S = 30.0
 GENERATE_TIMEOUT_S = 600.0
@@ -81,6 +77,15 @@ def rank_tensors_body(
     reference per pickle and gives one back per unpickling, so a single entry read by
     several ranks releases the memory under the others.
     """
+    # Imported here: the rollout worker and the driver speak to engines without torch, which
+    # costs every process that imports it seconds of start-up.
+    from rljob.weightsync.wire import (
+        FLATTENED,
+        encode_flattened,
+        encode_named_tensors,
+        flat_span,
+    )
+
     flat = flat_span(named_by_rank[0]) if len(named_by_rank) == 1 else None
     if flat is not None:
         return tensor_entries_body([encode_flattened(named_by_rank[0], flat)], version,

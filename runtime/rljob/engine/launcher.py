@@ -17,17 +17,20 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 
 from rljob.engine.client import EngineClient
-from rljob.engine.hf_server import HFEngine, ServerThread
 from rljob.engine.sglang_launcher import EngineStartError, SGLangServer, launch
 from rljob.engine.sglang_launcher import stop as stop_server
 from rljob.engine.slots import SlotDevices, engine_gpus, here
 from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
 from rljob.weightsync.auth import peer_key
+
+if TYPE_CHECKING:
+    from rljob.engine.hf_server import ServerThread
 
 STARTUP_TIMEOUT_S = 900.0
 # What `EngineProcess.serving` finds.
@@ -64,7 +67,7 @@ class EngineProcess(Locatable):
             ray.get(s) if isinstance(s, ray.ObjectRef) else s for s in further_slots or []]
         self.device = device
         self.backend = backend
-        self.server: ServerThread | None = None
+        self.server: ServerThread | None = None  # the `hf` engine's
         self.proc: subprocess.Popen[bytes] | None = None
         # Loopback stays loopback (a laptop run); otherwise peers reach us on the node's IP.
         advertise = bind_host if bind_host == "127.0.0.1" else ray.util.get_node_ip_address()
@@ -73,6 +76,9 @@ class EngineProcess(Locatable):
         # `hf` engine's all on its first (it keeps the contract of `tp` ranks in one process).
         self.gpus = (gpus if backend != "hf" else gpus[:1]) if device.startswith("cuda") else []
         if backend == "hf":
+            # Imported here: the driver creates engines without importing torch.
+            from rljob.engine.hf_server import HFEngine, ServerThread
+
             self.server = ServerThread(HFEngine(model_dir, dtype, device, weight_version, tp),
                                        bind_host, port)
             port = self.server.port

@@ -14,8 +14,10 @@ verified version to each further rank's own GPU (`entry_devices`, `RankCopies`).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
@@ -46,6 +48,8 @@ def entry_devices(staging: str, ranks: int, visible: int) -> list[str]:
     """The device of each rank's entry: rank r's own GPU (`cuda:<staging index + r>`) when
     the version is staged on a GPU and the process sees a GPU for every rank; the staging
     device for every rank otherwise (on the CPU every rank maps the same shared memory)."""
+    import torch  # here: `--plan-only` and the driver call this without torch loaded
+
     device = torch.device(staging)
     if device.type != "cuda":
         return [str(device)] * ranks
@@ -66,6 +70,8 @@ class RankCopies:
         """`flat` as each rank's entry sees it: itself on its own device, a copy elsewhere.
         Returns once every copy is complete (the engine reads them through handles that
         carry no event to wait on)."""
+        import torch
+
         out = []
         for device in devices:
             if torch.device(device) == flat.device:

@@ -21,6 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from rljob.model.text_codec import load_codec
 from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
@@ -77,7 +79,11 @@ def eval_seed(seed: int, prompt: int, index: int) -> int:
 
 
 class RolloutWorker(Locatable):
-    def __init__(self, spec_json: str, model_dir: str, engine_urls: list[str]) -> None:
+    def __init__(self, spec_json: str, model_dir: str,
+                 engine_urls: list[str] | list[ray.ObjectRef[str]]) -> None:
+        # Addresses to come (the driver starts this worker while the engines load) are
+        # waited for here, after this process's own start-up.
+        engine_urls = [ray.get(u) if isinstance(u, ray.ObjectRef) else u for u in engine_urls]
         self.spec = RLJobSpec.model_validate_json(spec_json)
         self.model_dir = model_dir
         # Requests go to the engines serving; one lost costs its requests, sent again to

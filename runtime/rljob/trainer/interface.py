@@ -16,7 +16,7 @@ from rljob.reporting.locatable import Locatable
 from rljob.rollout.sample import Sample
 from rljob.trainer.metrics import TrainMetrics
 from rljob.trainer.publishing import TrainerSync
-from rljob.weightsync.publisher import SyncResult
+from rljob.weightsync.results import SyncResult
 from rljob.weightsync.wire import NamedTensors
 
 

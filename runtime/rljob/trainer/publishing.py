@@ -12,7 +12,8 @@ import torch
 
 from rljob.reporting import worker_metrics
 from rljob.weightsync.group import rank_device
-from rljob.weightsync.publisher import PublisherConfig, SyncResult, WeightPublisher
+from rljob.weightsync.publisher import PublisherConfig, WeightPublisher
+from rljob.weightsync.results import SyncResult
 from rljob.weightsync.wire import NamedTensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 

@@ -3,20 +3,35 @@
 Both classes implement `rljob.trainer.interface.TrainerActor`, so the driver places and
 drives either one the same way. This module sits above both backends (they never import
 each other). The megatron one is imported only when asked for: megatron-core is an optional
-dependency (`.[megatron]`) that only GPU images carry.
+dependency (`.[megatron]`) that only GPU images carry. Neither is imported before it is
+asked for: the driver imports this module before Ray starts, and a backend's imports (torch,
+transformers) take seconds that `import_backend` spends while Ray starts instead.
 """
 
 from __future__ import annotations
 
-from rljob.trainer.interface import TrainerActor
-from rljob.trainer.torch.actor import TorchTrainer
+import contextlib
+from typing import TYPE_CHECKING
+
 from rljob_api.spec import RLJobSpec
+
+if TYPE_CHECKING:
+    from rljob.trainer.interface import TrainerActor
+
+
+def import_backend(spec: RLJobSpec) -> None:
+    """Import the module of `spec.trainer.backend`'s actor class now (a missing megatron-core
+    is left for `trainer_class` to report)."""
+    with contextlib.suppress(ValueError):
+        trainer_class(spec, use_gpu=True)
 
 
 def trainer_class(spec: RLJobSpec, use_gpu: bool) -> type[TrainerActor]:
     """The actor class for `spec.trainer.backend`; ValueError (naming the field) if it cannot
     run here."""
     if spec.trainer.backend != "megatron":
+        from rljob.trainer.torch.actor import TorchTrainer
+
         return TorchTrainer
     if not use_gpu:
         raise ValueError(

@@ -43,26 +43,11 @@ from rljob.weightsync.protocol import (
     plan_buckets,
     version_digest,
 )
+from rljob.weightsync.results import NonFiniteWeights, SyncResult
 from rljob.weightsync.wire import encode_named_tensors
 from rljob_api.spec import WeightSyncMode, WeightSyncSpec
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteWeights(ValueError):
-    """The trainer's own weights hold NaN/Inf: nothing is sent, the caller must stop."""
-
-
-@dataclass(frozen=True)
-class SyncResult:
-    version: int
-    acked: list[str]
-    stale: dict[str, str]
-    attempts: int
-    seconds: float
-    bytes_per_engine: int
-    # Every failed delivery of this call, repaired later or not: "engine: reason".
-    rejections: tuple[str, ...] = ()
 
 
 @dataclass
