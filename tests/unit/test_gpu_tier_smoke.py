@@ -59,11 +59,12 @@ def test_each_gpu_test_module_imports_and_is_marked_gpu(path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_fused_log_prob_tests_run_under_the_triton_interpreter() -> None:
-    # Two of the smallest shapes: every test function of the module, in seconds.
+    # The one-token shape of each dtype's test (fp32, and bf16 and fp16 on the cuBLAS path):
+    # the module's inputs, float64 reference and checks, in seconds.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/gpu/test_logprobs_fused.py", "-k", "one-token or v1000"],
+         "tests/gpu/test_logprobs_fused.py", "-k", "one-token"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-3000:]
 
