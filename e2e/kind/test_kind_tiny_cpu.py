@@ -476,18 +476,18 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
                      "engine": rollout_pods, "weight-sync-sidecar": rollout_pods}, placement
     hosts = {(a["role"], a["index"]): a["host"] for a in placement}
     # The driver pod timed its start-up as `rljob run` does on a laptop: every phase and
-    # every actor marked, in order, up to the first rollout request (the seconds are shown,
-    # not judged: benchmarks/startup.py measures them).
+    # every actor marked, up to the first rollout request (the seconds are shown, not
+    # judged: benchmarks/startup.py measures them).
     marks = _startup(job.driver_log())
     print(f"driver pod start-up: {' · '.join(f'{m.name} {m.at_s:.1f}s' for m in marks)}")
     single = ("rollout-worker", "weight-sync-store")  # one a job, marked without an index
-    expected = {"imports", "ray started", "model files", "placement group ready",
-                "first weights", startup.FIRST_ROLLOUT,
-                *(f"{a['role']} ready" if a["role"] in single else
-                  f"{a['role']}-{a['index']} ready" for a in placement)}
-    assert {m.name for m in marks} == expected, marks
-    assert [m.at_s for m in marks] == sorted(m.at_s for m in marks), marks
-    assert marks[-1].name == startup.FIRST_ROLLOUT, marks
+    ready = {f"{a['role']} ready" if a["role"] in single else f"{a['role']}-{a['index']} ready"
+             for a in placement}
+    at = {m.name: m.at_s for m in marks}
+    assert set(at) == {"imports", "ray started", "model files", "placement group ready",
+                       "first weights", startup.FIRST_ROLLOUT, *ready}, marks
+    assert at["ray started"] < at["placement group ready"] < min(at[r] for r in ready)
+    assert max(at[r] for r in ready) <= at["first weights"] <= at[startup.FIRST_ROLLOUT]
     assert all(hosts[("weight-sync-sidecar", i)] == hosts[("engine", i)]
                for i in range(rollout_pods)), placement
     assert all(a["ok"] for a in placement), placement

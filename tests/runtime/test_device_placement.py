@@ -20,7 +20,6 @@ from rljob.cluster.cluster import Cluster, RunOptions, slot_options, worker_env
 from rljob.cluster.placement import Devices, plan
 from rljob.cluster.weight_sync import sidecar_placement
 from rljob.driver.stop import StopSignals
-from rljob.engine.launcher import Locality
 from rljob.engine.slots import SlotHolder
 from rljob_api import exits
 from rljob_api.exits import JobError
@@ -80,12 +79,11 @@ def test_each_actor_gets_the_device_of_its_slot(
         trainer_ids, engine_ids = _gpu_ids(started)
         assert trainer_ids == ["0"]
         assert engine_ids == (["0"] if colocated else [])
-        # The sidecar, placed as `WeightSyncActors.start_sidecars` places it from what the
-        # engine reports of itself.
-        locality = Locality(str(ray.get_runtime_context().get_node_id()),
-                            ",".join(engine_ids))
-        device, options = sidecar_placement(pg, layout.engine_slots[0], locality,
-                                            devices.sync_on_gpu)
+        # The sidecar, placed as `WeightSyncActors.start_sidecars` places it: on the node of
+        # its engine's first bundle, on GPU when the engine is.
+        node = ray.util.placement_group_table(pg)["bundles_to_node_id"][layout.engine_slots[0]]
+        device, options = sidecar_placement(pg, layout.engine_slots[0], node,
+                                            bool(engine_ids), devices.sync_on_gpu)
         assert device == ("cuda:0" if colocated else "cpu")
         started.append(holder.options(**options).remote())
         assert _gpu_ids(started[-1:]) == [engine_ids]

@@ -110,16 +110,21 @@ def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     assert [p.name for p in saved] == [f"step_{steps:08d}"]
     assert json.loads((saved[0] / "state.json").read_text())["step"] == steps
     assert "interrupted; state saved" in output
-    # Its start-up was timed from the process's start, each phase and actor in order, up to
-    # the first rollout request (benchmarks/startup.py reads the same line).
+    # Its start-up was timed from the process's start, each phase and actor, up to the first
+    # rollout request (benchmarks/startup.py reads the same line).
     (line,) = [ln for ln in output.splitlines() if startup.PREFIX in ln]
-    marks = startup.parse(line)
-    assert marks[0].name == "imports", marks
-    assert {"ray started", "model files", "placement group ready", "trainer-0 ready",
-            "engine-0 ready", "rollout-worker ready", "weight-sync-store ready",
-            "weight-sync-sidecar-0 ready", "first weights"} <= {m.name for m in marks}, marks
-    assert marks[-1].name == startup.FIRST_ROLLOUT, marks
-    assert [m.at_s for m in marks] == sorted(m.at_s for m in marks) and marks[0].at_s > 0
+    at = {m.name: m.at_s for m in startup.parse(line)}
+    actors = ["trainer-0", "engine-0", "rollout-worker", "weight-sync-store",
+              "weight-sync-sidecar-0"]
+    assert set(at) == {"imports", "ray started", "model files", "placement group ready",
+                       "first weights", startup.FIRST_ROLLOUT,
+                       *(f"{a} ready" for a in actors)}, at
+    # What must come before what: Ray before the placement group before every actor, every
+    # actor before the first weights, those before the first request.
+    assert 0 < at["imports"] < at["ray started"] < at["placement group ready"], at
+    assert max(at[f"{a} ready"] for a in actors) <= at["first weights"], at
+    assert at["placement group ready"] < min(at[f"{a} ready"] for a in actors), at
+    assert at["first weights"] <= at[startup.FIRST_ROLLOUT], at
 
 
 class Driver:

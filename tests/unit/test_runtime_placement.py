@@ -230,16 +230,16 @@ def test_sglang_short_of_gpus_is_an_error_naming_rollout_engines(
     assert message.endswith("or use spec.rollout.backend hf to generate on CPU")
 
 
-@pytest.mark.parametrize(("visible", "sync_on_gpu", "device"), [
-    ("3", True, "cuda:0"),  # Ray shows the sidecar its engine's GPU alone
-    ("", True, "cpu"),  # an engine on CPU
-    ("3", False, "cpu"),  # a gloo group (a CPU trainer) takes CPU buffers only
-    ("", False, "cpu"),
+@pytest.mark.parametrize(("engine_on_gpu", "sync_on_gpu", "device"), [
+    (True, True, "cuda:0"),  # Ray shows the sidecar its engine's GPU alone
+    (False, True, "cpu"),  # an engine on CPU
+    (True, False, "cpu"),  # a gloo group (a CPU trainer) takes CPU buffers only
+    (False, False, "cpu"),
 ])
 def test_a_sidecar_stages_on_its_engines_gpu_only_when_weights_travel_on_gpus(
-    visible: str, sync_on_gpu: bool, device: str
+    engine_on_gpu: bool, sync_on_gpu: bool, device: str
 ) -> None:
-    assert sidecar_device(visible, sync_on_gpu) == device
+    assert sidecar_device(engine_on_gpu, sync_on_gpu) == device
 
 
 @pytest.mark.parametrize(("placement", "replicas", "trainer_gpus", "rollout_gpus", "per_engine"), [
@@ -333,6 +333,5 @@ def test_sidecars_stage_where_the_runtimes_group_needs_them_in_every_pod_shape(
     assert spec_problems(raw) == []
     spec = RLJobSpec.model_validate(raw)
     devices = choose_devices(spec, 16, on_cluster=True)
-    engine_visible = "3" if devices.engine.startswith("cuda") else ""
-    assert sidecar_device(engine_visible, devices.sync_on_gpu) == staging
+    assert sidecar_device(devices.engine_gpu, devices.sync_on_gpu) == staging
     assert devices.sync_on_gpu == (staging != "cpu")

@@ -342,8 +342,8 @@ class Cluster:
         return Roles(self.trainers, self.engines, rollout, offload, devices)
 
     def plan_devices(self, spec: RLJobSpec) -> list[ProcessDevices]:
-        """Every process of the job placed as `place` places them, each
-        reporting the devices it would use (`rljob.cluster.device_plan`); nothing starts."""
+        """Every process of the job placed as `place` places them, each reporting the devices
+        it would use (`rljob.cluster.device_plan`); nothing starts."""
         layout = plan(spec)
         self.start_ray(layout)
         devices = self.choose_devices(spec)
@@ -381,6 +381,9 @@ class Cluster:
         ]
         facts: list[Whereabouts] = ray.get(
             [handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
+        # Each engine's node, kept by the engine group: a lost engine's recovery reads which
+        # node it ran on.
+        roles.engines.localities()
         # Kinds of pod exist on a cluster only; on one machine every actor shares one node.
         checked = self.options.on_cluster
         groups = whereabouts.node_groups(ray.nodes()) if checked else {}

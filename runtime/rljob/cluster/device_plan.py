@@ -171,7 +171,8 @@ def probe(pg: PlacementGroup, layout: Layout, devices: Devices, spec: RLJobSpec,
         for i, (group, (report, locality)) in enumerate(
                 zip(groups, engine_reports, strict=True)):
             reports.append(report)
-            device, options = sidecar_placement(pg, group[0], locality, devices.sync_on_gpu)
+            device, options = sidecar_placement(pg, group[0], locality.node_id,
+                                                bool(locality.gpus), devices.sync_on_gpu)
             sidecars.append(start(probe_cls, options).sidecar.remote(
                 i, device, locality.gpus if device != "cpu" else "",
                 spec.rollout.gpus_per_engine))

@@ -174,13 +174,13 @@ def sidecar_device(engine_on_gpu: bool, sync_on_gpu: bool) -> str:
 
 
 def sidecar_placement(
-    pg: PlacementGroup, slot: int, locality: Locality, sync_on_gpu: bool
+    pg: PlacementGroup, slot: int, node_id: str, engine_on_gpu: bool, sync_on_gpu: bool
 ) -> tuple[str, dict[str, Any]]:
     """The device the sidecar of an engine stages on, and the Ray options that start it
-    there: `slot` is the engine's first slot, `locality` what the engine reports of itself
-    (`node_id`, `gpus`)."""
-    device = sidecar_device(bool(locality.gpus), sync_on_gpu)
-    return device, sidecar_options(pg, slot, locality.node_id, on_gpu=device != "cpu")
+    there: `slot` is the engine's first slot, on `node_id`. The one rule for the start, a
+    replacement and `--plan-only` alike."""
+    device = sidecar_device(engine_on_gpu, sync_on_gpu)
+    return device, sidecar_options(pg, slot, node_id, on_gpu=device != "cpu")
 
 
 def engine_name(index: int) -> str:
@@ -257,14 +257,14 @@ class WeightSyncActors:
         self._where = (loopback, placement, sync_on_gpu)
         nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
         store = self.store.address.remote()
-        device = sidecar_device(engine_on_gpu, sync_on_gpu)
         for i, engine in enumerate(engines.handles):
+            device, options = sidecar_placement(pg, slots[i], nodes[slots[i]], engine_on_gpu,
+                                                sync_on_gpu)
             config = self._config(i, ports[i], device)
             to_come = ToCome(engine.address.remote(), engine.locality.remote(), store)
             # Held here: a sidecar Ray starts again reads the same answers, which live only
             # while their owner (this driver) holds a reference.
             self.to_come[i] = to_come
-            options = sidecar_options(pg, slots[i], nodes[slots[i]], on_gpu=device != "cpu")
             self.sidecars.append(
                 ray.remote(SidecarActor).options(**options).remote(config, to_come))
 
@@ -291,7 +291,8 @@ class WeightSyncActors:
 
     def _start_sidecar(self, i: int, url: str, loc: Locality) -> Any:
         _, (pg, slots), sync_on_gpu = self._where
-        device, options = sidecar_placement(pg, slots[i], loc, sync_on_gpu)
+        device, options = sidecar_placement(pg, slots[i], loc.node_id, bool(loc.gpus),
+                                            sync_on_gpu)
         config = self._config(i, int(url.rsplit(":", 1)[1]), device, url,
                               loc.gpus if device != "cpu" else "", self.store_address())
         return ray.remote(SidecarActor).options(**options).remote(config)

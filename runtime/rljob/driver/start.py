@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 
 from rljob.checkpoint.store import Verified
@@ -21,7 +21,7 @@ from rljob.reporting.tracking import Trackers
 from rljob.trainer.select import import_backend
 from rljob_api import env, exits
 from rljob_api.exits import JobError
-from rljob_api.spec import RLJobSpec, RolloutMode
+from rljob_api.spec import RolloutMode
 from rljob_api.status import Progress, ResumeReport, timestamp
 
 ENGINE_JOIN_TIMEOUT_S = 300.0
@@ -36,17 +36,20 @@ def start(attempt: Attempt) -> Job:
     options.workdir.mkdir(parents=True, exist_ok=True)
     # Ray first, on a cluster and on one machine alike: its processes take seconds to start,
     # mostly importing, and meanwhile a thread of this driver imports what it places workers
-    # with (torch, transformers: seconds too) and writes the model files.
-    with ThreadPoolExecutor(1, thread_name_prefix="prepare") as pool:
-        prepared = pool.submit(prepare, spec, options.workdir)
-        cluster.start_ray(plan(spec))
-        if options.join:
-            # A driver left behind by a restart is stopped through Ray before this one
-            # waits for the store it holds.
-            cluster.stop_stale_drivers()
-        model_dir = prepared.result()
-    attempt.startup.mark("model files")
+    # with (torch, transformers: seconds too). A daemon thread: a signal meanwhile stops the
+    # run without waiting for it.
+    imported = threading.Thread(target=import_backend, args=(spec,), name="imports",
+                                daemon=True)
+    imported.start()
+    cluster.start_ray(plan(spec))
+    if options.join:
+        # A driver left behind by a restart is stopped through Ray before this one waits
+        # for the store it holds.
+        cluster.stop_stale_drivers()
+    imported.join()
     attempt.checkpoints.take()
+    model_dir = prepare_model(spec, options.workdir)  # once this driver is the writer
+    attempt.startup.mark("model files")
     # Where this attempt starts, in the status at once: placing the workers (pulling images,
     # loading SGLang) can take minutes, while STEP would still show a lost attempt's step.
     _, start_state = attempt.checkpoints.resume_point()
@@ -100,13 +103,6 @@ def start(attempt: Attempt) -> Job:
     job.publish()
     attempt.startup.mark("first weights")
     return job
-
-
-def prepare(spec: RLJobSpec, workdir: Path) -> Path:
-    """The model directory every worker loads (`prepare_model`), with the trainer backend's
-    modules imported."""
-    import_backend(spec)
-    return prepare_model(spec, workdir)
 
 
 def report_resumed_progress(attempt: Attempt, state: LoopState, metrics_path: Path,

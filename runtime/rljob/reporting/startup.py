@@ -70,8 +70,8 @@ class StartupClock:
         future.add_done_callback(done)
 
     def line(self) -> str:
-        with self._lock:
-            marks = sorted(self.marks, key=lambda m: m.at_s)
+        with self._lock:  # in the order they happened
+            marks = list(self.marks)
         return PREFIX + " " + SEPARATOR.join(f"{m.name} {m.at_s:.2f}s" for m in marks)
 
     def finish(self) -> None:
