@@ -487,7 +487,7 @@ def test_tiny_cpu_job_in_real_pods_survives_lost_pods_and_a_lost_node(
     assert set(at) == {"imports", "ray started", "model files", "placement group ready",
                        "first weights", startup.FIRST_ROLLOUT, *ready}, marks
     assert at["ray started"] < at["placement group ready"] < min(at[r] for r in ready)
-    assert max(at[r] for r in ready) <= at["first weights"] <= at[startup.FIRST_ROLLOUT]
+    assert at["first weights"] <= at[startup.FIRST_ROLLOUT]
     assert all(hosts[("weight-sync-sidecar", i)] == hosts[("engine", i)]
                for i in range(rollout_pods)), placement
     assert all(a["ok"] for a in placement), placement

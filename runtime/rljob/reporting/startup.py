@@ -18,6 +18,7 @@ PREFIX = "startup:"
 SEPARATOR = " · "
 # The last mark: from here on the loop is generating.
 FIRST_ROLLOUT = "first rollout request"
+CALLBACK_WAIT_S = 5.0
 
 _IMPORTED_AT = time.time()
 
@@ -53,6 +54,7 @@ class StartupClock:
         self.marks: list[Mark] = []
         self.printed = False
         self._lock = threading.Lock()
+        self._watched: set[str] = set()  # actors whose readiness is not marked yet
 
     def mark(self, name: str) -> None:
         with self._lock:
@@ -62,16 +64,20 @@ class StartupClock:
     def watch(self, name: str, handle: Any) -> None:
         """Mark `<name> ready` when the actor `handle` has finished its constructor."""
         future = handle.__ray_ready__.remote().future()
+        with self._lock:
+            self._watched.add(name)
 
         def done(result: Any) -> None:
             if result.exception() is None:
                 self.mark(f"{name} ready")
+            with self._lock:
+                self._watched.discard(name)
 
         future.add_done_callback(done)
 
     def line(self) -> str:
-        with self._lock:  # in the order they happened
-            marks = list(self.marks)
+        with self._lock:
+            marks = sorted(self.marks, key=lambda m: m.at_s)
         return PREFIX + " " + SEPARATOR.join(f"{m.name} {m.at_s:.2f}s" for m in marks)
 
     def finish(self) -> None:
@@ -79,6 +85,14 @@ class StartupClock:
         if self.printed:
             return
         self.mark(FIRST_ROLLOUT)
+        # Every actor is ready by now, but Ray runs the readiness callbacks on a thread of
+        # its own, which may lag the driver by moments.
+        deadline = time.monotonic() + CALLBACK_WAIT_S
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._watched:
+                    break
+            time.sleep(0.01)
         print(self.line(), file=sys.stderr, flush=True)
         with self._lock:
             self.printed = True
