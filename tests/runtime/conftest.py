@@ -1,5 +1,8 @@
-"""Ray for the runtime tests: started per test (or per module) with 2 CPU slots, always shut
-down."""
+"""Ray for the runtime tests that run jobs in this process: one per module with 2 CPU slots,
+always shut down. A job frees what it held when it ends (`Cluster.shutdown` kills its actors
+and removes its placement group), and a test that makes actors of its own kills them, so the
+next test of the module gets every slot back without paying Ray's start again (seconds of
+CPU on 2 cores, in every such test)."""
 
 from __future__ import annotations
 
@@ -31,15 +34,9 @@ def _local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
-@pytest.fixture
-def ray_local() -> Iterator[None]:
-    with _local_ray():
-        yield
-
-
 @pytest.fixture(scope="module")
-def ray_module() -> Iterator[None]:
-    """One Ray for a module whose tests each make actors of their own."""
+def ray_local() -> Iterator[None]:
+    """One Ray for a module whose tests each run a job or make actors of their own."""
     with _local_ray():
         yield
 

@@ -97,7 +97,7 @@ def _states(recovery: EngineRecovery) -> list[EngineState]:
 
 
 def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswered_checks(
-        ray_module: None) -> None:
+        ray_local: None) -> None:
     clock = [0.0]
     recovery, replaced, (_, rollout) = _recovery([SERVING, "hang"], clock)
     for strike in range(1, STRIKES + 1):
@@ -120,7 +120,7 @@ def test_a_slow_engine_does_not_hold_the_driver_and_is_lost_after_three_unanswer
     assert 0 not in recovery.strikes
 
 
-def test_an_engine_that_answers_again_loses_its_strikes(ray_module: None) -> None:
+def test_an_engine_that_answers_again_loses_its_strikes(ray_local: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, _) = _recovery(["hang"], clock)
     recovery.check()
@@ -136,7 +136,7 @@ def test_an_engine_that_answers_again_loses_its_strikes(ray_module: None) -> Non
 
 
 def test_a_silent_health_is_lost_on_the_third_check_an_exited_server_at_once(
-        ray_module: None) -> None:
+        ray_local: None) -> None:
     clock = [0.0]
     recovery, replaced, _ = _recovery([SILENT, EXITED, SERVING], clock)
 
@@ -167,7 +167,7 @@ def _answered_before(recovery: EngineRecovery, index: int, handles: list[Any]) -
 
 
 def test_an_answer_from_before_a_failed_delivery_does_not_keep_the_engine(
-        ray_module: None) -> None:
+        ray_local: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, _) = _recovery([SERVING, SERVING], clock)
     _answered_before(recovery, 1, handles)
@@ -178,7 +178,7 @@ def test_an_answer_from_before_a_failed_delivery_does_not_keep_the_engine(
 
 
 def test_an_answer_from_before_a_failed_request_does_not_return_the_engine(
-        ray_module: None) -> None:
+        ray_local: None) -> None:
     clock = [0.0]
     recovery, replaced, (handles, rollout) = _recovery([SERVING, SERVING], clock)
     _answered_before(recovery, 0, handles)
@@ -199,7 +199,7 @@ class Bound:
         return {"state": "ready", "incarnation": "x"}
 
 
-def test_a_sidecar_whose_node_is_gone_is_reported_dead_with_its_node(ray_module: None) -> None:
+def test_a_sidecar_whose_node_is_gone_is_reported_dead_with_its_node(ray_local: None) -> None:
     """Ray cannot start a sidecar bound to a node that is gone (`ActorUnschedulableError`,
     not an actor error): the check reports it dead because its node went, for the driver
     to replace its engine, instead of raising out of the check and failing the attempt."""

@@ -93,13 +93,17 @@ def _start(tmp_path: Path) -> tuple[Any, int, int, int]:
             "--host", "127.0.0.1", "--port", str(port)]
     actor: Any = ray.remote(ServerActor).options(num_cpus=1).remote(
         argv, f"http://127.0.0.1:{port}")
-    actor_pid, server_pid = ray.get(actor.pids.remote(), timeout=180)
-    # The pid watched is the server itself (the wrapper exec'd into it), leading its own
-    # session, and a child of the actor.
-    assert "rljob.engine.hf_server" in _cmdline(server_pid)
-    assert os.getsid(server_pid) == server_pid
-    assert _parent(server_pid) == actor_pid
-    assert not _port_free(port)
+    try:
+        actor_pid, server_pid = ray.get(actor.pids.remote(), timeout=180)
+        # The pid watched is the server itself (the wrapper exec'd into it), leading its own
+        # session, and a child of the actor.
+        assert "rljob.engine.hf_server" in _cmdline(server_pid)
+        assert os.getsid(server_pid) == server_pid
+        assert _parent(server_pid) == actor_pid
+        assert not _port_free(port)
+    except BaseException:
+        ray.kill(actor)  # the module's Ray is shared: its slot goes back to the next test
+        raise
     return actor, actor_pid, server_pid, port
 
 
@@ -121,6 +125,7 @@ def _killed_server_is_gone(
     finally:
         if not _gone(server_pid):  # the failure above is the report; do not leak the server
             os.killpg(server_pid, signal.SIGKILL)
+        ray.kill(actor)  # gone already unless the kill above failed
 
 
 def test_ray_kill_of_the_actor_kills_its_server(ray_local: None, tmp_path: Path) -> None:
