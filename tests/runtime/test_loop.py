@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from safetensors.torch import load_file
 
 from rljob.cluster.cluster import RunOptions
@@ -66,6 +68,10 @@ def test_resume_is_exact(ray_local: None, tmp_path: Path, reporter: RecordingRep
     assert (straight / metrics_log.PLOT_FILE).stat().st_size > 0
     state = json.loads((straight / "checkpoints" / "step_00000004" / "state.json").read_text())
     assert state["step"] == 4 and state["train_step"] == 8 and state["weight_version"] == 4
+    # On one machine the driver (here: this process) served the weight-sync store itself:
+    # Ray's table of this module's actors holds the runs' sidecars and no store actor.
+    made = Counter(a["ActorClassName"] for a in ray._private.state.actors().values())
+    assert made["SidecarActor"] >= 1 and made["StoreHost"] == 0, made
 
 
 def test_it_learns(ray_local: None, tmp_path: Path, reporter: RecordingReporter) -> None:

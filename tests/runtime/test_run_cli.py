@@ -123,7 +123,11 @@ def test_ctrl_c_stops_after_saving(tmp_path: Path) -> None:
     # actor before the first weights, those before the first request.
     assert 0 < at["imports"] < at["ray started"] < at["placement group ready"], at
     assert max(at[f"{a} ready"] for a in actors) <= at["first weights"], at
-    assert at["placement group ready"] < min(at[f"{a} ready"] for a in actors), at
+    # The store, served by the driver on one machine, opens right after the placement group
+    # (within the line's hundredths of a second); every actor process comes later.
+    assert at["placement group ready"] <= at["weight-sync-store ready"], at
+    assert at["placement group ready"] < min(at[f"{a} ready"] for a in actors
+                                             if a != "weight-sync-store"), at
     assert at["first weights"] <= at[startup.FIRST_ROLLOUT], at
 
 

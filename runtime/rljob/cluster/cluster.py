@@ -319,8 +319,11 @@ class Cluster:
         # The weight-sync store, and a sidecar beside each engine (its engine's and the
         # store's addresses reach it when they come).
         self.weight_sync = WeightSyncActors(settings)
-        self.weight_sync.start_store()
-        self.startup.watch(whereabouts.STORE, self.weight_sync.store)
+        self.weight_sync.start_store(in_driver=not on_cluster)
+        if self.weight_sync.store is not None:
+            self.startup.watch(whereabouts.STORE, self.weight_sync.store)
+        else:
+            self.startup.mark(f"{whereabouts.STORE} ready")
         self.weight_sync.start_sidecars(
             self.engines, ports, loopback=not on_cluster,
             placement=(pg, list(layout.engine_slots)), sync_on_gpu=devices.sync_on_gpu,
@@ -352,8 +355,9 @@ class Cluster:
                                  lambda slot: slot_options(pg, layout, devices, slot))
 
     def store_address(self) -> tuple[str, int]:
-        """Where the weight-sync store `place` started on the Ray head serves
-        (`rljob.cluster.weight_sync`): the address trainer rank 0 joins as the publisher."""
+        """Where the weight-sync store `place` started serves (on the Ray head, or from this
+        process on one machine: `rljob.cluster.weight_sync`): the address trainer rank 0
+        joins as the publisher."""
         assert self.weight_sync is not None, "placed first"
         return self.weight_sync.store_address()
 
@@ -376,11 +380,12 @@ class Cluster:
             *((whereabouts.TRAINER, i, t) for i, t in enumerate(roles.trainers.handles)),
             *((whereabouts.ENGINE, i, e) for i, e in enumerate(roles.engines.handles)),
             (whereabouts.ROLLOUT_WORKER, 0, roles.rollout.rollout),
-            (whereabouts.STORE, 0, weight_sync.store),
+            (whereabouts.STORE, 0, None),  # an actor, or this process (`store_whereabouts`)
             *((whereabouts.SIDECAR, i, s) for i, s in enumerate(weight_sync.sidecars)),
         ]
         facts: list[Whereabouts] = ray.get(
-            [handle.whereabouts.remote() for _, _, handle in actors], timeout=120)
+            [handle.whereabouts.remote() if handle is not None
+             else weight_sync.store_whereabouts() for _, _, handle in actors], timeout=120)
         # Each engine's node, kept by the engine group: a lost engine's recovery reads which
         # node it ran on.
         roles.engines.localities()

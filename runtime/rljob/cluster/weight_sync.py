@@ -4,7 +4,9 @@ The store needs an address every pod can reach. On a cluster the driver is a pod
 own, but the Ray head pod sits behind KubeRay's stable Service `<job>-head-svc` (whose
 ports are the head container's ports), so the driver starts the store as an actor pinned
 to the Ray head node on a fixed port. The actor is the driver's: it ends with the driver.
-Locally the head is this machine and the port is any free one.
+On one machine every actor reaches the driver, so the driver serves the store from its own
+process (the same `StoreHost`, not made an actor): no actor process is started for it, which
+would import torch (seconds of CPU while every other worker starts too).
 
 Sidecars: the driver starts one sidecar per engine as an actor on the engine's node, on a
 laptop and in pods alike, so it runs in the container that holds the engine's GPUs (a
@@ -79,11 +81,12 @@ class SyncSettings:
 
 
 class StoreHost(Locatable):
-    """The weight-sync coordination store, served from this actor's process."""
+    """The weight-sync coordination store, served from this process on `port` (0: any free
+    one) until this object is dropped: an actor on the Ray head on a cluster, the driver
+    itself on one machine (which imported torch already, with the trainer backend)."""
 
     def __init__(self, port: int, bind_timeout_s: float) -> None:
-        # Imported in the actor: the driver starts it without importing torch.
-        from rljob.weightsync.group import open_store
+        from rljob.weightsync.group import open_store  # torch: imported where the store runs
 
         deadline = time.monotonic() + bind_timeout_s
         while True:
@@ -212,11 +215,14 @@ class SidecarCheck:
 
 
 class WeightSyncActors:
-    """The store actor and the sidecar actors of one driver."""
+    """The store (an actor on the Ray head, or served by the driver) and the sidecar actors
+    of one driver."""
 
     def __init__(self, settings: SyncSettings) -> None:
         self.settings = settings
-        self.store: Any = None
+        self.store: Any = None  # the store's actor, when it runs in one
+        self.driver_store: StoreHost | None = None  # or the store this process serves
+        self._store_address: Any = None  # ObjectRef[tuple[str, int]]: where it serves
         self.sidecars: list[Any] = []
         self.incarnations: dict[int, str] = {}  # by engine index, as last checked
         # `health` questions a replacement's sidecar has not answered yet (its process still
@@ -226,18 +232,34 @@ class WeightSyncActors:
         self.answered: dict[int, int | None] = {}
         self.to_come: dict[int, ToCome] = {}  # what each first sidecar read at its start
 
-    def start_store(self) -> None:
-        """Start the store on the Ray head node (`store_address` says where it serves)."""
+    def start_store(self, in_driver: bool) -> None:
+        """Start the store: served by this process when `in_driver` (one machine), else as
+        an actor on the Ray head node (`store_address` says where it serves)."""
+        if in_driver:
+            self.driver_store = StoreHost(self.settings.store_port, BIND_TIMEOUT_S)
+            # An object ref like the actor's answer: sidecars read it when their process is up,
+            # and one Ray starts again reads it again (this driver owns it while it runs).
+            self._store_address = ray.put(self.driver_store.address())
+            return
         self.store = (
             ray.remote(StoreHost)
             .options(num_cpus=0, resources={HEAD_RESOURCE: 0.001})
             .remote(self.settings.store_port, BIND_TIMEOUT_S)
         )
+        self._store_address = self.store.address.remote()
 
     def store_address(self) -> tuple[str, int]:
         """The address the trainer and the sidecars join, once the store serves."""
-        host, port = ray.get(self.store.address.remote(), timeout=BIND_TIMEOUT_S + 60)
+        host, port = ray.get(self._store_address, timeout=BIND_TIMEOUT_S + 60)
         return str(host), int(port)
+
+    def store_whereabouts(self) -> Any:
+        """An object ref to where the store runs (`Whereabouts`): its actor's answer, or this
+        process's."""
+        if self.store is not None:
+            return self.store.whereabouts.remote()
+        assert self.driver_store is not None, "the store started first"
+        return ray.put(self.driver_store.whereabouts())
 
     def start_sidecars(
         self,
@@ -256,7 +278,7 @@ class WeightSyncActors:
         pg, slots = placement
         self._where = (loopback, placement, sync_on_gpu)
         nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-        store = self.store.address.remote()
+        store = self._store_address
         for i, engine in enumerate(engines.handles):
             device, options = sidecar_placement(pg, slots[i], nodes[slots[i]], engine_on_gpu,
                                                 sync_on_gpu)
@@ -403,4 +425,4 @@ class WeightSyncActors:
         for handle in [*self.sidecars, *([self.store] if self.store is not None else [])]:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.kill(handle)
-        self.sidecars, self.store = [], None
+        self.sidecars, self.store, self.driver_store = [], None, None

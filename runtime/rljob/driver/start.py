@@ -70,8 +70,9 @@ def start(attempt: Attempt) -> Job:
         spec.tracking, attempt.name, options.workdir, first_step=state.step,
         attempt=attempt.number,
         config=spec.model_dump(by_alias=True, mode="json"))
-    # The store on the Ray head, a sidecar per engine next to it (both placed), and
-    # trainer rank 0 joined as the publisher; versions continue from the checkpoint.
+    # The store (on the Ray head, or in this process on one machine) and a sidecar per
+    # engine are placed; trainer rank 0 joins as the publisher, versions continuing from the
+    # checkpoint.
     store = cluster.store_address()
     # Every actor exists now: show where, before waiting on anything they must do.
     cluster.report_placement(spec, roles)
