@@ -141,11 +141,14 @@ class TinyModel(ApiModel):
     intermediate_size: int = Field(128, ge=8, le=65536, description="MLP width.")
 
 
+BUILTIN_TINY = "builtin:tiny"  # spec.model.source of the built-in tiny model
+
+
 class ModelSpec(ApiModel):
     """The policy to train; immutable once the job exists."""
 
     source: Path = Field(
-        "builtin:tiny",
+        BUILTIN_TINY,
         description=(
             "HF-format checkpoint directory (inside the pods, e.g. on `pvc`), or `builtin:tiny` "
             "for the built-in tiny model."

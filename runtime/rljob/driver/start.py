@@ -14,17 +14,22 @@ from rljob.cluster.placement import plan
 from rljob.cluster.weight_sync import SyncSettings
 from rljob.driver.attempt import Attempt
 from rljob.driver.job import Job
-from rljob.driver.model_files import prepare_model
+from rljob.driver.model_files import import_writer_if_needed, prepare_model
 from rljob.driver.state import LoopState
 from rljob.reporting import metrics_log
 from rljob.reporting.tracking import Trackers
 from rljob.trainer.select import import_backend
 from rljob_api import env, exits
 from rljob_api.exits import JobError
-from rljob_api.spec import RolloutMode
+from rljob_api.spec import RLJobSpec, RolloutMode
 from rljob_api.status import Progress, ResumeReport, timestamp
 
 ENGINE_JOIN_TIMEOUT_S = 300.0
+
+
+def _import_for_start(spec: RLJobSpec) -> None:
+    import_backend(spec)
+    import_writer_if_needed(spec)
 
 
 def start(attempt: Attempt) -> Job:
@@ -36,9 +41,9 @@ def start(attempt: Attempt) -> Job:
     options.workdir.mkdir(parents=True, exist_ok=True)
     # Ray first, on a cluster and on one machine alike: its processes take seconds to start,
     # mostly importing, and meanwhile a thread of this driver imports what it places workers
-    # with (torch, transformers: seconds too). A daemon thread: a signal meanwhile stops the
-    # run without waiting for it.
-    imported = threading.Thread(target=import_backend, args=(spec,), name="imports",
+    # with (torch; transformers too when the tiny model must be built: seconds either way).
+    # A daemon thread: a signal meanwhile stops the run without waiting for it.
+    imported = threading.Thread(target=_import_for_start, args=(spec,), name="imports",
                                 daemon=True)
     imported.start()
     cluster.start_ray(plan(spec))

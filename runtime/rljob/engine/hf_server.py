@@ -32,9 +32,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rljob.engine.sglang_release import RELEASE
 from rljob.engine.weight_swap import flat_version, stage_version
+from rljob.model.dtypes import torch_dtype
 from rljob.model.offload import Offload, module_tensors
 from rljob.model.text_codec import TextCodec, load_codec
-from rljob.model.tiny_model import torch_dtype
 from rljob.weightsync.auth import bearer_middleware, peer_key
 from rljob.weightsync.wire import (
     FLATTENED,

@@ -20,11 +20,8 @@ if TYPE_CHECKING:
 
 
 def import_backend(spec: RLJobSpec) -> None:
-    """Import the module of `spec.trainer.backend`'s actor class now, and the built-in tiny
-    model's writer with it (torch and transformers either way); a missing megatron-core is
-    left for `trainer_class` to report."""
-    import rljob.model.tiny_model  # noqa: F401
-
+    """Import the module of `spec.trainer.backend`'s actor class now (torch; megatron-core
+    for megatron); a missing megatron-core is left for `trainer_class` to report."""
     with contextlib.suppress(ValueError):
         trainer_class(spec, use_gpu=True)
 

@@ -28,8 +28,8 @@ from torch import Tensor
 from torch._C._distributed_c10d import HashStore
 from transformers import AutoModelForCausalLM
 
+from rljob.model.dtypes import torch_dtype
 from rljob.model.offload import module_tensors, optimizer_tensors
-from rljob.model.tiny_model import torch_dtype
 from rljob.reporting import worker_metrics
 from rljob.rollout.sample import Sample
 from rljob.trainer.batch import (

@@ -15,21 +15,20 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, PreTrainedModel
 
 from rljob.algo.losses import policy_loss, value_loss
 from rljob.checkpoint import rng
 from rljob.kernels.logprobs import chunked_logprobs, pad_responses, response_index
 from rljob.kernels.logprobs_vocab_parallel import token_logprobs
+from rljob.model.dtypes import torch_dtype
 from rljob.model.offload import module_tensors, optimizer_tensors
-from rljob.model.tiny_model import torch_dtype
 from rljob.reporting import worker_metrics
 from rljob.rollout.sample import Sample
 from rljob.trainer.batch import (
@@ -52,6 +51,9 @@ from rljob.trainer.publishing import TrainerSync
 from rljob.weightsync.nonfinite import nonfinite_names
 from rljob.weightsync.wire import NamedTensors
 from rljob_api.spec import RLJobSpec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 VALUE_CLIP = 0.2
 
@@ -127,6 +129,10 @@ class TorchTrainer(TrainerActor):
         self.device = torch.device(device)
         algo = self.spec.algorithm
         torch.manual_seed(algo.seed + rank)
+        # transformers' model classes are imported here, in the actor, not with this module:
+        # the driver imports the module to create the actor, and they are seconds of CPU.
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
         if world > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=init_method, rank=rank,
