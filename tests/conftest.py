@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from rljob.model.tiny_cache import CACHE_ENV
 from rljob_api.deprecations import POLICY_FILE
 from tests.controlplane import REPO, ControlPlane, k8s_bin_dir, temporary_namespace
 
@@ -24,6 +25,16 @@ CRD_PATH = REPO / "crds" / "rljob.io_rljobs.yaml"
 POLICY_PATH = REPO / POLICY_FILE
 CLUSTER_NODES = 2
 GPUS_PER_NODE = 8
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This session's own cache of built tiny models (`rljob.model.tiny_cache`), for every
+    job it runs, in this process or a child: which job builds its model and which copies it
+    depends on this session alone, not on what earlier runs left in the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("rljob-cache")))
+        yield
 
 
 @pytest.fixture(scope="session")

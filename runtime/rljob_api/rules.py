@@ -19,6 +19,7 @@ from typing import Any
 
 from rljob_api.mutability import FIELD_EFFECTS, Effect, FieldEffect
 from rljob_api.spec import (
+    BUILTIN_TINY,
     COLOCATED_IMAGE,
     GROUP_BASELINE_ESTIMATORS,
     IMAGE_VERSION,
@@ -130,11 +131,11 @@ ROOT_RULES: tuple[Rule, ...] = (
 RULES: tuple[Rule, ...] = (
     Rule(
         at=("model",),
-        cel="self.source != 'builtin:tiny' || self.tiny.hiddenSize % (2 * self.tiny.numHeads) "
-        "== 0",
+        cel=f"self.source != '{BUILTIN_TINY}' || "
+        "self.tiny.hiddenSize % (2 * self.tiny.numHeads) == 0",
         message=TINY_SHAPE_MESSAGE,
         check=lambda m: (
-            m["source"] != "builtin:tiny"
+            m["source"] != BUILTIN_TINY
             or m["tiny"]["hiddenSize"] % (2 * m["tiny"]["numHeads"]) == 0
         ),
         field_path=".tiny.hiddenSize",

@@ -233,8 +233,9 @@ class WeightSyncActors:
         self.to_come: dict[int, ToCome] = {}  # what each first sidecar read at its start
 
     def start_store(self, in_driver: bool) -> None:
-        """Start the store: served by this process when `in_driver` (one machine), else as
-        an actor on the Ray head node (`store_address` says where it serves)."""
+        """Start the store: served by this process when `in_driver` (one machine: every
+        actor runs on this host, as the engines' and sidecars' loopback addresses assume
+        too), else as an actor on the Ray head node (`store_address` says where it serves)."""
         if in_driver:
             self.driver_store = StoreHost(self.settings.store_port, BIND_TIMEOUT_S)
             # An object ref like the actor's answer: sidecars read it when their process is up,

@@ -31,13 +31,15 @@ def tiny_request(spec: RLJobSpec) -> TinyRequest | None:
 def import_writer_if_needed(spec: RLJobSpec) -> None:
     """Import the tiny model's writer (transformers' model classes: seconds of CPU) when this
     job will build its model, so `rljob.driver.start` spends them while Ray starts; a model
-    of the user's or one built before needs none. Errors are `prepare_model`'s to report."""
+    of the user's or one built before needs none. Errors are `prepare_model`'s to report,
+    after Ray started, as they were before this thread (it reads the dataset again: a toy
+    task's, for the tiny model)."""
     try:
         request = tiny_request(spec)
-    except JobError:
+        if request is not None and cached(request) is None:
+            import rljob.model.tiny_model  # noqa: F401
+    except Exception:  # reported by prepare_model, on the driver's thread
         return
-    if request is not None and cached(request) is None:
-        import rljob.model.tiny_model  # noqa: F401
 
 
 def prepare_model(spec: RLJobSpec, workdir: Path) -> Path:

@@ -1,5 +1,6 @@
-"""The spec's dtype names as torch dtypes, in a module that imports torch alone: the trainer
-and engine processes convert with it without loading any model architecture."""
+"""The spec's dtype names as torch dtypes, in a module that imports torch alone: the torch
+trainer's module, which the driver imports to create its actor, converts with it without
+loading transformers' model classes."""
 
 from __future__ import annotations
 
@@ -9,4 +10,5 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """`spec.model.dtype` as torch's dtype (the API model allows these names alone)."""
     return _DTYPES[name]

@@ -7,7 +7,6 @@ It is written in HF format (safetensors, config.json, tokenizer files) so every 
 from __future__ import annotations
 
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ from transformers import (
 from transformers.utils import logging as transformers_logging
 
 from rljob.model.dtypes import torch_dtype
+from rljob.model.staged_dir import staged
 from rljob.model.text_codec import TINY_MARKER
-from rljob.model.tiny_cache import publish
 from rljob.model.tokenizer import CharTokenizer
 from rljob_api.rules import TINY_SHAPE_MESSAGE
 from rljob_api.spec import TinyModel
@@ -76,15 +75,11 @@ def write_tiny(directory: Path, shape: TinyModel, alphabet: str, seed: int, dtyp
     """
     if (directory / "config.json").exists():
         return directory
-    # A directory of this writer's own: two jobs may build the same cached model at once
-    # (`rljob.model.tiny_cache`); the first finished one is kept.
-    tmp = directory.with_name(f"{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
-    model, tokenizer = build_tiny(shape, alphabet, seed)
-    torch.nn.Module.to(model, torch_dtype(dtype))
-    transformers_logging.disable_progress_bar()
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save(tmp)
-    (tmp / TINY_MARKER).write_text(json.dumps({"seed": seed, "alphabet": alphabet}))
-    publish(tmp, directory)
+    with staged(directory, last_file="config.json") as tmp:
+        model, tokenizer = build_tiny(shape, alphabet, seed)
+        torch.nn.Module.to(model, torch_dtype(dtype))
+        transformers_logging.disable_progress_bar()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save(tmp)
+        (tmp / TINY_MARKER).write_text(json.dumps({"seed": seed, "alphabet": alphabet}))
     return directory

@@ -4,8 +4,8 @@ Both classes implement `rljob.trainer.interface.TrainerActor`, so the driver pla
 drives either one the same way. This module sits above both backends (they never import
 each other). The megatron one is imported only when asked for: megatron-core is an optional
 dependency (`.[megatron]`) that only GPU images carry. Neither is imported before it is
-asked for: the driver imports this module before Ray starts, and a backend's imports (torch,
-transformers) take seconds that `import_backend` spends while Ray starts instead.
+asked for: the driver imports this module before Ray starts, and a backend's imports (torch;
+megatron-core for megatron) take seconds that `import_backend` spends while Ray starts instead.
 """
 
 from __future__ import annotations
