@@ -109,6 +109,23 @@ def test_a_library_upgrade_gives_a_new_key(
     assert cached(REQUEST) is None
 
 
+def test_without_a_libraries_version_nothing_is_cached(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        built: dict[str, bytes]) -> None:
+    """A library installed without package metadata: its version is unknown, so no key can
+    tell its builds apart; every job builds in place."""
+    real = tiny_cache.version
+
+    def version(name: str) -> str:
+        if name == "torch":
+            raise tiny_cache.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(tiny_cache, "version", version)
+    assert _files(materialise(REQUEST, tmp_path / "job" / "model")) == built
+    assert cached(REQUEST) is None and not cache.exists()
+
+
 @pytest.mark.parametrize("damage", ["weights", "manifest", "no manifest"])
 def test_a_bad_entry_is_built_again_never_copied(
         cache: Path, tmp_path: Path, built: dict[str, bytes], damage: str) -> None:

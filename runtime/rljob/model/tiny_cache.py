@@ -23,7 +23,7 @@ import os
 import shutil
 import uuid
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from rljob.model.staged_dir import staged
@@ -82,13 +82,23 @@ def cache_root() -> Path | None:
         return None
 
 
-def cached(request: TinyRequest) -> Path | None:
-    """The cache entry of `request`, if one was published (checked when copied)."""
+def _entry(request: TinyRequest) -> Path | None:
+    """Where `request`'s entry lives; None without a cache root, or where a library's version
+    cannot be read (no package metadata): a key that misses a version could serve stale
+    bytes, so such a machine builds every time."""
     root = cache_root()
     if root is None:
         return None
-    entry = root / request.key()
-    return entry if (entry / MANIFEST).is_file() else None
+    try:
+        return root / request.key()
+    except PackageNotFoundError:
+        return None
+
+
+def cached(request: TinyRequest) -> Path | None:
+    """The cache entry of `request`, if one was published (checked when copied)."""
+    entry = _entry(request)
+    return entry if entry is not None and (entry / MANIFEST).is_file() else None
 
 
 def materialise(request: TinyRequest, directory: Path) -> Path:
@@ -97,8 +107,8 @@ def materialise(request: TinyRequest, directory: Path) -> Path:
     place."""
     if (directory / "config.json").exists():
         return directory
-    root = cache_root()
-    if root is not None and _copy_from_cache(request, root / request.key(), directory):
+    entry = _entry(request)
+    if entry is not None and _copy_from_cache(request, entry, directory):
         return directory
     return _write(request, directory)
 
