@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +127,8 @@ def test_without_a_libraries_version_nothing_is_cached(
     assert cached(REQUEST) is None and not cache.exists()
 
 
-@pytest.mark.parametrize("damage", ["weights", "manifest", "no manifest"])
+@pytest.mark.parametrize("damage", ["weights", "manifest", "no manifest", "no model",
+                                    "a file more"])
 def test_a_bad_entry_is_built_again_never_copied(
         cache: Path, tmp_path: Path, built: dict[str, bytes], damage: str) -> None:
     materialise(REQUEST, tmp_path / "first")
@@ -135,8 +137,12 @@ def test_a_bad_entry_is_built_again_never_copied(
         (entry / MODEL / "model.safetensors").write_bytes(b"bit rot")
     elif damage == "manifest":
         (entry / MANIFEST).write_text("{not json")
-    else:  # an entry left by something else, without a manifest
+    elif damage == "no manifest":  # an entry left by something else
         (entry / MANIFEST).unlink()
+    elif damage == "no model":  # a removal cut short
+        shutil.rmtree(entry / MODEL)
+    else:
+        (entry / MODEL / "extra.json").write_text("{}")
     assert _files(materialise(REQUEST, tmp_path / "next" / "model")) == built
     assert _files(entry / MODEL) == built and (entry / MANIFEST).is_file()
     assert _leftovers(cache) == []
@@ -144,10 +150,16 @@ def test_a_bad_entry_is_built_again_never_copied(
 
 def test_a_jobs_own_copy_is_kept_whatever_the_cache_holds(
         cache: Path, tmp_path: Path, built: dict[str, bytes]) -> None:
-    """A resumed job reads the bytes it started with, even when the cache was cleared."""
+    """A resumed job reads the bytes it started with, even when the cache holds another
+    whole entry under its key since (here: another seed's, manifest and all)."""
     model = materialise(REQUEST, tmp_path / "job" / "model")
-    (cache / REQUEST.key() / MODEL / "model.safetensors").write_bytes(b"changed")
+    other = TinyRequest(REQUEST.shape, REQUEST.alphabet, 4, REQUEST.dtype)
+    materialise(other, tmp_path / "other")
+    entry = cache / REQUEST.key()
+    shutil.rmtree(entry)
+    shutil.copytree(cache / other.key(), entry)
     assert _files(materialise(REQUEST, model)) == built
+    assert _files(entry / MODEL) == _files(tmp_path / "other")  # the cache untouched
 
 
 def test_an_unreadable_entry_means_building_in_place(

@@ -121,9 +121,12 @@ def _copy_from_cache(request: TinyRequest, entry: Path, directory: Path) -> bool
             if not (entry / MANIFEST).is_file():
                 _build_entry(request, entry)
             expected = _manifest(entry)
+            files = sorted((entry / MODEL).iterdir()) if (entry / MODEL).is_dir() else []
+            if sorted(p.name for p in files) != sorted(expected):
+                raise _Mismatch  # files gone or added since the manifest
             with staged(directory, last_file="config.json") as tmp:
-                shutil.copytree(entry / MODEL, tmp, dirs_exist_ok=True,
-                                copy_function=shutil.copyfile)  # the job's mode, not the cache's
+                for file in files:  # contents only: the job's own mode and times
+                    shutil.copyfile(file, tmp / file.name)
                 if _digests(tmp) != expected:
                     raise _Mismatch
             return True
@@ -136,7 +139,7 @@ def _copy_from_cache(request: TinyRequest, entry: Path, directory: Path) -> bool
 
 def _build_entry(request: TinyRequest, entry: Path) -> None:
     """Build the model into a new entry with its manifest; a leftover without one goes."""
-    if entry.exists():
+    if entry.exists() and not (entry / MANIFEST).is_file():
         _discard(entry)
     entry.parent.mkdir(parents=True, exist_ok=True)
     with staged(entry, last_file=MANIFEST) as tmp:
@@ -168,7 +171,13 @@ def _digests(directory: Path) -> dict[str, str]:
 
 def _discard(entry: Path) -> None:
     """Move a bad entry out of the way in one step (a reader sees it whole or not at all),
-    then remove it."""
+    then remove it. Checked again first: one another process has rebuilt meanwhile is whole
+    now and stays."""
+    try:
+        if (entry / MODEL).is_dir() and _digests(entry / MODEL) == _manifest(entry):
+            return
+    except (_Mismatch, OSError):
+        pass
     gone = entry.with_name(f"{entry.name}.bad-{uuid.uuid4().hex[:8]}")
     try:
         entry.rename(gone)
