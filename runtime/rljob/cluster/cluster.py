@@ -376,16 +376,19 @@ class Cluster:
         the kind of pod it is meant for."""
         weight_sync = self.weight_sync
         assert weight_sync is not None, "weight sync started first"
+        # (role, index, an object ref to its whereabouts); the store's is its actor's answer
+        # or this process's (`store_whereabouts`).
         actors: list[tuple[str, int, Any]] = [
-            *((whereabouts.TRAINER, i, t) for i, t in enumerate(roles.trainers.handles)),
-            *((whereabouts.ENGINE, i, e) for i, e in enumerate(roles.engines.handles)),
-            (whereabouts.ROLLOUT_WORKER, 0, roles.rollout.rollout),
-            (whereabouts.STORE, 0, None),  # an actor, or this process (`store_whereabouts`)
-            *((whereabouts.SIDECAR, i, s) for i, s in enumerate(weight_sync.sidecars)),
+            *((whereabouts.TRAINER, i, t.whereabouts.remote())
+              for i, t in enumerate(roles.trainers.handles)),
+            *((whereabouts.ENGINE, i, e.whereabouts.remote())
+              for i, e in enumerate(roles.engines.handles)),
+            (whereabouts.ROLLOUT_WORKER, 0, roles.rollout.rollout.whereabouts.remote()),
+            (whereabouts.STORE, 0, weight_sync.store_whereabouts()),
+            *((whereabouts.SIDECAR, i, s.whereabouts.remote())
+              for i, s in enumerate(weight_sync.sidecars)),
         ]
-        facts: list[Whereabouts] = ray.get(
-            [handle.whereabouts.remote() if handle is not None
-             else weight_sync.store_whereabouts() for _, _, handle in actors], timeout=120)
+        facts: list[Whereabouts] = ray.get([ref for _, _, ref in actors], timeout=120)
         # Each engine's node, kept by the engine group: a lost engine's recovery reads which
         # node it ran on.
         roles.engines.localities()
