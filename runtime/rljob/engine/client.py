@@ -62,6 +62,13 @@ class InstallResult:
     message: str
 
 
+def generate_body(input_ids: list[int] | list[list[int]],
+                  sampling_params: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """The body of `POST /generate`: one prompt (a list of ids, one sampling_params) or
+    several (a list of lists, a list of sampling_params), with per-token log-probs."""
+    return {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
+
+
 def rank_tensors_body(
     named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str
 ) -> dict[str, Any]:
@@ -282,11 +289,24 @@ class EngineClient:
         self, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> dict[str, Any]:
         """One prompt's completion in SGLang's shape, with per-token log-probs."""
+        (out,) = await self._generate(input_ids, sampling_params, 1)
+        return out
+
+    async def generate_many(
+        self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Several prompts' completions in one request (SGLang's batch form of /generate,
+        one sampling_params per prompt), answered in the order sent once all are done."""
+        if len(input_ids) != len(sampling_params) or not input_ids:
+            raise ValueError("generate_many takes one sampling_params per prompt, and a prompt")
+        return await self._generate(input_ids, sampling_params, len(input_ids))
+
+    async def _generate(self, input_ids: Any, sampling_params: Any, rows: int
+                        ) -> list[dict[str, Any]]:
         call = "POST /generate"
         if self.retired:
             raise EngineError(self.base_url, call, "the engine was lost (this client retired)")
-        body = {"input_ids": input_ids, "sampling_params": sampling_params,
-                "return_logprob": True}
+        body = generate_body(input_ids, sampling_params)
         session = self._open_session()
         try:
             async with session.post(self.base_url + "/generate", json=body,
@@ -310,12 +330,13 @@ class EngineClient:
         except ValueError:
             raise EngineError(self.base_url, call, f"not JSON: {text[:200]}",
                               answered=True) from None
-        if isinstance(out, list) and out:
-            out = out[0]
-        if not isinstance(out, dict) or "output_ids" not in out or "meta_info" not in out:
-            raise EngineError(self.base_url, call, f"unexpected response {str(out)[:200]}",
+        outs = out if isinstance(out, list) else [out]
+        if len(outs) != rows or not all(
+                isinstance(o, dict) and "output_ids" in o and "meta_info" in o for o in outs):
+            raise EngineError(self.base_url, call,
+                              f"unexpected response to {rows} prompt(s): {str(out)[:200]}",
                               answered=True)
-        return out
+        return outs
 
     async def abort_all(self) -> None:
         """Abort every request the engine holds, running or queued: SGLang's

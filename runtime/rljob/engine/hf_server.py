@@ -3,8 +3,11 @@
 It exists so the loop, the client and the weight updates run for real without SGLang or
 a GPU. Generation and weight installs take turns under one lock, so a version is swapped
 in whole, between requests, and every response names the version that produced it.
-Requests are served one at a time (rows of one request are batched); that keeps sampling
-reproducible: a request with a `sampling_seed` gives the same tokens every time.
+Requests are served one at a time; the rows of one request (SGLang's batch form, which the
+rollout worker uses for a group's samples on one engine) are computed as one batch. That
+keeps sampling reproducible: a request with a `sampling_seed` per row gives the same tokens
+every time, where batching rows of whatever requests happened to arrive together would make
+each row's numbers depend on its neighbours.
 
 `POST /abort_request` with `abort_all` (SGLang's, as partial rollout uses it) stops every
 generation that arrived before it at its next token; each answers with what it generated
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,10 +146,14 @@ class HFEngine:
             self._check_resident()
             version = self.weight_version
             out: list[dict[str, Any]] = [{} for _ in rows]
-            by_length: dict[int, list[int]] = {}
-            for i, row in enumerate(rows):
-                by_length.setdefault(len(row), []).append(i)
-            for indices in by_length.values():
+            # Rows computed together share their length (no padding) and every sampling
+            # parameter but the seed (`_generate_same_length` reads the first row's).
+            batches: dict[tuple[int, str], list[int]] = {}
+            for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+                rest = {k: v for k, v in p.items() if k != "sampling_seed"}
+                key = (len(row), json.dumps(rest, sort_keys=True, default=str))
+                batches.setdefault(key, []).append(i)
+            for indices in batches.values():
                 results = self._generate_same_length([rows[i] for i in indices],
                                                      [params[i] for i in indices], arrived)
                 for i, result in zip(indices, results, strict=True):

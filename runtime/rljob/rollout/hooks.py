@@ -4,6 +4,10 @@ Signatures (see docs/hooks.md):
     async def reward(args: HookArgs, sample: Sample) -> float
     async def generate(args: HookArgs, sample: Sample, sampling_params: dict) -> Sample
 
+The built-in generate function also has a batch form (`default_generate_many`), which the
+rollout worker uses for a group's samples bound for one engine; a user's generate function
+is called once per sample.
+
 They are imported and called only inside the rollout worker, never in the driver or the
 operator, so a user's code and its dependencies only have to exist in the job's image.
 """
@@ -24,6 +28,7 @@ from rljob_api.spec import RLJobSpec
 
 RewardFn = Callable[["HookArgs", Sample], Awaitable[float]]
 GenerateFn = Callable[["HookArgs", Sample, dict[str, Any]], Awaitable[Sample]]
+GenerateManyFn = Callable[["HookArgs", list[Sample], dict[str, Any]], Awaitable[list[Sample]]]
 
 
 class HookError(ValueError):
@@ -41,8 +46,12 @@ class HookArgs:
 
     def engine_for(self, sample: Sample) -> EngineClient:
         """The engine a sample is assigned to (fixed by its position, so runs repeat)."""
+        return self.engines[self.engine_index(sample)]
+
+    def engine_index(self, sample: Sample) -> int:
+        """`engine_for`'s index into `engines`."""
         n = self.spec.algorithm.n_samples_per_prompt
-        return self.engines[(sample.group_index * n + sample.index) % len(self.engines)]
+        return (sample.group_index * n + sample.index) % len(self.engines)
 
 
 async def default_reward(args: HookArgs, sample: Sample) -> float:
@@ -50,26 +59,22 @@ async def default_reward(args: HookArgs, sample: Sample) -> float:
     return args.task.reward(sample.response, sample.label)
 
 
-async def default_generate(
-    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
-) -> Sample:
-    """One completion from the sample's engine, with the engine's log-probs and version.
-
-    A sample that already holds a partial response (partial rollout aborted it at a step
-    boundary) is continued rather than started over: the engine gets the prompt and the
-    partial response as its input and `max_new_tokens` less what the response already
-    has, and the new tokens, log-probs and loss mask are appended, the version that made
-    them recorded in `Sample.version_spans`. An aborted generation keeps what it got, with
-    status aborted; the rollout worker decides whether it is carried or started over.
-    """
-    prior = sample.response_tokens()
+def _request_params(sample: Sample, sampling_params: dict[str, Any]) -> dict[str, Any] | None:
+    """The sampling params of the sample's next request: its seed, and for a partial response
+    `max_new_tokens` less what it already has. None for a response already at full length
+    (never aborted), which is marked truncated and sent nowhere."""
     params = dict(sampling_params, sampling_seed=sample.seed)
+    prior = len(sample.response_tokens())
     if prior and params.get("max_new_tokens") is not None:
-        params["max_new_tokens"] = int(params["max_new_tokens"]) - len(prior)
-        if params["max_new_tokens"] <= 0:  # a full-length response was never aborted
+        params["max_new_tokens"] = int(params["max_new_tokens"]) - prior
+        if params["max_new_tokens"] <= 0:
             sample.status = Status.truncated
-            return sample
-    out = await args.engine_for(sample).generate(list(sample.prompt_tokens) + prior, params)
+            return None
+    return params
+
+
+def _take(args: HookArgs, sample: Sample, prior: list[int], out: dict[str, Any]) -> Sample:
+    """The sample with the engine's answer `out` to the request for it appended."""
     meta = out["meta_info"]
     new = [int(t) for t in out["output_ids"]]
     text = str(out.get("text", args.tokenizer.decode(new)))
@@ -93,8 +98,55 @@ async def default_generate(
     return sample
 
 
+async def default_generate(
+    args: HookArgs, sample: Sample, sampling_params: dict[str, Any]
+) -> Sample:
+    """One completion from the sample's engine, with the engine's log-probs and version.
+
+    A sample that already holds a partial response (partial rollout aborted it at a step
+    boundary) is continued rather than started over: the engine gets the prompt and the
+    partial response as its input and `max_new_tokens` less what the response already
+    has, and the new tokens, log-probs and loss mask are appended, the version that made
+    them recorded in `Sample.version_spans`. An aborted generation keeps what it got, with
+    status aborted; the rollout worker decides whether it is carried or started over.
+    """
+    (sample,) = await default_generate_many(args, [sample], sampling_params)
+    return sample
+
+
+async def default_generate_many(
+    args: HookArgs, samples: list[Sample], sampling_params: dict[str, Any]
+) -> list[Sample]:
+    """`default_generate` of samples that go to one engine, in one request (SGLang's batch
+    form of /generate) to the engine of the first.
+
+    The rollout worker sends a group's samples of each engine this way: an engine that
+    computes one request at a time (the `hf` engine) then computes them as one batch instead
+    of one sample per forward pass, and SGLang gets one request for them instead of n. A
+    batch is always the same samples (a group's on one engine, in index order), whether or
+    not it is sent again after an engine was lost, so its numbers, which depend on the batch
+    a row is computed in, repeat in a run resumed from a checkpoint.
+    """
+    sent = [(s, s.response_tokens(), p) for s in samples
+            if (p := _request_params(s, sampling_params)) is not None]
+    if not sent:
+        return samples
+    engine = args.engine_for(sent[0][0])
+    if len(sent) == 1:
+        (sample, prior, params), = sent
+        outs = [await engine.generate(list(sample.prompt_tokens) + prior, params)]
+    else:
+        outs = await engine.generate_many(
+            [list(s.prompt_tokens) + prior for s, prior, _ in sent], [p for *_, p in sent])
+    for (sample, prior, _), out in zip(sent, outs, strict=True):
+        _take(args, sample, prior, out)
+    return samples
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {"builtin:default": default_reward}
 BUILTIN_GENERATES: dict[str, GenerateFn] = {"builtin:default": default_generate}
+# Built-in generate functions that take a batch of samples bound for one engine.
+BUILTIN_GENERATES_MANY: dict[str, GenerateManyFn] = {"builtin:default": default_generate_many}
 
 
 def _import(path: str, field: str, builtins: dict[str, Any], arity: int) -> Any:
@@ -127,6 +179,12 @@ def load_reward(path: str) -> RewardFn:
 def load_generate(path: str) -> GenerateFn:
     fn: GenerateFn = _import(path, "spec.generate.function", BUILTIN_GENERATES, 3)
     return fn
+
+
+def load_generate_many(path: str) -> GenerateManyFn | None:
+    """The batch form of the generate function at `path`: the built-in's; None for a user's
+    function, which is called once per sample."""
+    return BUILTIN_GENERATES_MANY.get(path)
 
 
 def as_reward(value: Any, path: str) -> float:

@@ -28,7 +28,15 @@ from rljob.reporting import worker_metrics
 from rljob.reporting.locatable import Locatable
 from rljob.rollout.data_source import DataSource
 from rljob.rollout.engine_pool import EnginePool
-from rljob.rollout.hooks import HookArgs, HookError, as_reward, load_generate, load_reward
+from rljob.rollout.hooks import (
+    GenerateManyFn,
+    HookArgs,
+    HookError,
+    as_reward,
+    load_generate,
+    load_generate_many,
+    load_reward,
+)
 from rljob.rollout.sample import Sample, Status, version_number
 from rljob.rollout.stats import EvalResult, RolloutStats
 from rljob.rollout.tasks import DatasetError, Prompt, load_task
@@ -102,6 +110,7 @@ class RolloutWorker(Locatable):
                                         field="spec.eval.dataset")
                               if eval_dataset else None)
             self.generate_fn = load_generate(self.spec.generate.function)
+            self.generate_many_fn = load_generate_many(self.spec.generate.function)
             self.reward_fn = load_reward(self.spec.reward.function)
         except (DatasetError, HookError) as err:
             return [str(err)]
@@ -131,26 +140,52 @@ class RolloutWorker(Locatable):
         else:
             samples = job
 
-        async def one(sample: Sample) -> Sample:
-            if _done(sample):
-                return sample
+        todo = [s for s in samples if not _done(s)]
+        for sample in todo:
             sample.group_index = group
             sample.seed = sample_seed(self.spec.algorithm.seed, step, group, sample.index)
 
+        async def rewarded(sample: Sample) -> Sample:
+            if _done(sample):
+                path = self.spec.reward.function
+                sample.reward = as_reward(await self.reward_fn(args, sample), path)
+            return sample
+
+        async def one(sample: Sample) -> Sample:
             async def send() -> Sample:
                 if cut.is_set():  # not sent, nor sent again after the cut
                     return sample
                 return await self.generate_fn(args, sample, self._sampling())
 
             async with sem:
-                sample = await self.pool.run(send)
-                if _done(sample):
-                    path = self.spec.reward.function
-                    sample.reward = as_reward(await self.reward_fn(args, sample), path)
-            return sample
+                return await rewarded(await self.pool.run(send))
 
-        # In place: a carried group stays the same list, which generate() keys it by.
-        samples[:] = await asyncio.gather(*(one(s) for s in samples))
+        async def batch(generate_many: GenerateManyFn, part: list[Sample]) -> list[Sample]:
+            async def send() -> list[Sample]:
+                if cut.is_set():
+                    return part
+                return await generate_many(args, part, self._sampling())
+
+            async with sem:
+                return [await rewarded(s) for s in await self.pool.run(send)]
+
+        if self.generate_many_fn is not None and len(todo) > 1:
+            # The built-in generate: one request per engine for the group's samples bound
+            # for it, in index order (`default_generate_many`).
+            parts: dict[int, list[Sample]] = {}
+            for sample in todo:
+                parts.setdefault(args.engine_index(sample), []).append(sample)
+            answers = await asyncio.gather(
+                *(batch(self.generate_many_fn, part) for part in parts.values()))
+            sent = [s for part in parts.values() for s in part]
+            done = dict(zip(map(id, sent), (s for answer in answers for s in answer),
+                            strict=True))
+        else:
+            answers = [await asyncio.gather(*(one(s) for s in todo))]
+            done = dict(zip(map(id, todo), answers[0], strict=True))
+        # In place: a carried group stays the same list, which generate() keys it by. A
+        # generate function may answer with a new Sample object in place of the one it got.
+        samples[:] = [done.get(id(s), s) for s in samples]
         return samples
 
     async def _round(
