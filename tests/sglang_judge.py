@@ -6,7 +6,8 @@ answers, in OUT (torch.save), what the installed SGLang release makes of each:
 
 - the request type its HTTP route is declared with (read from `http_server.py` with `ast`:
   that module imports SGLang's kernels), the body's fields that type lacks, and the body as
-  validated against that type by pydantic, as FastAPI validates it;
+  validated against that type by pydantic, as FastAPI validates it; for `/generate`, the
+  requests its `normalize_batch_and_arguments` makes of it (one per prompt of a batch);
 - for `/update_weights_from_tensor`, the tensors each TP rank loaded, through SGLang's own
   `TpModelWorker.update_weights_from_tensor` and `ModelRunner.update_weights_from_tensor`
   (their source, compiled here from the installed files, since their modules import the
@@ -122,6 +123,14 @@ def judge_request(route: str, body: dict[str, Any], types: dict[str, str | None]
         answer["invalid"] = str(err)
         return answer
     answer["validated"] = {f: getattr(validated, f) for f in fields}
+    if isinstance(validated, io_struct.GenerateReqInput):
+        # What the tokenizer manager makes of it: one request per prompt (a batch is split,
+        # each row with its own sampling params), as `normalize_batch_and_arguments` reads it.
+        validated.normalize_batch_and_arguments()
+        rows = 1 if validated.is_single else validated.batch_size
+        answer["rows"] = [{"input_ids": validated[i].input_ids if rows > 1 else validated.input_ids,
+                           "sampling_params": (validated[i] if rows > 1 else validated)
+                           .sampling_params} for i in range(rows)]
     return answer
 
 

@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 
 from rljob.engine import sglang_release
-from rljob.engine.client import EngineClient, rank_tensors_body
+from rljob.engine.client import EngineClient, generate_body, rank_tensors_body
 from rljob.engine.hf_server import HFEngine, ServerThread, build_app
 from rljob.engine.sglang_launcher import SGLANG_VERSION, SGLangServer, build_command
 from rljob.model.tiny_model import write_tiny
@@ -152,6 +152,10 @@ def judged(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     yield Judged(torch.load(tmp / "out.pt", weights_only=False), sent)
 
 
+# The sampling parameters the rollout worker sends (`RolloutWorker._sampling`), every key.
+SAMPLING = {"temperature": 1.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3, "stop": ["\n"]}
+
+
 def _control_bodies() -> dict[str, tuple[str, dict[str, Any]]]:
     """Every other body the runtime sends, by the function EngineClient sends it through."""
     bodies: dict[str, tuple[str, dict[str, Any]]] = {
@@ -161,9 +165,11 @@ def _control_bodies() -> dict[str, tuple[str, dict[str, Any]]]:
         "pause": ("/pause_generation", {}),
         "continue": ("/continue_generation", {}),
         "abort": ("/abort_request", {"rid": "", "abort_all": True}),
-        "generate": ("/generate", {"input_ids": [4, 5, 6], "return_logprob": True,
-                                   "sampling_params": {"max_new_tokens": 3,
-                                                       "temperature": 1.0}}),
+        "generate": ("/generate", generate_body([4, 5, 6], dict(SAMPLING, sampling_seed=1))),
+        # The built-in generate's form for a group's samples on one engine.
+        "generate_many": ("/generate", generate_body(
+            [[4, 5, 6], [4, 5, 6, 7]],
+            [dict(SAMPLING, sampling_seed=1), dict(SAMPLING, sampling_seed=2, max_new_tokens=2)])),
     }
     return bodies
 
@@ -275,12 +281,25 @@ def test_a_gpu_handle_names_its_device_where_and_as_sglangs_patched_reductions_r
 # --- the other bodies ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["disk", "release", "resume", "abort", "generate"])
+@pytest.mark.parametrize("case", ["disk", "release", "resume", "abort", "generate",
+                                  "generate_many"])
 def test_sglangs_request_type_takes_every_field_as_sent(judged: Judged, case: str) -> None:
     answer = judged.answers[case]
     assert answer["type"] not in (None, "absent"), answer
     assert "invalid" not in answer, answer.get("invalid")
     assert answer["unknown_fields"] == [] and answer["missing_fields"] == []
+
+
+def test_sglang_splits_a_batch_into_one_request_per_prompt_with_its_own_parameters(
+        judged: Judged) -> None:
+    """The built-in generate's batch (a group's samples on one engine) is n requests to
+    SGLang, each with its prompt and its own seed and limit, as n single requests were."""
+    _, body = _control_bodies()["generate_many"]
+    rows = judged.answers["generate_many"]["rows"]
+    assert [r["input_ids"] for r in rows] == body["input_ids"]
+    assert [r["sampling_params"] for r in rows] == body["sampling_params"]
+    (single,) = judged.answers["generate"]["rows"]
+    assert single["sampling_params"] == _control_bodies()["generate"][1]["sampling_params"]
 
 
 @BOTH

@@ -42,6 +42,7 @@ from rljob.rollout.stats import EvalResult, RolloutStats
 from rljob.rollout.tasks import DatasetError, Prompt, load_task
 from rljob_api.spec import OldLogprobs, RLJobSpec
 
+# Requests in flight per engine; a group's samples sent as one request count once.
 CONCURRENCY_PER_ENGINE = 64
 MAX_REFILLS = 8
 
