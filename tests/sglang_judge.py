@@ -127,10 +127,10 @@ def judge_request(route: str, body: dict[str, Any], types: dict[str, str | None]
         # What the tokenizer manager makes of it: one request per prompt (a batch is split,
         # each row with its own sampling params), as `normalize_batch_and_arguments` reads it.
         validated.normalize_batch_and_arguments()
-        rows = 1 if validated.is_single else validated.batch_size
-        answer["rows"] = [{"input_ids": validated[i].input_ids if rows > 1 else validated.input_ids,
-                           "sampling_params": (validated[i] if rows > 1 else validated)
-                           .sampling_params} for i in range(rows)]
+        rows = [validated] if validated.is_single else [
+            validated[i] for i in range(validated.batch_size)]
+        answer["rows"] = [{"input_ids": r.input_ids, "sampling_params": r.sampling_params}
+                          for r in rows]
     return answer
 
 

@@ -62,7 +62,7 @@ def engines(model: Path) -> Iterator[list[tuple[RecordingEngine, ServerThread]]]
             server.stop()
 
 
-def _step(model: Path, urls: list[str], generate: str, seed: int = 7) -> list[Sample]:
+def _worker(model: Path, urls: list[str], generate: str, seed: int = 7) -> RolloutWorker:
     spec = RLJobSpec.model_validate(merge({
         "algorithm": {"rolloutBatchSize": GROUPS, "nSamplesPerPrompt": N,
                       "globalBatchSize": GROUPS * N, "microBatchSize": GROUPS * N,
@@ -73,8 +73,17 @@ def _step(model: Path, urls: list[str], generate: str, seed: int = 7) -> list[Sa
     }, {}))
     worker = RolloutWorker(spec.model_dump_json(by_alias=True), str(model), urls)
     assert worker.setup() == []
-    samples, _ = asyncio.run(worker.generate(1))
+    return worker
+
+
+def _step(model: Path, urls: list[str], generate: str, seed: int = 7) -> list[Sample]:
+    samples, _ = asyncio.run(_worker(model, urls, generate, seed).generate(1))
     return samples
+
+
+def _batches(seed_of: dict[tuple[int, int], int], slot: int) -> list[list[int]]:
+    """The seeds of each request of engine slot `slot` (of 2): per group, its samples there."""
+    return [[seed_of[g, i] for i in range(N) if (g * N + i) % 2 == slot] for g in range(GROUPS)]
 
 
 def test_each_engine_gets_one_request_per_group_and_the_step_repeats(
@@ -86,9 +95,7 @@ def test_each_engine_gets_one_request_per_group_and_the_step_repeats(
     # Engine e computes, per group, exactly that group's samples whose position maps to e
     # (HookArgs.engine_for), in index order, as one request.
     for e, (engine, _) in enumerate(engines):
-        expected = sorted([seed_of[g, i] for i in range(N) if (g * N + i) % 2 == e]
-                          for g in range(GROUPS))
-        assert sorted(engine.requests) == expected, (e, engine.requests)
+        assert sorted(engine.requests) == sorted(_batches(seed_of, e)), (e, engine.requests)
     # The same step again gives the same tokens and log-probs: batches repeat.
     again = _step(model, urls, "builtin:default")
     assert [(s.tokens, s.rollout_log_probs) for s in again] == \
@@ -124,3 +131,33 @@ def test_rows_of_one_request_keep_their_own_sampling_parameters(
     assert greedy["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     assert [meta["meta_info"]["finish_reason"]["type"] for meta in (one, five)] == \
         ["length", "length"]
+
+
+def test_the_batches_stay_the_same_while_engines_are_lost_and_requests_wait_for_one(
+        model: Path, engines: list[tuple[RecordingEngine, ServerThread]]) -> None:
+    """With every engine lost when the step starts, requests wait for one to serve again;
+    the one that rejoins then gets both engine slots' batches, as separate requests of the
+    samples each slot has in a step where both engines serve."""
+    urls = [server.url for _, server in engines]
+    worker = _worker(model, urls, "builtin:default")
+
+    async def go() -> list[Sample]:
+        await worker.engine_lost(0, "test: lost")
+        await worker.engine_lost(1, "test: lost")
+        step = asyncio.create_task(worker.generate(1))
+        deadline = asyncio.get_running_loop().time() + 30
+        # Requests wait for an engine (the pool made its rejoin event) before one rejoins.
+        while worker.pool._rejoined is None:
+            assert not step.done(), step.result()
+            assert asyncio.get_running_loop().time() < deadline, "nothing waited for an engine"
+            await asyncio.sleep(0.01)
+        assert engines[0][0].requests == []
+        await worker.engine_joined(0, urls[0])
+        samples, _ = await step
+        return samples
+
+    samples = asyncio.run(go())
+    assert len(samples) == GROUPS * N and all(s.response_length > 0 for s in samples)
+    seed_of = {(s.group_index, s.index): s.seed for s in samples}
+    assert engines[1][0].requests == []
+    assert sorted(engines[0][0].requests) == sorted(_batches(seed_of, 0) + _batches(seed_of, 1))

@@ -69,6 +69,32 @@ def generate_body(input_ids: list[int] | list[list[int]],
     return {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True}
 
 
+def generate_answers(answer: Any, rows: int) -> list[dict[str, Any]]:
+    """The completions of a `/generate` of `rows` prompts, in the order sent; ValueError
+    naming what is wrong otherwise.
+
+    A prompt SGLang aborts before its prefill (`abort_all` while it waited in the
+    scheduler's queue) is answered without `output_ids` or log-probs, only finish_reason
+    `abort` (0.5.3's `TokenizerManager._handle_abort_req`): it is taken as an abort with no
+    tokens, as the hf engine answers one, so a batch cut at a step boundary keeps the rows
+    that did run."""
+    outs = answer if isinstance(answer, list) else [answer]
+    if len(outs) != rows:
+        raise ValueError(f"{len(outs)} answers to {rows} prompt(s): {str(answer)[:200]}")
+    taken = []
+    for out in outs:
+        if not isinstance(out, dict) or not isinstance(out.get("meta_info"), dict):
+            raise ValueError(f"unexpected response {str(out)[:200]}")
+        if "output_ids" not in out and (
+                (out["meta_info"].get("finish_reason") or {}).get("type") == "abort"):
+            out = {**out, "output_ids": [],
+                   "meta_info": {**out["meta_info"], "output_token_logprobs": []}}
+        if "output_ids" not in out:
+            raise ValueError(f"unexpected response {str(out)[:200]}")
+        taken.append(out)
+    return taken
+
+
 def rank_tensors_body(
     named_by_rank: Sequence[Sequence[tuple[str, torch.Tensor]]], version: str
 ) -> dict[str, Any]:
@@ -289,7 +315,7 @@ class EngineClient:
         self, input_ids: list[int], sampling_params: dict[str, Any]
     ) -> dict[str, Any]:
         """One prompt's completion in SGLang's shape, with per-token log-probs."""
-        (out,) = await self._generate(input_ids, sampling_params, 1)
+        (out,) = await self._generate(generate_body(input_ids, sampling_params), 1)
         return out
 
     async def generate_many(
@@ -299,14 +325,12 @@ class EngineClient:
         one sampling_params per prompt), answered in the order sent once all are done."""
         if len(input_ids) != len(sampling_params) or not input_ids:
             raise ValueError("generate_many takes one sampling_params per prompt, and a prompt")
-        return await self._generate(input_ids, sampling_params, len(input_ids))
+        return await self._generate(generate_body(input_ids, sampling_params), len(input_ids))
 
-    async def _generate(self, input_ids: Any, sampling_params: Any, rows: int
-                        ) -> list[dict[str, Any]]:
+    async def _generate(self, body: dict[str, Any], rows: int) -> list[dict[str, Any]]:
         call = "POST /generate"
         if self.retired:
             raise EngineError(self.base_url, call, "the engine was lost (this client retired)")
-        body = generate_body(input_ids, sampling_params)
         session = self._open_session()
         try:
             async with session.post(self.base_url + "/generate", json=body,
@@ -326,17 +350,9 @@ class EngineClient:
             raise EngineError(self.base_url, call, f"HTTP {resp.status}: {text[:500]}",
                               answered=True)
         try:
-            out = json.loads(text)
-        except ValueError:
-            raise EngineError(self.base_url, call, f"not JSON: {text[:200]}",
-                              answered=True) from None
-        outs = out if isinstance(out, list) else [out]
-        if len(outs) != rows or not all(
-                isinstance(o, dict) and "output_ids" in o and "meta_info" in o for o in outs):
-            raise EngineError(self.base_url, call,
-                              f"unexpected response to {rows} prompt(s): {str(out)[:200]}",
-                              answered=True)
-        return outs
+            return generate_answers(json.loads(text), rows)
+        except ValueError as err:
+            raise EngineError(self.base_url, call, str(err), answered=True) from None
 
     async def abort_all(self) -> None:
         """Abort every request the engine holds, running or queued: SGLang's

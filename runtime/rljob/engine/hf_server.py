@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +47,15 @@ from rljob.weightsync.wire import (
     update_problems,
 )
 from rljob_api.layout import ENGINE_PORT
+
+
+def _frozen(value: Any) -> Any:
+    """`value` (JSON) as a hashable key: equal exactly when the JSON values are."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return ("list", *map(_frozen, value))
+    return (type(value).__name__, value)
 
 
 class UpdateRejected(ValueError):
@@ -148,11 +156,10 @@ class HFEngine:
             out: list[dict[str, Any]] = [{} for _ in rows]
             # Rows computed together share their length (no padding) and every sampling
             # parameter but the seed (`_generate_same_length` reads the first row's).
-            batches: dict[tuple[int, str], list[int]] = {}
+            batches: dict[tuple[Any, ...], list[int]] = {}
             for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-                rest = {k: v for k, v in p.items() if k != "sampling_seed"}
-                key = (len(row), json.dumps(rest, sort_keys=True, default=str))
-                batches.setdefault(key, []).append(i)
+                rest = _frozen({k: v for k, v in p.items() if k != "sampling_seed"})
+                batches.setdefault((len(row), rest), []).append(i)
             for indices in batches.values():
                 results = self._generate_same_length([rows[i] for i in indices],
                                                      [params[i] for i in indices], arrived)

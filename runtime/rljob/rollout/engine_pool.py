@@ -47,7 +47,7 @@ class EnginePool:
         self.clients: dict[int, EngineClient] = {i: EngineClient(u) for i, u in enumerate(urls)}
         self.lost: dict[int, str] = {}  # engine index → why
         self.serving: list[EngineClient] = list(self.clients.values())
-        self.reissued = 0  # requests sent again after their engine was lost
+        self.reissued = 0  # samples sent again after their engine was lost
         self._rejoined: asyncio.Event | None = None
 
     def _rebuild(self) -> None:
@@ -123,10 +123,11 @@ class EnginePool:
         await self.lose(index, f"a request failed and /health did not answer: {err}")
         return True
 
-    async def run(self, request: Callable[[], Awaitable[T]]) -> T:
-        """`request()` (a generate hook call on `serving`), sent again while the engine it
-        failed on turns out lost, or while its connection failed without an answer (at most
-        UNANSWERED_TRIES times)."""
+    async def run(self, request: Callable[[], Awaitable[T]], rows: int = 1) -> T:
+        """`request()` (a generate hook call on `serving`, for `rows` samples), sent again
+        while the engine it failed on turns out lost, or while its connection failed without
+        an answer (at most UNANSWERED_TRIES times). `reissued` counts the samples sent
+        again."""
         unanswered = 0
         while True:
             await self._wait_serving()
@@ -137,7 +138,7 @@ class EnginePool:
                     if err.answered or unanswered >= UNANSWERED_TRIES:
                         raise
                     unanswered += 1
-                self.reissued += 1
+                self.reissued += rows
 
     async def abort_all(self) -> None:
         """Partial rollout's cut on every engine serving; one lost meanwhile has nothing

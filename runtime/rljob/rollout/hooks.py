@@ -5,7 +5,7 @@ Signatures (see docs/hooks.md):
     async def generate(args: HookArgs, sample: Sample, sampling_params: dict) -> Sample
 
 The built-in generate function also has a batch form (`default_generate_many`), which the
-rollout worker uses for a group's samples bound for one engine; a user's generate function
+rollout worker uses for a group's samples of one engine slot; a user's generate function
 is called once per sample.
 
 They are imported and called only inside the rollout worker, never in the driver or the
@@ -46,12 +46,17 @@ class HookArgs:
 
     def engine_for(self, sample: Sample) -> EngineClient:
         """The engine a sample is assigned to (fixed by its position, so runs repeat)."""
-        return self.engines[self.engine_index(sample)]
-
-    def engine_index(self, sample: Sample) -> int:
-        """`engine_for`'s index into `engines`."""
         n = self.spec.algorithm.n_samples_per_prompt
-        return (sample.group_index * n + sample.index) % len(self.engines)
+        return self.engines[(sample.group_index * n + sample.index) % len(self.engines)]
+
+    def engine_slot(self, sample: Sample) -> int:
+        """The sample's place among the job's engines (samples in turn, over
+        `spec.rollout.engines`), whichever of them serve now: the samples of a group that
+        share a request to an engine (`default_generate_many`). Counted over the job's
+        engines, not those serving, so which samples share a request never depends on an
+        engine lost at the time (a row's numbers depend on the batch it is computed in)."""
+        n = self.spec.algorithm.n_samples_per_prompt
+        return (sample.group_index * n + sample.index) % self.spec.rollout.engine_count
 
 
 async def default_reward(args: HookArgs, sample: Sample) -> float:
@@ -117,29 +122,32 @@ async def default_generate(
 async def default_generate_many(
     args: HookArgs, samples: list[Sample], sampling_params: dict[str, Any]
 ) -> list[Sample]:
-    """`default_generate` of samples that go to one engine, in one request (SGLang's batch
-    form of /generate) to the engine of the first.
+    """`default_generate` of several samples in one request (SGLang's batch form of
+    /generate, one sampling_params per prompt), to the engine of the first.
 
-    The rollout worker sends a group's samples of each engine this way: an engine that
-    computes one request at a time (the `hf` engine) then computes them as one batch instead
-    of one sample per forward pass, and SGLang gets one request for them instead of n. A
-    batch is always the same samples (a group's on one engine, in index order), whether or
-    not it is sent again after an engine was lost, so its numbers, which depend on the batch
-    a row is computed in, repeat in a run resumed from a checkpoint.
+    The rollout worker sends each group's samples of one engine slot (`engine_slot`) this
+    way: the `hf` engine, which computes one request at a time, then computes them as one
+    batch instead of a forward pass per sample and token; SGLang splits the batch into one
+    request per prompt, as if they came one by one. A row's numbers depend on the batch it
+    is computed in, so the batch is always the same samples: those of the group still to
+    generate in that slot, in index order, whichever engines serve, whether or not it is
+    sent again after an engine was lost. A sample with one row to send goes alone, in
+    SGLang's single form (the shape of `default_generate`'s request).
     """
-    sent = [(s, s.response_tokens(), p) for s in samples
-            if (p := _request_params(s, sampling_params)) is not None]
-    if not sent:
+    rows = [(sample, sample.response_tokens(), params) for sample in samples
+            if (params := _request_params(sample, sampling_params)) is not None]
+    if not rows:
         return samples
-    engine = args.engine_for(sent[0][0])
-    if len(sent) == 1:
-        (sample, prior, params), = sent
-        outs = [await engine.generate(list(sample.prompt_tokens) + prior, params)]
+    engine = args.engine_for(rows[0][0])
+    if len(rows) == 1:
+        sample, prior, params = rows[0]
+        answers = [await engine.generate(list(sample.prompt_tokens) + prior, params)]
     else:
-        outs = await engine.generate_many(
-            [list(s.prompt_tokens) + prior for s, prior, _ in sent], [p for *_, p in sent])
-    for (sample, prior, _), out in zip(sent, outs, strict=True):
-        _take(args, sample, prior, out)
+        answers = await engine.generate_many(
+            [list(sample.prompt_tokens) + prior for sample, prior, _ in rows],
+            [params for _, _, params in rows])
+    for (sample, prior, _), answer in zip(rows, answers, strict=True):
+        _take(args, sample, prior, answer)
     return samples
 
 

@@ -37,12 +37,13 @@ from rljob.rollout.hooks import (
     load_generate_many,
     load_reward,
 )
+from rljob.rollout.in_flight import InFlight
 from rljob.rollout.sample import Sample, Status, version_number
 from rljob.rollout.stats import EvalResult, RolloutStats
 from rljob.rollout.tasks import DatasetError, Prompt, load_task
 from rljob_api.spec import OldLogprobs, RLJobSpec
 
-# Requests in flight per engine; a group's samples sent as one request count once.
+# Samples in flight per engine (`rljob.rollout.in_flight`).
 CONCURRENCY_PER_ENGINE = 64
 MAX_REFILLS = 8
 
@@ -127,7 +128,7 @@ class RolloutWorker(Locatable):
 
     async def _run_group(
         self, args: HookArgs, job: Prompt | list[Sample], group: int, step: int,
-        sem: asyncio.Semaphore, cut: asyncio.Event,
+        in_flight: InFlight, cut: asyncio.Event,
     ) -> list[Sample]:
         """One group: a new prompt's nSamplesPerPrompt samples, or a carried group whose
         unfinished samples are continued (finished ones are kept as they are). Every sample
@@ -158,40 +159,40 @@ class RolloutWorker(Locatable):
                     return sample
                 return await self.generate_fn(args, sample, self._sampling())
 
-            async with sem:
+            async with in_flight.rows(1):
                 return await rewarded(await self.pool.run(send))
 
-        async def batch(generate_many: GenerateManyFn, part: list[Sample]) -> list[Sample]:
+        async def together(generate_many: GenerateManyFn, part: list[Sample]) -> list[Sample]:
             async def send() -> list[Sample]:
                 if cut.is_set():
                     return part
                 return await generate_many(args, part, self._sampling())
 
-            async with sem:
-                return [await rewarded(s) for s in await self.pool.run(send)]
+            async with in_flight.rows(len(part)):
+                answered = await self.pool.run(send, rows=len(part))
+                return list(await asyncio.gather(*(rewarded(s) for s in answered)))
 
-        if self.generate_many_fn is not None and len(todo) > 1:
-            # The built-in generate: one request per engine for the group's samples bound
-            # for it, in index order (`default_generate_many`).
+        if self.generate_many_fn is not None:
+            # The built-in generate: one request per engine slot for the group's samples in
+            # it, in index order (`default_generate_many`).
             parts: dict[int, list[Sample]] = {}
             for sample in todo:
-                parts.setdefault(args.engine_index(sample), []).append(sample)
+                parts.setdefault(args.engine_slot(sample), []).append(sample)
             answers = await asyncio.gather(
-                *(batch(self.generate_many_fn, part) for part in parts.values()))
-            sent = [s for part in parts.values() for s in part]
-            done = dict(zip(map(id, sent), (s for answer in answers for s in answer),
-                            strict=True))
+                *(together(self.generate_many_fn, part) for part in parts.values()))
+            generated = dict(zip(map(id, (s for part in parts.values() for s in part)),
+                                 (s for answer in answers for s in answer), strict=True))
         else:
-            answers = [await asyncio.gather(*(one(s) for s in todo))]
-            done = dict(zip(map(id, todo), answers[0], strict=True))
+            answered = await asyncio.gather(*(one(s) for s in todo))
+            generated = dict(zip(map(id, todo), answered, strict=True))
         # In place: a carried group stays the same list, which generate() keys it by. A
         # generate function may answer with a new Sample object in place of the one it got.
-        samples[:] = [done.get(id(s), s) for s in samples]
+        samples[:] = [generated.get(id(s), s) for s in samples]
         return samples
 
     async def _round(
         self, args: HookArgs, jobs: list[Prompt | list[Sample]], first: int, step: int,
-        sem: asyncio.Semaphore, cut_at: int | None, filtering: bool,
+        in_flight: InFlight, cut_at: int | None, filtering: bool,
     ) -> tuple[list[list[Sample]], list[bool], bool]:
         """Generate `jobs` concurrently as groups first, first + 1, ...; return the groups
         in launch order, whether each finished, and whether the round was cut.
@@ -202,7 +203,7 @@ class RolloutWorker(Locatable):
         samples still waiting for a slot are not sent.
         """
         cut = asyncio.Event()
-        tasks = [asyncio.create_task(self._run_group(args, job, first + i, step, sem, cut))
+        tasks = [asyncio.create_task(self._run_group(args, job, first + i, step, in_flight, cut))
                  for i, job in enumerate(jobs)]
         try:
             if cut_at is None:
@@ -262,7 +263,7 @@ class RolloutWorker(Locatable):
         reissued_before = self.pool.reissued
         try:
             args = HookArgs(self.spec, self.pool.serving, self.codec, self.task)
-            sem = asyncio.Semaphore(CONCURRENCY_PER_ENGINE * len(self.pool.clients))
+            in_flight = InFlight(CONCURRENCY_PER_ENGINE * len(self.pool.clients))
             while len(done) < want:
                 if rounds == MAX_REFILLS + max(filter_rounds - 1, 0):
                     raise NotEnoughSamples(
@@ -277,7 +278,7 @@ class RolloutWorker(Locatable):
                     *resumed, *self.source.take(need + extra - len(resumed))]
                 filtering = rounds < filter_rounds
                 groups, finished, was_cut = await self._round(
-                    args, jobs, attempted, step, sem, need if partial.enabled else None,
+                    args, jobs, attempted, step, in_flight, need if partial.enabled else None,
                     filtering)
                 attempted += len(jobs)
                 rounds += 1
