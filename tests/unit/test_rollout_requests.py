@@ -39,8 +39,10 @@ def test_a_request_takes_a_place_per_row_and_waits_for_all_of_them() -> None:
         await request("d", 9, None)
         return order
 
-    assert asyncio.run(go()) == ["a in (1 free)", "c in (0 free)", "c out", "a out",
-                                 "b in (2 free)", "b out", "d in (0 free)", "d out"]
+    # Bounded: a limiter that took places piecemeal would hang here, not pass.
+    assert asyncio.run(asyncio.wait_for(go(), 30)) == [
+        "a in (1 free)", "c in (0 free)", "c out", "a out",
+        "b in (2 free)", "b out", "d in (0 free)", "d out"]
 
 
 def test_answers_are_taken_in_order_one_per_prompt() -> None:
@@ -51,8 +53,14 @@ def test_answers_are_taken_in_order_one_per_prompt() -> None:
     assert generate_answers(answers[0], 1) == [answers[0]]
     with pytest.raises(ValueError, match="2 answers to 3 prompt"):
         generate_answers(answers[:2], 3)
-    with pytest.raises(ValueError, match="unexpected response"):
-        generate_answers([{"text": "x", "meta_info": {"finish_reason": {"type": "stop"}}}], 1)
+    for bad in ({"text": "x", "meta_info": {"finish_reason": {"type": "stop"}}},
+                {"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-0.1, 1, None]],
+                                                     "finish_reason": {"type": "length"}}},
+                {"output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}}},
+                {"output_ids": [1], "meta_info": {"output_token_logprobs": [[-0.1, 1, None]],
+                                                  "finish_reason": "length"}}):
+        with pytest.raises(ValueError, match="unexpected response"):
+            generate_answers([bad], 1)
 
 
 def test_a_prompt_sglang_aborted_before_its_prefill_is_an_abort_with_no_tokens() -> None:

@@ -89,7 +89,11 @@ def generate_answers(answer: Any, rows: int) -> list[dict[str, Any]]:
                 (out["meta_info"].get("finish_reason") or {}).get("type") == "abort"):
             out = {**out, "output_ids": [],
                    "meta_info": {**out["meta_info"], "output_token_logprobs": []}}
-        if "output_ids" not in out:
+        meta = out.get("meta_info") or {}
+        ids, logprobs = out.get("output_ids"), meta.get("output_token_logprobs")
+        if (not isinstance(ids, list) or not isinstance(logprobs, list)
+                or len(logprobs) != len(ids)
+                or not isinstance(meta.get("finish_reason"), dict | None)):
             raise ValueError(f"unexpected response {str(out)[:200]}")
         taken.append(out)
     return taken
