@@ -64,18 +64,20 @@ async def default_reward(args: HookArgs, sample: Sample) -> float:
     return args.task.reward(sample.response, sample.label)
 
 
-def _request_params(sample: Sample, sampling_params: dict[str, Any]) -> dict[str, Any] | None:
-    """The sampling params of the sample's next request: its seed, and for a partial response
-    `max_new_tokens` less what it already has. None for a response already at full length
-    (never aborted), which is marked truncated and sent nowhere."""
+def _request(sample: Sample, sampling_params: dict[str, Any]
+             ) -> tuple[list[int], dict[str, Any]] | None:
+    """The sample's response so far and the sampling params of its next request: its seed,
+    and for a partial response `max_new_tokens` less what it already has. None for a
+    response already at full length (never aborted), which is marked truncated and sent
+    nowhere."""
+    prior = sample.response_tokens()
     params = dict(sampling_params, sampling_seed=sample.seed)
-    prior = len(sample.response_tokens())
     if prior and params.get("max_new_tokens") is not None:
-        params["max_new_tokens"] = int(params["max_new_tokens"]) - prior
+        params["max_new_tokens"] = int(params["max_new_tokens"]) - len(prior)
         if params["max_new_tokens"] <= 0:
             sample.status = Status.truncated
             return None
-    return params
+    return prior, params
 
 
 def _take(args: HookArgs, sample: Sample, prior: list[int], out: dict[str, Any]) -> Sample:
@@ -134,8 +136,8 @@ async def default_generate_many(
     sent again after an engine was lost. A sample with one row to send goes alone, in
     SGLang's single form (the shape of `default_generate`'s request).
     """
-    rows = [(sample, sample.response_tokens(), params) for sample in samples
-            if (params := _request_params(sample, sampling_params)) is not None]
+    rows = [(sample, *request) for sample in samples
+            if (request := _request(sample, sampling_params)) is not None]
     if not rows:
         return samples
     engine = args.engine_for(rows[0][0])
